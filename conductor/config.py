@@ -1,0 +1,117 @@
+"""The cluster config: one pydantic model per component, composed, loaded from YAML with
+overrides from the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from conductor.errors import ConfigError
+from engine.config import EngineConfig
+from kvstore.config import KVStoreConfig
+
+
+class PoolConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_instances: int = Field(1, ge=0, description="Instances in the pool at start.")
+
+
+class GatewayConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address the gRPC gateway binds.")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+
+
+class ConductorConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    policy: str = Field("round_robin", description="Placement policy (see conductor.policy).")
+    stats_interval_s: float = Field(
+        0.5, gt=0, description="Seconds between refreshes of worker load in the snapshot."
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        from conductor.policy import POLICIES
+
+        if value not in POLICIES:
+            raise ValueError(f"unknown policy '{value}'; choose one of {sorted(POLICIES)}")
+        return value
+
+
+class RedisConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str | None = Field(
+        None, description="redis:// URL of the metadata server; unset: start a local one."
+    )
+
+
+class RayConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    address: str | None = Field(
+        None, description="Existing Ray cluster ('auto' or host:port); unset: start a local one."
+    )
+    namespace: str = Field("baton", description="Ray namespace for Baton's named actors.")
+
+
+class ClusterConfig(BaseModel):
+    """Everything ``baton serve`` needs; every field has a default for one machine."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field("baton", pattern=r"^[a-z0-9][a-z0-9-]{0,31}$", description="Cluster name.")
+    engine: EngineConfig = EngineConfig()
+    prefill: PoolConfig = PoolConfig()
+    decode: PoolConfig = PoolConfig()
+    kvstore: KVStoreConfig = KVStoreConfig()
+    gateway: GatewayConfig = GatewayConfig()
+    conductor: ConductorConfig = ConductorConfig()
+    redis: RedisConfig = RedisConfig()
+    ray: RayConfig = RayConfig()
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{dotted}': '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ClusterConfig:
+    """Read ``path`` (YAML; missing: all defaults), apply dotted ``overrides``, validate.
+
+    Raises ``ConfigError`` naming the file and field for anything invalid.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p} is not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p} must hold a mapping at the top level")
+        data = loaded
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value)
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        where = f" in {path}" if path else ""
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid config{where}: {problems}") from exc

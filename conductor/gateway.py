@@ -1,0 +1,279 @@
+"""The gRPC front door: ``baton.v1.Inference`` over a ``Router``, plus health and reflection.
+
+The gateway owns the wire. It parses and validates requests (``conductor.validation``), maps
+every failure to a gRPC status with a message that says what to change, streams the router's
+tokens back as deltas and closes each stream with a ``Final`` holding usage and placement.
+Placement and the workers belong to the ``Router``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from conductor.errors import BatonError, ConfigError
+from conductor.router import Placed, Router
+from conductor.tokenization import PromptTokenizer
+from conductor.validation import tokenize_prompt, validate_and_build
+from engine.messages import EngineRequest, TokenChunk
+from protos.baton.v1 import inference_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+DEFAULT_MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024 * 1024
+NOT_READY_MESSAGE = "no prefill/decode worker is ready yet; retry in a few seconds"
+
+
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """Stands in for a request whose bytes did not parse, so the handler can reject it.
+
+    grpc reports a deserializer exception as UNKNOWN; the client sent a bad request (most
+    often a string field that is not UTF-8), which is INVALID_ARGUMENT.
+    """
+
+    message: str
+
+
+def _tolerant_parser(message_type) -> Callable[[bytes], object]:
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            return UndecodableRequest(
+                f"the request is not a valid {message_type.DESCRIPTOR.full_name}: {e}; "
+                "every string field (prompt text, chat content, stop strings, ...) "
+                "must be valid UTF-8"
+            )
+
+    return parse
+
+
+class InferenceServicer:
+    """Implements ``baton.v1.Inference`` for one served model.
+
+    ``max_model_len`` is the context window in tokens; ``vocab_size`` (default: the
+    tokenizer's) bounds client-given token ids. Register it with ``start_gateway``, which
+    installs the tolerant request parsing this class relies on.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        tokenizer: PromptTokenizer,
+        served_model_name: str,
+        max_model_len: int,
+        vocab_size: int | None = None,
+    ) -> None:
+        self._router = router
+        self._tokenizer = tokenizer
+        self._served_model_name = served_model_name
+        self._max_model_len = max_model_len
+        self._vocab_size = vocab_size if vocab_size is not None else tokenizer.vocab_size
+
+    def method_handlers(self) -> grpc.GenericRpcHandler:
+        """The handlers for ``baton.v1.Inference``, parsing requests with ``_tolerant_parser``."""
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Generate": grpc.unary_stream_rpc_method_handler(
+                    self.Generate,
+                    request_deserializer=_tolerant_parser(pb.GenerateRequest),
+                    response_serializer=pb.GenerateResponse.SerializeToString,
+                ),
+                "Tokenize": grpc.unary_unary_rpc_method_handler(
+                    self.Tokenize,
+                    request_deserializer=_tolerant_parser(pb.TokenizeRequest),
+                    response_serializer=pb.TokenizeResponse.SerializeToString,
+                ),
+            },
+        )
+
+    async def Generate(
+        self, request: pb.GenerateRequest | UndecodableRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Validate, check readiness, then relay the router's stream (see the .proto contract)."""
+        received_at = time.perf_counter()
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        try:
+            engine_request = await asyncio.to_thread(
+                validate_and_build,
+                request,
+                self._tokenizer,
+                self._served_model_name,
+                self._max_model_len,
+                self._vocab_size,
+            )
+        except BatonError as e:
+            await context.abort(e.grpc_status, str(e))
+        if not self._router.is_ready():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY_MESSAGE)
+
+        status, details = await self._relay(engine_request, context, received_at)
+        if status is not None:
+            await context.abort(status, details)
+
+    async def _relay(
+        self, request: EngineRequest, context: grpc.aio.ServicerContext, received_at: float
+    ) -> tuple[grpc.StatusCode | None, str]:
+        """Writes deltas and the final message; returns the status to abort with, if any.
+
+        Cancellation (the client went away) propagates out of here, and ``aclosing`` closes
+        the router's stream so the workers abort the request.
+        """
+        placed: Placed | None = None
+        last_chunk: TokenChunk | None = None
+        num_completion_tokens = 0
+        ttft_ms = 0.0
+        events = self._router.stream(request)
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, Placed):
+                        assert placed is None, "router sent a second Placed event"
+                        placed = event
+                        continue
+                    assert placed is not None, "router sent a token chunk before Placed"
+                    last_chunk = event
+                    if not (event.token_ids or event.text):
+                        continue
+                    if event.token_ids and num_completion_tokens == 0:
+                        ttft_ms = _ms_since(received_at)
+                    num_completion_tokens += len(event.token_ids)
+                    await context.write(
+                        pb.GenerateResponse(
+                            delta=pb.TokenDelta(token_ids=event.token_ids, text=event.text)
+                        )
+                    )
+            assert placed is not None, "router ended the stream without placing the request"
+            assert last_chunk is not None and last_chunk.finish_reason, (
+                "router ended the stream without a finish_reason"
+            )
+        except BatonError as e:
+            return e.grpc_status, str(e)
+        except Exception:
+            logger.exception("request %s failed inside the gateway", request.request_id)
+            return (
+                grpc.StatusCode.INTERNAL,
+                f"internal error while serving request {request.request_id}; "
+                "the gateway log has the details",
+            )
+
+        usage = pb.Usage(
+            prompt_tokens=len(request.prompt_token_ids),
+            cached_tokens=placed.prefill.num_cached_tokens,
+            completion_tokens=num_completion_tokens,
+            ttft_ms=ttft_ms,
+            e2e_ms=_ms_since(received_at),
+            loaded_tokens=last_chunk.num_loaded_tokens,
+        )
+        placement = pb.PlacementInfo(
+            prefill=placed.placement.prefill_instance,
+            decode=placed.placement.decode_instance,
+            policy=placed.placement.policy,
+            reason=placed.placement.reason,
+        )
+        await context.write(
+            pb.GenerateResponse(
+                final=pb.Final(
+                    finish_reason=last_chunk.finish_reason,
+                    usage=usage,
+                    placement=placement,
+                    request_id=request.request_id,
+                )
+            )
+        )
+        return None, ""
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest | UndecodableRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        """The prompt's token ids; checks the model and prompt but not the context window."""
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        try:
+            token_ids = await asyncio.to_thread(
+                tokenize_prompt,
+                request,
+                self._tokenizer,
+                self._served_model_name,
+                self._vocab_size,
+            )
+        except BatonError as e:
+            await context.abort(e.grpc_status, str(e))
+        return pb.TokenizeResponse(token_ids=token_ids, num_tokens=len(token_ids))
+
+
+def _ms_since(start: float) -> float:
+    return (time.perf_counter() - start) * 1000.0
+
+
+@dataclass
+class RunningGateway:
+    """A started gateway server, the port it bound, and its health status."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+
+    async def set_serving(self, serving: bool) -> None:
+        """Report SERVING or NOT_SERVING for the server ("") and for ``baton.v1.Inference``."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Report NOT_SERVING, then stop; in-flight RPCs get ``grace_s`` seconds to finish."""
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+
+
+async def start_gateway(
+    servicer: InferenceServicer,
+    host: str,
+    port: int,
+    max_receive_message_bytes: int = DEFAULT_MAX_RECEIVE_MESSAGE_BYTES,
+) -> RunningGateway:
+    """Serve ``servicer`` with health checking and reflection on ``host:port`` and start.
+
+    ``port`` 0 binds an ephemeral port; the bound one is ``RunningGateway.port``. Health
+    reports SERVING until ``RunningGateway.set_serving(False)`` or ``stop``.
+    """
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_receive_message_bytes),
+            # A second gateway on a taken port must fail, not silently share it.
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    server.add_generic_rpc_handlers((servicer.method_handlers(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    try:
+        bound_port = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:
+        raise ConfigError(
+            f"the gateway could not bind {host}:{port} ({e}); pick a free port"
+        ) from e
+    gateway = RunningGateway(server=server, port=bound_port, health=health_servicer)
+    await gateway.set_serving(True)
+    await server.start()
+    return gateway

@@ -1,0 +1,104 @@
+"""The live router: serves a request through the conductor and the Ray worker actors.
+
+place (conductor) → prefill (prefill actor; KV lands in the store) → decode (decode actor,
+streamed back through a Ray streaming generator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from conductor.errors import InvalidRequest, NoWorkerReady, WorkerFailed
+from conductor.policy import PlacementRequest
+from conductor.router import Placed, RouterEvent
+from engine.messages import EngineRequest, TokenChunk
+
+log = logging.getLogger(__name__)
+
+
+class LiveRouter:
+    """Implements ``conductor.router.Router`` on a running Ray cluster."""
+
+    def __init__(self, conductor, namespace: str, readiness_interval_s: float = 0.5) -> None:
+        self._conductor = conductor
+        self._namespace = namespace
+        self._ready = False
+        self._handles: dict[str, ray.actor.ActorHandle] = {}
+        self._interval_s = readiness_interval_s
+        self._watcher: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Begin polling the conductor for readiness (call from the serving event loop)."""
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                self._ready = await self._conductor.is_ready.remote()
+            except Exception:
+                self._ready = False
+            await asyncio.sleep(self._interval_s)
+
+    def is_ready(self) -> bool:
+        return self._ready
+
+    def _handle(self, instance_id: str):
+        handle = self._handles.get(instance_id)
+        if handle is None:
+            handle = ray.get_actor(instance_id, namespace=self._namespace)
+            self._handles[instance_id] = handle
+        return handle
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[RouterEvent]:
+        try:
+            placement = await self._conductor.place.remote(
+                PlacementRequest(request.request_id, len(request.prompt_token_ids))
+            )
+        except RayTaskError as exc:
+            raise _unwrap(exc) from exc
+        try:
+            prefill = await self._handle(placement.prefill_instance).prefill.remote(request)
+        except (RayActorError, ValueError) as exc:
+            self._handles.pop(placement.prefill_instance, None)
+            raise WorkerFailed(f"prefill instance {placement.prefill_instance} failed: {exc}") from exc
+        except RayTaskError as exc:
+            raise _unwrap(exc) from exc
+        yield Placed(placement, prefill)
+        decode = self._handle(placement.decode_instance)
+        chunks = decode.generate.options(num_returns="streaming").remote(request)
+        finished = False
+        try:
+            async for ref in chunks:
+                chunk: TokenChunk = await ref
+                finished = chunk.finish_reason is not None
+                yield chunk
+        except RayActorError as exc:
+            self._handles.pop(placement.decode_instance, None)
+            raise WorkerFailed(f"decode instance {placement.decode_instance} failed: {exc}") from exc
+        except RayTaskError as exc:
+            raise _unwrap(exc) from exc
+        finally:
+            if not finished:
+                ray.cancel(chunks)
+
+
+def _unwrap(exc: RayTaskError) -> Exception:
+    """Turn a remote exception back into the Baton error it carries."""
+    from conductor.errors import BatonError
+    from engine.runner import EngineDead, EngineRejected
+
+    cause = exc.as_instanceof_cause() if hasattr(exc, "as_instanceof_cause") else exc
+    if isinstance(cause, BatonError):
+        return cause
+    if isinstance(cause, EngineRejected):
+        return InvalidRequest(str(exc.cause))
+    if isinstance(cause, EngineDead):
+        return WorkerFailed(str(exc.cause))
+    if isinstance(cause, NoWorkerReady):
+        return cause
+    return WorkerFailed(f"worker error: {exc.cause!r}")

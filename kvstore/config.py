@@ -1,0 +1,23 @@
+"""Configuration of the KV store."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class KVStoreConfig(BaseModel):
+    """One store node per machine; its host tier is a shared-memory arena of block slots."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host_capacity_bytes: int = Field(
+        1 << 30, ge=1 << 20, description="Bytes of host DRAM each node's arena holds (rounded "
+        "down to whole blocks)."
+    )
+    arena_dir: str = Field(
+        "/dev/shm", description="Folder for the arena file; must be a memory-backed filesystem "
+        "for zero-copy sharing between a node's workers."
+    )
+    publish_to_redis: bool = Field(
+        True, description="Record which node holds each block in Redis (cluster-wide metadata)."
+    )

@@ -1,0 +1,346 @@
+"""Baton's vLLM KV connector: prompt KV blocks in and out of the node's host tier.
+
+Roles (``kv_transfer_config.kv_role``):
+
+- ``kv_producer`` (prefill): after each forward pass, every full prompt block that is not yet
+  in the store is written into a host-tier slot (two-phase: reserve, copy, commit).
+- ``kv_consumer`` (decode): before scheduling a new request, the longest run of its full prompt
+  blocks that the store holds (beyond vLLM's own prefix cache) is pinned and copied into the
+  engine's paged KV cache, so the engine computes only the rest.
+- ``kv_both``: both.
+
+Blocks are named by Baton's chain-hashed keys (``kvstore.keys``), never by vLLM's own hashes,
+so a producer and a consumer in different processes agree on them. Only full blocks are stored.
+
+The scheduler half pins the blocks it promises to vLLM (``get_num_new_matched_tokens``); the
+pin travels with the connector metadata to the worker half, which copies the blocks and
+releases the pin. Pins of requests that never got to load are released by the scheduler half.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore.client import StoreClient
+from kvstore.keys import BlockKey, KeyExtras, block_keys
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+@dataclass
+class ConnectorStats:
+    """Counters one engine's connector keeps; read by the worker that hosts the engine."""
+
+    lookups_blocks: int = 0
+    hits_blocks: int = 0
+    loaded_blocks: int = 0
+    saved_blocks: int = 0
+    loaded_tokens_by_request: dict[str, int] = field(default_factory=dict)
+    saved_blocks_by_request: dict[str, int] = field(default_factory=dict)
+
+
+_STATS: dict[str, ConnectorStats] = {}
+_INTERNAL_SUFFIX = re.compile(r"-[0-9a-zA-Z]{8}$")
+
+
+def external_request_id(internal_id: str) -> str:
+    """The caller's request id: vLLM appends ``-`` and 8 random characters to make its own."""
+    return _INTERNAL_SUFFIX.sub("", internal_id)
+
+
+def connector_stats(engine_id: str) -> ConnectorStats:
+    """The stats of the connector built for ``engine_id`` in this process."""
+    return _STATS.setdefault(engine_id, ConnectorStats())
+
+
+@dataclass
+class LoadSpec:
+    request_id: str
+    block_ids: list[int]
+    slots: list[int]
+    keys: list[BlockKey]
+
+
+@dataclass
+class SaveSpec:
+    request_id: str
+    block_ids: list[int]
+    keys: list[BlockKey]
+    parents: list[BlockKey | None]
+
+
+@dataclass
+class BatonConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _RequestState:
+    keys: list[BlockKey]
+    num_prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    saved_blocks: int = 0
+    pinned: list[BlockKey] = field(default_factory=list)
+    pinned_slots: list[int] = field(default_factory=list)
+    first_load_block: int = 0
+
+
+class BatonConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig",
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        extra = cfg.kv_connector_extra_config or {}
+        self._block_size = vllm_config.cache_config.block_size
+        self._num_gpu_blocks = kv_cache_config.num_blocks if kv_cache_config else None
+        self._engine_id = str(extra["engine_id"])
+        self._model_id = str(extra["model_id"])
+        self._kv_layout = f"{vllm_config.model_config.dtype}:{self._block_size}"
+        self._saves = cfg.kv_role in ("kv_producer", "kv_both")
+        self._loads = cfg.kv_role in ("kv_consumer", "kv_both")
+        self._store = StoreClient(extra["store_actor"], extra["namespace"])
+        self.stats = connector_stats(self._engine_id)
+        # scheduler half
+        self._requests: dict[str, _RequestState] = {}
+        self._loads_ready: list[LoadSpec] = []
+        # worker half
+        self._layers: list[torch.Tensor] = []
+        self._arena_layers: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------- scheduler half
+
+    def _state(self, request: "Request") -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            prompt = list(request.prompt_token_ids or [])
+            extras = KeyExtras(
+                model_id=self._model_id,
+                cache_salt=request.cache_salt or "",
+                kv_layout=self._kv_layout,
+            )
+            state = _RequestState(
+                keys=block_keys(prompt, self._block_size, extras), num_prompt_tokens=len(prompt)
+            )
+            self._requests[request.request_id] = state
+        return state
+
+    def _unpin(self, state: _RequestState) -> None:
+        self._store.release(state.pinned)
+        state.pinned, state.pinned_slots = [], []
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        state = self._state(request)
+        if not self._loads:
+            return 0, False
+        self._unpin(state)  # a request that was not scheduled last time asks again
+        first_block = num_computed_tokens // self._block_size
+        candidates = state.keys[first_block:]
+        self.stats.lookups_blocks += len(candidates)
+        if not candidates:
+            return 0, False
+        slots = self._store.acquire(candidates)
+        self.stats.hits_blocks += len(slots)
+        # vLLM must compute at least the last prompt token itself.
+        load_end = min((first_block + len(slots)) * self._block_size, state.num_prompt_tokens - 1)
+        num_external = load_end - num_computed_tokens
+        if num_external <= 0:
+            self._store.release(candidates[: len(slots)])
+            return 0, False
+        num_blocks = -(-num_external // self._block_size)
+        self._store.release(candidates[num_blocks : len(slots)])
+        state.pinned, state.pinned_slots = candidates[:num_blocks], slots[:num_blocks]
+        state.first_load_block = first_block
+        return num_external, False
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None or not state.pinned:
+            return
+        if num_external_tokens == 0:
+            self._unpin(state)
+            return
+        block_ids = blocks.get_block_ids()[0]
+        start = state.first_load_block
+        self._loads_ready.append(
+            LoadSpec(
+                request_id=request.request_id,
+                block_ids=block_ids[start : start + len(state.pinned)],
+                slots=state.pinned_slots,
+                keys=state.pinned,
+            )
+        )
+        self.stats.loaded_tokens_by_request[external_request_id(request.request_id)] = (
+            num_external_tokens
+        )
+        state.pinned, state.pinned_slots = [], []  # the worker half releases them now
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = BatonConnectorMetadata(loads=self._loads_ready)
+        self._loads_ready = []
+        if not self._saves:
+            return meta
+        computed: dict[str, int] = {}
+        for new_req in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new_req.req_id)
+            if state is not None:
+                state.block_ids = list(new_req.block_ids[0])
+                computed[new_req.req_id] = new_req.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            computed[req_id] = cached.num_computed_tokens[i]
+        for req_id, num_computed in computed.items():
+            state = self._requests[req_id]
+            done_tokens = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            full_blocks = min(done_tokens, state.num_prompt_tokens) // self._block_size
+            full_blocks = min(full_blocks, len(state.keys), len(state.block_ids))
+            if full_blocks <= state.saved_blocks:
+                continue
+            first = state.saved_blocks
+            parents = [state.keys[i - 1] if i > 0 else None for i in range(first, full_blocks)]
+            meta.saves.append(
+                SaveSpec(
+                    request_id=req_id,
+                    block_ids=state.block_ids[first:full_blocks],
+                    keys=state.keys[first:full_blocks],
+                    parents=parents,
+                )
+            )
+            state.saved_blocks = full_blocks
+        return meta
+
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        state = self._requests.pop(request.request_id, None)
+        if state is not None and state.pinned:
+            self._unpin(state)
+        return False, None
+
+    # ---------------------------------------------------------------- worker half
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._bind_layers(list(kv_caches.values()))
+
+    def _bind_layers(self, tensors: list[torch.Tensor]) -> None:
+        """Views of each layer's cache with the block dimension first, and the arena viewed
+        as ``[slot, layer, *block_shape]`` in the cache's dtype."""
+        layers = [self._blocks_first(t) for t in tensors]
+        block_shape = tuple(layers[0].shape[1:])
+        dtype = layers[0].dtype
+        for layer in layers:
+            if tuple(layer.shape[1:]) != block_shape or layer.dtype != dtype:
+                raise ValueError(
+                    "BatonConnector needs every attention layer to share one KV block shape "
+                    f"and dtype; got {tuple(layer.shape[1:])}/{layer.dtype} and "
+                    f"{block_shape}/{dtype}"
+                )
+        per_layer_bytes = layers[0][0].numel() * layers[0].element_size()
+        arena = self._store.arena
+        if per_layer_bytes * len(layers) != arena.slot_bytes:
+            raise ValueError(
+                f"the KV store's slots hold {arena.slot_bytes} bytes but one block of this "
+                f"engine is {per_layer_bytes * len(layers)} bytes ({len(layers)} layers x "
+                f"{per_layer_bytes}); the store was sized for another model or block size"
+            )
+        self._layers = layers
+        self._arena_layers = arena.slots.view(dtype).view(
+            arena.num_slots, len(layers), *block_shape
+        )
+
+    def _blocks_first(self, t: torch.Tensor) -> torch.Tensor:
+        if self._num_gpu_blocks is None or t.shape[0] == self._num_gpu_blocks:
+            return t
+        if t.dim() > 1 and t.shape[1] == self._num_gpu_blocks:
+            return t.transpose(0, 1)  # e.g. [2, num_blocks, ...] layouts
+        raise ValueError(f"cannot find the block dimension in a KV cache of shape {tuple(t.shape)}")
+
+    def _ensure_layers(self, forward_context: "ForwardContext") -> None:
+        if self._layers:
+            return
+        tensors = []
+        for layer in forward_context.no_compile_layers.values():
+            kv = getattr(layer, "kv_cache", None)
+            if isinstance(kv, list):
+                kv = kv[0] if kv else None
+            if isinstance(kv, torch.Tensor) and kv.numel() > 0:
+                tensors.append(kv)
+        self._bind_layers(tensors)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, BatonConnectorMetadata)
+        if not meta.loads and not meta.saves:
+            return
+        self._ensure_layers(forward_context)
+        if not meta.loads:
+            return
+        released: list[BlockKey] = []
+        for load in meta.loads:
+            slots = torch.tensor(load.slots, dtype=torch.long)
+            block_ids = torch.tensor(load.block_ids, dtype=torch.long)
+            for index, layer in enumerate(self._layers):
+                layer[block_ids] = self._arena_layers[slots, index]
+            self.stats.loaded_blocks += len(load.slots)
+            released.extend(load.keys)
+        self._store.release(released)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, BatonConnectorMetadata)
+        for save in meta.saves:
+            slots = self._store.reserve(save.keys, save.parents)
+            written = [(i, s) for i, s in enumerate(slots) if s is not None]
+            if not written:
+                continue
+            try:
+                src = torch.tensor([save.block_ids[i] for i, _ in written], dtype=torch.long)
+                dst = torch.tensor([s for _, s in written], dtype=torch.long)
+                for index, layer in enumerate(self._layers):
+                    self._arena_layers[dst, index] = layer[src]
+            except BaseException:
+                self._store.abort([save.keys[i] for i, _ in written])
+                raise
+            self._store.commit([save.keys[i] for i, _ in written])
+            self.stats.saved_blocks += len(written)
+            by_request = self.stats.saved_blocks_by_request
+            external_id = external_request_id(save.request_id)
+            by_request[external_id] = by_request.get(external_id, 0) + len(written)

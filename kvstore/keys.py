@@ -1,0 +1,135 @@
+"""Baton's block identity: chain-hashed keys for full blocks of tokens.
+
+A key names one block *and everything before it*: ``key_i = H(key_{i-1}, tokens of block i)``,
+with the chain rooted at ``H(extras)``. So one changed token invalidates its block and every later
+block but no earlier one, and two requests share exactly the keys of their common full-block prefix.
+Only full blocks get a key; a trailing partial block is never cached, so a prefix match is always a
+whole number of blocks.
+
+Keys must agree across processes and machines (the index, the store nodes and the workers compute
+them independently), so ``H`` is BLAKE2b-128 over a canonical byte encoding, never Python's
+process-seeded ``hash()``:
+
+- tokens: little-endian uint32, 4 bytes each, no length prefix (a block's length is fixed by the
+  chain and the parent key is always 16 bytes, so ``parent || tokens`` is unambiguous);
+- strings: UTF-8, each prefixed by its byte length as little-endian uint32;
+- root and block hashes use different BLAKE2b ``person`` tags, so a root key can never equal a
+  block key by construction.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import struct
+import sys
+from collections.abc import Sequence
+from typing import NewType
+
+import msgspec
+import numpy as np
+
+BlockKey = NewType("BlockKey", bytes)
+"""16-byte BLAKE2b digest naming one full block and its whole prefix."""
+
+KEY_SIZE_BYTES = 16
+MAX_TOKEN_ID = 2**32 - 1
+
+_ROOT_PERSON = b"baton.root.v1"
+_BLOCK_PERSON = b"baton.block.v1"
+_U32 = struct.Struct("<I")
+
+assert array.array("I").itemsize == 4, "array('I') must be 4 bytes for the canonical token encoding"
+_NEEDS_BYTESWAP = sys.byteorder != "little"
+
+
+class KeyExtras(msgspec.Struct, frozen=True):
+    """Everything besides the tokens that decides whether two blocks' KV is interchangeable.
+
+    Each field changes every key of a chain: ``cache_salt`` keeps tenants from probing each other's
+    cache by timing; ``lora_id`` and ``kv_layout`` (dtype, block layout, tensor-parallel split)
+    separate caches whose bytes differ for the same tokens.
+    """
+
+    model_id: str
+    cache_salt: str = ""
+    lora_id: str = ""
+    kv_layout: str = ""
+
+
+def root_key(extras: KeyExtras) -> BlockKey:
+    """The parent of the first block of every chain under ``extras``."""
+    h = hashlib.blake2b(digest_size=KEY_SIZE_BYTES, person=_ROOT_PERSON)
+    for field in (extras.model_id, extras.cache_salt, extras.lora_id, extras.kv_layout):
+        encoded = field.encode("utf-8")
+        h.update(_U32.pack(len(encoded)))
+        h.update(encoded)
+    return BlockKey(h.digest())
+
+
+def hash_block(parent: BlockKey, token_ids: Sequence[int]) -> BlockKey:
+    """The key of the block holding ``token_ids`` whose predecessor's key is ``parent``.
+
+    ``parent`` is ``root_key(extras)`` for the first block. ``token_ids`` is one block's tokens;
+    the caller decides what a full block is (``block_keys`` does this for a whole prompt).
+    """
+    return _hash_packed(parent, _pack_tokens(token_ids))
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, extras: KeyExtras) -> list[BlockKey]:
+    """Keys of every full block of ``token_ids``: exactly ``len(token_ids) // block_size`` keys.
+
+    Raises ``ValueError`` when ``block_size`` is not positive or a token id is outside uint32.
+    Packs all tokens once and hashes views of the packed buffer, so a prompt costs one conversion
+    plus one BLAKE2b call per block.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
+    num_blocks = len(token_ids) // block_size
+    if num_blocks == 0:
+        return []
+    packed = memoryview(_pack_tokens(token_ids[: num_blocks * block_size]))
+    block_bytes = 4 * block_size
+    keys: list[BlockKey] = []
+    parent = root_key(extras)
+    for start in range(0, num_blocks * block_bytes, block_bytes):
+        parent = _hash_packed(parent, packed[start : start + block_bytes])
+        keys.append(parent)
+    return keys
+
+
+def key_hex(key: BlockKey) -> str:
+    """The key as 32 lowercase hex digits, for logs and Redis."""
+    return key.hex()
+
+
+def key_from_hex(text: str) -> BlockKey:
+    """Inverse of ``key_hex``; raises ``ValueError`` unless ``text`` is 32 hex digits."""
+    raw = bytes.fromhex(text)
+    if len(raw) != KEY_SIZE_BYTES:
+        raise ValueError(f"a block key is {2 * KEY_SIZE_BYTES} hex digits, got {len(text)}: {text!r}")
+    return BlockKey(raw)
+
+
+def _hash_packed(parent: BlockKey, packed_tokens: bytes | memoryview) -> BlockKey:
+    assert len(parent) == KEY_SIZE_BYTES, f"parent key must be {KEY_SIZE_BYTES} bytes"
+    h = hashlib.blake2b(parent, digest_size=KEY_SIZE_BYTES, person=_BLOCK_PERSON)
+    h.update(packed_tokens)
+    return BlockKey(h.digest())
+
+
+def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes; ``ValueError`` if any id does not fit."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers, got an array of {token_ids.dtype}")
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID):
+            raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
+        return np.ascontiguousarray(token_ids, dtype="<u4").tobytes()
+    try:
+        packed = array.array("I", token_ids)
+    except OverflowError as e:
+        raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}]") from e
+    if _NEEDS_BYTESWAP:
+        packed.byteswap()
+    return packed.tobytes()

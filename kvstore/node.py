@@ -1,0 +1,111 @@
+"""The store node: one Ray actor per machine that owns the host tier's slot bookkeeping.
+
+Workers on the node ask it which slot to write or read (``reserve``/``commit``,
+``acquire``/``release``) and move the bytes themselves through the shared arena. The node also
+records in Redis which blocks it holds, so any process in the cluster can find them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+import msgspec
+
+from kvstore.block_store import BlockStore, StoreStats
+from kvstore.config import KVStoreConfig
+from kvstore.host_arena import HostArena
+from kvstore.keys import BlockKey, key_hex
+
+log = logging.getLogger(__name__)
+
+REDIS_BLOCK_PREFIX = "baton:block:"
+REDIS_NODES_KEY = "baton:nodes"
+
+
+class ArenaInfo(msgspec.Struct, frozen=True):
+    path: str
+    slot_bytes: int
+    num_slots: int
+
+
+class KVStoreNode:
+    """Host-tier owner for one node. Methods are called through Ray, one at a time."""
+
+    def __init__(
+        self,
+        node_id: str,
+        cluster_name: str,
+        config: KVStoreConfig,
+        block_bytes: int,
+        redis_url: str | None,
+    ) -> None:
+        num_slots = config.host_capacity_bytes // block_bytes
+        if num_slots < 1:
+            raise ValueError(
+                f"kvstore.host_capacity_bytes={config.host_capacity_bytes} holds no block of "
+                f"{block_bytes} bytes; raise it"
+            )
+        self.node_id = node_id
+        path = Path(config.arena_dir) / f"baton-{cluster_name}-{node_id}-{os.getpid()}.arena"
+        self.arena = HostArena(path, block_bytes, num_slots, create=True)
+        self.store = BlockStore(num_slots)
+        self._redis = None
+        if redis_url and config.publish_to_redis:
+            import redis
+
+            self._redis = redis.Redis.from_url(redis_url)
+            self._redis.hset(REDIS_NODES_KEY, node_id, str(path))
+        log.info("store node %s: %d slots of %d bytes in %s", node_id, num_slots, block_bytes, path)
+
+    def arena_info(self) -> ArenaInfo:
+        return ArenaInfo(str(self.arena.path), self.arena.slot_bytes, self.arena.num_slots)
+
+    def match_prefix(self, keys: Sequence[BlockKey]) -> int:
+        return self.store.match_prefix(keys)
+
+    def acquire(self, keys: Sequence[BlockKey]) -> list[int]:
+        return self.store.acquire(keys)
+
+    def release(self, keys: Sequence[BlockKey]) -> None:
+        self.store.release(keys)
+
+    def reserve(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> list[int | None]:
+        result = self.store.reserve(keys, parents)
+        if result.evicted:
+            self._publish(removed=result.evicted)
+        return result.slots
+
+    def commit(self, keys: Sequence[BlockKey]) -> None:
+        self.store.commit(keys)
+        self._publish(stored=keys)
+
+    def abort(self, keys: Sequence[BlockKey]) -> None:
+        self.store.abort(keys)
+
+    def stats(self) -> StoreStats:
+        return self.store.stats()
+
+    def _publish(self, stored: Sequence[BlockKey] = (), removed: Sequence[BlockKey] = ()) -> None:
+        if self._redis is None:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for key in stored:
+            pipe.hset(REDIS_BLOCK_PREFIX + key_hex(key), self.node_id, "host")
+        for key in removed:
+            pipe.hdel(REDIS_BLOCK_PREFIX + key_hex(key), self.node_id)
+        try:
+            pipe.execute()
+        except Exception:  # metadata is advisory; serving goes on without it
+            log.warning("could not publish block metadata to Redis", exc_info=True)
+
+    def shutdown(self) -> None:
+        if self._redis is not None:
+            try:
+                self._redis.hdel(REDIS_NODES_KEY, self.node_id)
+            except Exception:
+                pass
+        self.arena.close()
+        self.arena.unlink()

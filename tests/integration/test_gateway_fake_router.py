@@ -1,0 +1,383 @@
+"""The gateway over real gRPC, with a scripted FakeRouter standing in for placement and workers.
+
+These tests are about the gateway's wire logic only: status codes and messages, streaming,
+usage and placement accounting, health, reflection, cancellation and the client helper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from conductor import client
+from conductor.errors import WorkerFailed
+from conductor.gateway import NOT_READY_MESSAGE, InferenceServicer, start_gateway
+from conductor.router import Placed
+from conductor.tokenization import PromptTokenizer
+from engine.messages import EngineRequest, Placement, PrefillResult, TokenChunk
+from engine.models import prepare_model
+from protos.baton.v1 import inference_pb2 as pb
+from protos.baton.v1 import inference_pb2_grpc as pb_grpc
+
+SERVED = "tiny"
+MAX_MODEL_LEN = 100
+PLACEMENT = Placement(
+    prefill_instance="prefill-0",
+    decode_instance="decode-1",
+    policy="kv-aware",
+    reason="cost = 1.0 x 2 prefill blocks + 3 decode blocks = 5.0",
+)
+SCRIPTED_CHUNKS = (
+    TokenChunk(token_ids=(5, 6), text="ab"),
+    TokenChunk(token_ids=(), text=""),  # nothing new: no delta is sent
+    TokenChunk(token_ids=(7,), text="c"),
+    TokenChunk(token_ids=(8,), text="d", finish_reason="stop", num_loaded_tokens=12),
+)
+EXPECTED_DELTAS = [([5, 6], "ab"), ([7], "c"), ([8], "d")]
+
+
+class FakeRouter:
+    """A fake ``Router`` for gateway tests: one ``Placed``, then scripted chunks.
+
+    After the script it raises ``error`` if given, or hangs if ``hang`` (to test cancellation).
+    It records the requests it got and how many of its streams were closed.
+    """
+
+    def __init__(self, chunks=SCRIPTED_CHUNKS, ready=True, error=None, hang=False):
+        self.chunks = chunks
+        self.ready = ready
+        self.error = error
+        self.hang = hang
+        self.requests: list[EngineRequest] = []
+        self.num_closed_streams = 0
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    async def stream(self, request: EngineRequest):
+        self.requests.append(request)
+        try:
+            prefill = PrefillResult(
+                request_id=request.request_id,
+                instance_id=PLACEMENT.prefill_instance,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_cached_tokens=16,
+                num_stored_blocks=1,
+                prefill_ms=3.0,
+            )
+            yield Placed(placement=PLACEMENT, prefill=prefill)
+            for chunk in self.chunks:
+                await asyncio.sleep(0.001)
+                yield chunk
+            if self.error is not None:
+                raise self.error
+            if self.hang:
+                await asyncio.Event().wait()
+        finally:
+            self.num_closed_streams += 1
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PromptTokenizer:
+    return PromptTokenizer(prepare_model("tiny").path)
+
+
+@pytest.fixture
+def router() -> FakeRouter:
+    return FakeRouter()
+
+
+@pytest_asyncio.fixture
+async def gateway(router, tokenizer):
+    servicer = InferenceServicer(router, tokenizer, SERVED, MAX_MODEL_LEN)
+    running = await start_gateway(servicer, "127.0.0.1", 0)
+    yield running
+    await running.stop(None)
+
+
+@pytest_asyncio.fixture
+async def channel(gateway):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        yield channel
+
+
+async def collect(channel, request):
+    """(deltas as (token_ids, text), final) of one Generate stream."""
+    deltas, final = [], None
+    async for response in pb_grpc.InferenceStub(channel).Generate(request, timeout=10):
+        if response.HasField("final"):
+            final = response.final
+        else:
+            deltas.append((list(response.delta.token_ids), response.delta.text))
+    return deltas, final
+
+
+async def expect_error(call) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value
+
+
+async def consume(call):
+    return [response async for response in call]
+
+
+@pytest.mark.asyncio
+async def test_stream_has_deltas_then_final_with_usage_and_placement(
+    channel, router, tokenizer
+):
+    request = pb.GenerateRequest(text="Hello world", request_id="req-7")
+    request.sampling.max_tokens = 4
+
+    deltas, final = await collect(channel, request)
+
+    assert deltas == EXPECTED_DELTAS
+    assert final.finish_reason == "stop"
+    assert final.request_id == "req-7"
+    assert (
+        final.usage.prompt_tokens,
+        final.usage.cached_tokens,
+        final.usage.completion_tokens,
+        final.usage.loaded_tokens,
+    ) == (2, 16, 4, 12)
+    assert 0 < final.usage.ttft_ms <= final.usage.e2e_ms
+    assert final.placement == pb.PlacementInfo(
+        prefill="prefill-0", decode="decode-1", policy="kv-aware", reason=PLACEMENT.reason
+    )
+    [engine_request] = router.requests
+    assert engine_request.prompt_token_ids == tuple(tokenizer.encode_text("Hello world"))
+    assert engine_request.sampling.max_tokens == 4
+    assert router.num_closed_streams == 1
+
+
+def _request(**fields) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(text="Hello world")
+    for name, value in fields.items():
+        target = request.sampling if name in ("max_tokens", "temperature", "top_p") else request
+        setattr(target, name, value)
+    return request
+
+
+BAD_REQUESTS = {
+    "unknown model": (_request(model="gpt"), "model 'gpt' is not served here"),
+    "no prompt": (pb.GenerateRequest(), "the request has no prompt"),
+    "empty text": (_request(text=""), "prompt text is empty"),
+    "bad token id": (
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999])),
+        "prompt token id 99999 at position 1 is outside the vocabulary [0, 49152)",
+    ),
+    "prompt too long": (
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 100)),
+        "prompt is 100 tokens but the context window (max_model_len) is 100 tokens",
+    ),
+    "max_tokens zero": (_request(max_tokens=0), "sampling.max_tokens must be positive, got 0"),
+    "max_tokens too large": (
+        _request(max_tokens=99),
+        "at most 98 new tokens fit, so set max_tokens to 98 or less",
+    ),
+    "negative temperature": (_request(temperature=-1.0), "sampling.temperature must be"),
+    "top_p zero": (_request(top_p=0.0), "sampling.top_p must be in (0, 1], got 0.0"),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("request_, fragment", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+async def test_bad_request_is_invalid_argument_and_server_keeps_serving(
+    channel, router, request_, fragment
+):
+    error = await expect_error(collect(channel, request_))
+
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in error.details()
+    assert router.requests == []
+    deltas, final = await collect(channel, _request())
+    assert deltas == EXPECTED_DELTAS and final.finish_reason == "stop"
+
+
+@pytest.mark.asyncio
+async def test_router_not_ready_is_unavailable_at_once(channel, router):
+    router.ready = False
+    started = time.perf_counter()
+
+    error = await expect_error(collect(channel, _request()))
+
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.details() == NOT_READY_MESSAGE
+    assert time.perf_counter() - started < 1.0
+    assert router.requests == []
+
+
+def _generate_raw(channel):
+    return channel.unary_stream("/baton.v1.Inference/Generate")  # bytes in, bytes out
+
+
+@pytest.mark.asyncio
+async def test_invalid_utf8_text_is_invalid_argument(channel):
+    # Field 2 (text), wire type 2 (length-delimited), 2 bytes that are not UTF-8.
+    payload = bytes([(2 << 3) | 2, 2, 0xFF, 0xFE])
+
+    error = await expect_error(consume(_generate_raw(channel)(payload)))
+
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid baton.v1.GenerateRequest" in error.details()
+    assert "String field had bad UTF-8" in error.details()
+
+
+@pytest.mark.asyncio
+async def test_invalid_utf8_in_chat_content_and_tokenize_is_invalid_argument(channel):
+    chat = pb.GenerateRequest()
+    chat.chat.messages.add(role="user", content="@@")
+    chat_payload = chat.SerializeToString().replace(b"@@", b"\xc3\x28")
+    tokenize_payload = pb.TokenizeRequest(text="@@").SerializeToString().replace(b"@@", b"\xff")
+    tokenize_payload = tokenize_payload.replace(b"\x12\x02", b"\x12\x01")
+
+    chat_error = await expect_error(consume(_generate_raw(channel)(chat_payload)))
+    tokenize_error = await expect_error(
+        channel.unary_unary("/baton.v1.Inference/Tokenize")(tokenize_payload)
+    )
+
+    assert chat_error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert tokenize_error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid baton.v1.TokenizeRequest" in tokenize_error.details()
+
+
+@pytest.mark.asyncio
+async def test_worker_failure_mid_stream_keeps_its_status_and_message(channel, router):
+    router.error = WorkerFailed("decode-1 died; the request was not completed")
+    router.chunks = SCRIPTED_CHUNKS[:1]
+    stream = pb_grpc.InferenceStub(channel).Generate(_request(), timeout=10)
+    received = []
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for response in stream:
+            received.append(list(response.delta.token_ids))
+
+    assert received == [[5, 6]]
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert info.value.details() == "decode-1 died; the request was not completed"
+
+
+@pytest.mark.asyncio
+async def test_unexpected_router_error_is_internal(channel, router):
+    router.error = KeyError("boom")
+    router.chunks = ()
+
+    error = await expect_error(collect(channel, _request(request_id="req-9")))
+
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert error.details() == (
+        "internal error while serving request req-9; the gateway log has the details"
+    )
+
+
+@pytest.mark.asyncio
+async def test_client_cancellation_closes_the_router_stream(channel, router):
+    router.chunks = SCRIPTED_CHUNKS[:1]
+    router.hang = True
+    stream = pb_grpc.InferenceStub(channel).Generate(_request())
+
+    first = await stream.read()
+    stream.cancel()
+
+    assert list(first.delta.token_ids) == [5, 6]
+    for _ in range(100):
+        if router.num_closed_streams:
+            break
+        await asyncio.sleep(0.02)
+    assert router.num_closed_streams == 1
+
+
+@pytest.mark.asyncio
+async def test_tokenize_returns_the_ids_generate_uses(channel, tokenizer):
+    stub = pb_grpc.InferenceStub(channel)
+    chat = pb.TokenizeRequest()
+    chat.chat.messages.add(role="user", content="hi")
+
+    text_response = await stub.Tokenize(pb.TokenizeRequest(text="Hello world"))
+    chat_response = await stub.Tokenize(chat)
+    error = await expect_error(stub.Tokenize(pb.TokenizeRequest(model="gpt", text="x")))
+
+    assert list(text_response.token_ids) == tokenizer.encode_text("Hello world")
+    assert text_response.num_tokens == 2
+    assert list(chat_response.token_ids) == tokenizer.encode_chat([("user", "hi")])
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.asyncio
+async def test_health_reports_serving_then_not_serving(channel, gateway):
+    stub = health_pb2_grpc.HealthStub(channel)
+
+    async def status(service):
+        return (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+    assert await status("") == health_pb2.HealthCheckResponse.SERVING
+    assert await status("baton.v1.Inference") == health_pb2.HealthCheckResponse.SERVING
+    await gateway.set_serving(False)
+    assert await status("") == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await status("baton.v1.Inference") == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.mark.asyncio
+async def test_reflection_lists_the_services(channel):
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+
+    [response] = [r async for r in stub.ServerReflectionInfo(iter([request]))]
+
+    assert sorted(s.name for s in response.list_services_response.service) == [
+        "baton.v1.Inference",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    ]
+
+
+@pytest.mark.asyncio
+async def test_client_generate_returns_the_result_dict(gateway, router, tokenizer):
+    seen = []
+
+    result = await client.generate(
+        f"127.0.0.1:{gateway.port}",
+        text="hi",
+        chat=True,
+        max_tokens=4,
+        request_id="req-3",
+        on_delta=lambda text, token_ids: seen.append((token_ids, text)),
+    )
+
+    assert seen == EXPECTED_DELTAS
+    usage = result.pop("usage")
+    assert 0 < usage.pop("ttft_ms") <= usage.pop("e2e_ms")
+    assert usage == {
+        "prompt_tokens": len(tokenizer.encode_chat([("user", "hi")])),
+        "cached_tokens": 16,
+        "completion_tokens": 4,
+        "loaded_tokens": 12,
+    }
+    assert result == {
+        "text": "abcd",
+        "token_ids": [5, 6, 7, 8],
+        "finish_reason": "stop",
+        "placement": {
+            "prefill": "prefill-0",
+            "decode": "decode-1",
+            "policy": "kv-aware",
+            "reason": PLACEMENT.reason,
+        },
+        "request_id": "req-3",
+    }
+    assert router.requests[0].prompt_token_ids == tuple(tokenizer.encode_chat([("user", "hi")]))
+
+
+@pytest.mark.asyncio
+async def test_client_generate_raises_generate_failed(gateway):
+    with pytest.raises(client.GenerateFailed) as info:
+        await client.generate(f"127.0.0.1:{gateway.port}", token_ids=[1], max_tokens=0)
+
+    assert info.value.status == "INVALID_ARGUMENT"
+    assert "sampling.max_tokens must be positive, got 0" in info.value.details

@@ -1,0 +1,253 @@
+"""Request validation: every rule, with the exact fragment of the message a client sees."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conductor.errors import InvalidRequest, UnknownModel
+from conductor.tokenization import PromptTokenizer
+from conductor.validation import tokenize_prompt, validate_and_build
+from engine.messages import SamplingOptions
+from engine.models import prepare_model
+from protos.baton.v1 import inference_pb2 as pb
+
+SERVED = "tiny"
+MAX_MODEL_LEN = 100
+VOCAB_SIZE = 49152
+
+# The tiny model's tokenizer (SmolLM2's) on "Hello world" and on one user chat message "hi",
+# which the template renders with its default system prompt and the assistant's header.
+HELLO_WORLD_IDS = [19556, 905]
+CHAT_HI_IDS = [
+    1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
+    19712, 8182, 2, 198, 1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198,
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PromptTokenizer:
+    return PromptTokenizer(prepare_model("tiny").path)
+
+
+def make_request(**sampling) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(text="Hello world")
+    for name, value in sampling.items():
+        if name == "stop":
+            request.sampling.stop.extend(value)
+        else:
+            setattr(request.sampling, name, value)
+    return request
+
+
+def build(request: pb.GenerateRequest, tokenizer: PromptTokenizer, max_model_len=MAX_MODEL_LEN):
+    return validate_and_build(request, tokenizer, SERVED, max_model_len, VOCAB_SIZE)
+
+
+def test_text_request_gets_defaults(tokenizer):
+    engine_request = build(make_request(), tokenizer)
+
+    assert engine_request.prompt_token_ids == tuple(HELLO_WORLD_IDS)
+    assert engine_request.sampling == SamplingOptions(max_tokens=64, temperature=0.0, top_p=1.0)
+    assert engine_request.cache_salt == ""
+    assert len(engine_request.request_id) == 32
+    int(engine_request.request_id, 16)  # a uuid4 hex string
+
+
+def test_explicit_fields_are_kept(tokenizer):
+    request = make_request(max_tokens=5, temperature=0.5, top_p=0.25, seed=7, stop=["\n", "END"])
+    request.model = SERVED
+    request.cache_salt = "tenant-a"
+    request.request_id = "req-1"
+
+    engine_request = build(request, tokenizer)
+
+    assert engine_request.request_id == "req-1"
+    assert engine_request.cache_salt == "tenant-a"
+    assert engine_request.sampling == SamplingOptions(
+        max_tokens=5, temperature=0.5, top_p=0.25, seed=7, stop=("\n", "END")
+    )
+
+
+def test_seed_zero_is_not_unset(tokenizer):
+    assert build(make_request(seed=0), tokenizer).sampling.seed == 0
+
+
+def test_chat_is_rendered_with_the_template(tokenizer):
+    request = pb.GenerateRequest()
+    request.chat.messages.add(role="user", content="hi")
+
+    assert build(request, tokenizer).prompt_token_ids == tuple(CHAT_HI_IDS)
+
+
+def test_token_ids_are_used_as_given(tokenizer):
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5, VOCAB_SIZE - 1]))
+
+    assert build(request, tokenizer).prompt_token_ids == (0, 5, VOCAB_SIZE - 1)
+
+
+def test_default_max_tokens_is_lowered_to_what_fits(tokenizer):
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 97))
+
+    assert build(request, tokenizer).sampling.max_tokens == 3
+
+
+def test_max_tokens_filling_the_context_exactly_is_accepted(tokenizer):
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 97))
+    request.sampling.max_tokens = 3
+
+    assert build(request, tokenizer).sampling.max_tokens == 3
+
+
+def _with(**fields):
+    """A request built from ``make_request`` then with top-level fields set."""
+
+    def factory():
+        request = make_request()
+        for name, value in fields.items():
+            setattr(request, name, value)
+        return request
+
+    return factory
+
+
+def _chat(*roles):
+    def factory():
+        request = pb.GenerateRequest()
+        request.chat.SetInParent()
+        for role in roles:
+            request.chat.messages.add(role=role, content="hi")
+        return request
+
+    return factory
+
+
+def _token_ids(ids):
+    return lambda: pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
+
+
+def _sampling(**sampling):
+    return lambda: make_request(**sampling)
+
+
+def _long_prompt_with(**sampling):
+    def factory():
+        request = make_request(**sampling)
+        request.token_ids.ids.extend([1] * 90)
+        return request
+
+    return factory
+
+
+BAD_REQUESTS = {
+    "no prompt": (
+        lambda: pb.GenerateRequest(),
+        "the request has no prompt; set one of text, token_ids or chat",
+    ),
+    "empty text": (_with(text=""), "prompt text is empty"),
+    "empty token ids": (
+        lambda: pb.GenerateRequest(token_ids=pb.TokenIds()),
+        "prompt token_ids is empty",
+    ),
+    "empty chat": (_chat(), "chat prompt has no messages"),
+    "bad chat role": (
+        _chat("user", "bot"),
+        "chat message 1 has role 'bot'; use one of system, user, assistant, tool",
+    ),
+    "negative token id": (
+        _token_ids([3, -5, 7]),
+        "prompt token id -5 at position 1 is outside the vocabulary [0, 49152)",
+    ),
+    "token id past vocab": (
+        _token_ids([3, 4, VOCAB_SIZE]),
+        "prompt token id 49152 at position 2 is outside the vocabulary [0, 49152)",
+    ),
+    "prompt fills context": (
+        _token_ids([1] * MAX_MODEL_LEN),
+        "prompt is 100 tokens but the context window (max_model_len) is 100 tokens; "
+        "shorten the prompt to at most 99 tokens",
+    ),
+    "max_tokens zero": (
+        _sampling(max_tokens=0),
+        "sampling.max_tokens must be positive, got 0; leave it unset for the default (64)",
+    ),
+    "max_tokens negative": (_sampling(max_tokens=-3), "sampling.max_tokens must be positive"),
+    "max_tokens past context": (
+        _long_prompt_with(max_tokens=20),
+        "prompt (90 tokens) plus sampling.max_tokens (20) exceeds the context window of 100 "
+        "tokens; at most 10 new tokens fit, so set max_tokens to 10 or less",
+    ),
+    "negative temperature": (
+        _sampling(temperature=-0.5),
+        "sampling.temperature must be a finite number >= 0 (0 is greedy), got -0.5",
+    ),
+    "nan temperature": (_sampling(temperature=math.nan), "got nan"),
+    "infinite temperature": (_sampling(temperature=math.inf), "got inf"),
+    "top_p zero": (
+        _sampling(top_p=0.0),
+        "sampling.top_p must be in (0, 1], got 0.0; leave it unset for 1.0",
+    ),
+    "top_p above one": (_sampling(top_p=1.5), "sampling.top_p must be in (0, 1], got 1.5"),
+    "top_p nan": (_sampling(top_p=math.nan), "sampling.top_p must be in (0, 1], got nan"),
+    "too many stop strings": (
+        _sampling(stop=[f"s{i}" for i in range(17)]),
+        "sampling.stop has 17 strings; at most 16 are allowed",
+    ),
+    "empty stop string": (_sampling(stop=["a", ""]), "sampling.stop[1] is empty; remove it"),
+    "long stop string": (
+        _sampling(stop=["x" * 257]),
+        "sampling.stop[0] is 257 characters; at most 256 are allowed",
+    ),
+    "long request id": (
+        _with(request_id="r" * 129),
+        "request_id is 129 characters; at most 128 are allowed",
+    ),
+    "non-printable request id": (
+        _with(request_id="a\nb"),
+        "request_id contains non-printable characters",
+    ),
+    "long cache salt": (
+        _with(cache_salt="s" * 257),
+        "cache_salt is 257 characters; at most 256 are allowed",
+    ),
+}
+
+
+@pytest.mark.parametrize("factory, fragment", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_request_is_rejected_with_its_reason(tokenizer, factory, fragment):
+    with pytest.raises(InvalidRequest) as info:
+        build(factory(), tokenizer)
+
+    assert fragment in str(info.value)
+
+
+def test_unknown_model_names_the_served_model(tokenizer):
+    request = make_request()
+    request.model = "llama-70b"
+
+    with pytest.raises(UnknownModel) as info:
+        build(request, tokenizer)
+
+    assert str(info.value) == (
+        "model 'llama-70b' is not served here; the served model is 'tiny' "
+        "(an empty model field also selects it)"
+    )
+
+
+def test_tokenize_prompt_ignores_the_context_window(tokenizer):
+    request = pb.TokenizeRequest(token_ids=pb.TokenIds(ids=[1] * (MAX_MODEL_LEN + 5)))
+
+    assert tokenize_prompt(request, tokenizer, SERVED, VOCAB_SIZE) == [1] * (MAX_MODEL_LEN + 5)
+
+
+def test_tokenize_prompt_checks_model_and_ids(tokenizer):
+    with pytest.raises(UnknownModel):
+        tokenize_prompt(pb.TokenizeRequest(model="other", text="x"), tokenizer, SERVED, VOCAB_SIZE)
+    with pytest.raises(InvalidRequest, match="prompt token id 49152 at position 0"):
+        tokenize_prompt(
+            pb.TokenizeRequest(token_ids=pb.TokenIds(ids=[VOCAB_SIZE])),
+            tokenizer,
+            SERVED,
+            VOCAB_SIZE,
+        )
