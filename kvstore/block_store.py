@@ -433,4 +433,4 @@ class BlockStore:
 
 
 def _is_evictable(block: _Block) -> bool:
-    return block.state is BlockState.READY and block.refcount == 0 and block.num_children == 0
+    return block.state is BlockState.READY and block.refcount == 0
