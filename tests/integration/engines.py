@@ -1,0 +1,31 @@
+"""Helpers for integration tests that run real engines."""
+
+from __future__ import annotations
+
+import random
+
+from engine.builder import build_engine_args
+from engine.config import EngineConfig
+from engine.messages import EngineRequest, SamplingOptions
+from engine.models import PreparedModel
+from engine.runner import EngineRunner
+
+
+def plain_runner(model: PreparedModel) -> EngineRunner:
+    """One ordinary vLLM engine (no connector, no disaggregation): the reference output."""
+    return EngineRunner(build_engine_args(EngineConfig(model=model.name), model, "plain", "plain", None))
+
+
+async def plain_generate(runner: EngineRunner, token_ids: list[int], max_tokens: int,
+                         request_id: str) -> list[int]:
+    request = EngineRequest(request_id, tuple(token_ids), SamplingOptions(max_tokens=max_tokens, temperature=0.0))
+    out: list[int] = []
+    async for output in runner.generate(request):
+        out.extend(output.outputs[0].token_ids)
+    return out
+
+
+def random_prompt(num_tokens: int, seed: int, vocab_low: int = 100, vocab_high: int = 40000) -> list[int]:
+    """A reproducible prompt of token ids (distinct seeds give prompts sharing no block)."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_low, vocab_high) for _ in range(num_tokens)]

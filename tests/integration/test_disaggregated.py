@@ -1,0 +1,175 @@
+"""The disaggregated request path, end to end on real parts: gRPC over loopback → gateway →
+conductor (Ray actor) → prefill actor (vLLM producer) → host-tier KV store → decode actor (vLLM
+consumer) → stream back. Tiny random model; outputs compared by token id with a plain engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import pytest_asyncio
+import ray
+
+from conductor import client
+from conductor.config import load_config
+from conductor.serve import BatonServer
+from tests.integration.engines import plain_generate, plain_runner, random_prompt
+
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
+
+BLOCK = 128  # vLLM's CPU block size
+MAX_TOKENS = 24
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def server(tiny_model):
+    config = load_config(None, {
+        "engine.model": "tiny",
+        "gateway.port": 0,
+        "kvstore.host_capacity_bytes": 256 << 20,
+    })
+    srv = BatonServer(config)
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    runner = plain_runner(tiny_model)
+    yield runner
+    runner.shutdown()
+
+
+def decode_counters(srv: BatonServer) -> dict[str, int]:
+    return ray.get(srv.cluster.actor(srv.cluster.decode_ids[0]).connector_counters.remote())
+
+
+def expected_loaded_tokens(num_prompt_tokens: int) -> int:
+    """Full blocks come from the store, but the engine must compute the last prompt token."""
+    return min((num_prompt_tokens // BLOCK) * BLOCK, num_prompt_tokens - 1)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,seed",
+    [(50, 1), (BLOCK, 2), (5 * BLOCK + 17, 3), (8 * BLOCK, 4)],
+    ids=["shorter-than-a-block", "exactly-one-block", "many-blocks", "many-full-blocks"],
+)
+async def test_greedy_output_matches_plain_engine_and_decode_loads_kv(server, reference, num_tokens, seed):
+    prompt = random_prompt(num_tokens, seed)
+    expected = await plain_generate(reference, prompt, MAX_TOKENS, f"ref-{seed}")
+    before = decode_counters(server)
+
+    result = await client.generate(server.target, token_ids=prompt, max_tokens=MAX_TOKENS)
+
+    assert result["token_ids"] == expected
+    assert result["finish_reason"] == "length"
+    usage = result["usage"]
+    assert usage["prompt_tokens"] == num_tokens
+    assert usage["completion_tokens"] == MAX_TOKENS
+    # The decode engine computed only what it did not load: its loaded tokens are exactly the
+    # prompt's full blocks (minus the one token vLLM always recomputes).
+    loaded = expected_loaded_tokens(num_tokens)
+    assert usage["loaded_tokens"] == loaded
+    after = decode_counters(server)
+    assert after["loaded_blocks"] - before["loaded_blocks"] == -(-loaded // BLOCK)
+    assert result["placement"]["prefill"] == server.cluster.prefill_ids[0]
+    assert result["placement"]["decode"] == server.cluster.decode_ids[0]
+
+
+async def test_shared_prefix_reports_cached_tokens_of_the_shared_full_blocks(server):
+    first = random_prompt(3 * BLOCK + 20, seed=11)
+    second = first[: 3 * BLOCK] + random_prompt(64, seed=12)
+
+    cold = await client.generate(server.target, token_ids=first, max_tokens=4)
+    warm = await client.generate(server.target, token_ids=second, max_tokens=4)
+
+    assert cold["usage"]["cached_tokens"] == 0
+    assert warm["usage"]["cached_tokens"] == 3 * BLOCK
+
+
+async def test_text_prompt_and_chat_prompt_are_served(server):
+    text = await client.generate(server.target, text="Why is the sky blue?", max_tokens=5)
+    chat = await client.generate(server.target, text="Why is the sky blue?", chat=True, max_tokens=5)
+    assert text["usage"]["completion_tokens"] == 5
+    assert chat["usage"]["completion_tokens"] == 5
+    # The chat template wraps the question in role markers: more prompt tokens than the text.
+    assert chat["usage"]["prompt_tokens"] > text["usage"]["prompt_tokens"]
+
+
+BAD_INPUTS = [
+    (dict(text=""), "prompt"),
+    (dict(token_ids=[1] * 9000), "context"),
+    (dict(text="hi", max_tokens=0), "max_tokens"),
+    (dict(text="hi", max_tokens=-5), "max_tokens"),
+    (dict(text="hi", max_tokens=9000), "max_tokens"),
+    (dict(text="hi", temperature=-0.5), "temperature"),
+    (dict(text="hi", top_p=0.0), "top_p"),
+    (dict(text="hi", top_p=1.5), "top_p"),
+    (dict(text="hi", model="gpt-17"), "gpt-17"),
+    (dict(token_ids=[5, 10**7]), "10000000"),
+    (dict(token_ids=[5, -3]), "-3"),
+]
+
+
+@pytest.mark.parametrize("kwargs,fragment", BAD_INPUTS, ids=[f[1] + str(i) for i, f in enumerate(BAD_INPUTS)])
+async def test_bad_input_is_invalid_argument_and_server_keeps_serving(server, kwargs, fragment):
+    with pytest.raises(client.GenerateFailed) as info:
+        await client.generate(server.target, **kwargs)
+    assert info.value.status == "INVALID_ARGUMENT"
+    assert fragment in info.value.details
+    ok = await client.generate(server.target, text="still here?", max_tokens=2)
+    assert ok["usage"]["completion_tokens"] == 2
+
+
+async def test_invalid_utf8_is_invalid_argument(server):
+    # field 3 (text) of GenerateRequest, length-delimited, with a lone continuation byte.
+    raw = b"\x1a\x03a\x80b"
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        call = channel.unary_stream("/baton.v1.Inference/Generate",
+                                    request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call(raw):
+                pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "UTF-8" in info.value.details()
+
+
+async def test_sixteen_concurrent_streams_complete_with_correct_outputs(server, reference):
+    prompts = [random_prompt(40 + 97 * i, seed=100 + i) for i in range(16)]
+    expected = [await plain_generate(reference, p, 16, f"conc-ref-{i}") for i, p in enumerate(prompts)]
+
+    results = await asyncio.gather(*(
+        client.generate(server.target, token_ids=p, max_tokens=16) for p in prompts
+    ))
+
+    assert [r["token_ids"] for r in results] == expected
+    assert all(r["finish_reason"] == "length" for r in results)
+
+
+async def test_request_while_no_worker_is_ready_is_unavailable(server):
+    """A gateway whose conductor has no ready worker answers UNAVAILABLE at once (real Ray
+    conductor actor, real gateway, real gRPC)."""
+    from conductor.conductor import Conductor
+    from conductor.config import ConductorConfig
+    from conductor.gateway import InferenceServicer, start_gateway
+    from conductor.live_router import LiveRouter
+    from conductor.tokenization import PromptTokenizer
+
+    empty = ray.remote(Conductor).options(num_cpus=0).remote(ConductorConfig(), server.cluster.namespace)
+    await empty.register.remote("not-started-prefill", "prefill")
+    router = LiveRouter(empty, server.cluster.namespace, readiness_interval_s=0.05)
+    router.start()
+    model = server.cluster.model
+    gateway = await start_gateway(
+        InferenceServicer(router, PromptTokenizer(model.path), model.name, 2048), "127.0.0.1", 0)
+    try:
+        await asyncio.sleep(0.3)
+        with pytest.raises(client.GenerateFailed) as info:
+            await asyncio.wait_for(
+                client.generate(f"127.0.0.1:{gateway.port}", text="hello", max_tokens=2), timeout=5)
+        assert info.value.status == "UNAVAILABLE"
+    finally:
+        await gateway.stop(0)
+        ray.kill(empty)
