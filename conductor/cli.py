@@ -66,8 +66,6 @@ def serve(
         raise typer.Exit(2) from exc
     try:
         asyncio.run(serve_forever(cfg, lambda msg: err.print(f"[cyan]baton[/cyan] {msg}")))
-    except KeyboardInterrupt:
-        err.print("[cyan]baton[/cyan] stopped")
     except ConfigError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc

@@ -36,6 +36,13 @@ class LiveRouter:
         """Begin polling the conductor for readiness (call from the serving event loop)."""
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
+    def stop(self) -> None:
+        """Stop polling (before Ray shuts down: a call after that would start a new Ray)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        self._ready = False
+
     async def _watch(self) -> None:
         while True:
             try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from typing import Callable
 
@@ -69,16 +70,38 @@ class BatonServer:
         if self.gateway is not None:
             await self.gateway.stop(grace_s=5)
             self.gateway = None
+        if self.router is not None:
+            self.router.stop()
         await asyncio.to_thread(self.cluster.stop)
 
 
+def _install_stop_handlers(stop: asyncio.Event) -> None:
+    """SIGINT and SIGTERM set ``stop``. Called again once Ray is up, because Ray's core worker
+    installs its own fatal-signal handler that would otherwise kill the process on SIGTERM."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
 async def serve_forever(config: ClusterConfig, progress: Callable[[str], None]) -> None:
-    """Run until cancelled (Ctrl-C), then shut everything down."""
+    """Run until SIGINT (Ctrl-C) or SIGTERM, then shut everything down."""
+    stop = asyncio.Event()
+    _install_stop_handlers(stop)
     server = BatonServer(config, progress)
     try:
-        await server.start()
-        progress(f"ready in {server.start_seconds:.1f} s; Ctrl-C to stop")
-        await asyncio.Event().wait()
+        starting = asyncio.create_task(server.start())
+        stopping = asyncio.create_task(stop.wait())
+        while not starting.done():
+            await asyncio.wait({starting, stopping}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            _install_stop_handlers(stop)
+            if stop.is_set():
+                starting.cancel()
+                break
+        if not stop.is_set():
+            starting.result()
+            progress(f"ready in {server.start_seconds:.1f} s; Ctrl-C to stop")
+            await stopping
     finally:
         progress("shutting down")
-        await asyncio.shield(server.stop())
+        await server.stop()
+        progress("stopped")

@@ -25,6 +25,20 @@ REDIS_BLOCK_PREFIX = "baton:block:"
 REDIS_NODES_KEY = "baton:nodes"
 
 
+def _remove_stale_arenas(folder: Path, prefix: str) -> None:
+    """Delete arenas left by store nodes of this cluster whose process is gone (a crash or a
+    kill -9): in /dev/shm they would hold their memory until reboot."""
+    for stale in folder.glob(prefix + "*.arena"):
+        try:
+            pid = int(stale.stem.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.warning("removing stale arena %s (its store process %d is gone)", stale, pid)
+            stale.unlink(missing_ok=True)
+        except (ValueError, IndexError, PermissionError):
+            continue
+
+
 class ArenaInfo(msgspec.Struct, frozen=True):
     path: str
     slot_bytes: int
@@ -49,6 +63,7 @@ class KVStoreNode:
                 f"{block_bytes} bytes; raise it"
             )
         self.node_id = node_id
+        _remove_stale_arenas(Path(config.arena_dir), f"baton-{cluster_name}-{node_id}-")
         path = Path(config.arena_dir) / f"baton-{cluster_name}-{node_id}-{os.getpid()}.arena"
         self.arena = HostArena(path, block_bytes, num_slots, create=True)
         self.store = BlockStore(num_slots)

@@ -34,6 +34,19 @@ def find_redis_server() -> str:
         ) from exc
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: have Linux send SIGTERM when the parent dies, so a crashed
+    ``baton serve`` never leaves an orphaned redis-server behind."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,11 +82,12 @@ def start_local_redis(port: int = 0, timeout_s: float = 10.0) -> LocalRedis:
     binary = find_redis_server()
     port = port or free_port()
     workdir = Path(tempfile.mkdtemp(prefix="baton-redis-"))
-    process = subprocess.Popen(
+    process = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(workdir), "--protected-mode", "yes"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        preexec_fn=_die_with_parent,
     )
     deadline = time.monotonic() + timeout_s
     client = redis.Redis(host="127.0.0.1", port=port)
