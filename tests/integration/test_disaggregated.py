@@ -171,5 +171,38 @@ async def test_request_while_no_worker_is_ready_is_unavailable(server):
                 client.generate(f"127.0.0.1:{gateway.port}", text="hello", max_tokens=2), timeout=5)
         assert info.value.status == "UNAVAILABLE"
     finally:
+        router.stop()
         await gateway.stop(0)
         ray.kill(empty)
+
+
+async def test_store_records_each_stored_block_in_redis(server):
+    import redis
+
+    from kvstore.connector import kv_layout_tag
+    from kvstore.keys import KeyExtras, block_keys, key_hex
+    from kvstore.node import REDIS_BLOCK_PREFIX, REDIS_NODES_KEY
+
+    prompt = random_prompt(4 * BLOCK + 5, seed=21)
+    result = await client.generate(server.target, token_ids=prompt, max_tokens=2)
+    assert result["usage"]["loaded_tokens"] == 4 * BLOCK
+
+    keys = block_keys(prompt, BLOCK, KeyExtras(model_id="tiny", kv_layout=kv_layout_tag("torch.float32", BLOCK)))
+    assert len(keys) == 4
+    r = redis.Redis.from_url(server.cluster.redis_url)
+    assert [r.hget(REDIS_BLOCK_PREFIX + key_hex(k), "node0") for k in keys] == [b"host"] * 4
+    assert r.hexists(REDIS_NODES_KEY, "node0")
+
+
+async def test_cache_salt_isolates_tenants(server):
+    prompt = random_prompt(3 * BLOCK + 10, seed=31)
+    first_a = await client.generate(server.target, token_ids=prompt, max_tokens=2, cache_salt="tenant-a")
+    again_a = await client.generate(server.target, token_ids=prompt, max_tokens=2, cache_salt="tenant-a")
+    as_b = await client.generate(server.target, token_ids=prompt, max_tokens=2, cache_salt="tenant-b")
+
+    assert first_a["usage"]["cached_tokens"] == 0
+    assert again_a["usage"]["cached_tokens"] == 3 * BLOCK
+    assert as_b["usage"]["cached_tokens"] == 0
+    # tenant B's decode still loads B's own freshly stored blocks, never A's
+    assert as_b["usage"]["loaded_tokens"] == 3 * BLOCK
+    assert as_b["token_ids"] == first_a["token_ids"]

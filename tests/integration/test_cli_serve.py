@@ -1,0 +1,102 @@
+"""The two commands a user runs: ``baton serve`` in the foreground and ``baton generate``
+against it, as real subprocesses; Ctrl-C (SIGINT) stops everything it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+BATON = [sys.executable, "-m", "conductor.cli"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _wait_for_line(proc: subprocess.Popen, log: Path, pattern: str, timeout_s: float) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        match = re.search(pattern, log.read_text())
+        if match:
+            return match
+        if proc.poll() is not None:
+            pytest.fail(f"baton serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    pytest.fail(f"no '{pattern}' within {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+def _arenas() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("baton-clitest-*.arena")}
+
+
+def test_serve_generate_and_ctrl_c(tmp_path):
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            BATON + ["serve", "--model", "tiny", "--port", "0", "--set", "name=clitest",
+                     "--set", "kvstore.host_capacity_bytes=67108864"],
+            stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+        )
+    try:
+        port = _wait_for_line(proc, log, r"serving on 127\.0\.0\.1:(\d+)", 240).group(1)
+        target = f"127.0.0.1:{port}"
+        assert len(_arenas()) == 1
+
+        as_json = subprocess.run(
+            BATON + ["generate", "--target", target, "--json", "--max-tokens", "6", "Why is the sky blue?"],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )
+        assert as_json.returncode == 0, as_json.stderr
+        result = json.loads(as_json.stdout)
+        assert set(result) == {"text", "token_ids", "finish_reason", "usage", "placement", "request_id"}
+        assert len(result["token_ids"]) == 6 and result["finish_reason"] == "length"
+        assert set(result["usage"]) >= {"prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms"}
+        assert result["placement"]["prefill"] == "clitest-prefill-0"
+        assert result["placement"]["decode"] == "clitest-decode-0"
+
+        streamed = subprocess.run(
+            BATON + ["generate", "--target", target, "--chat", "--max-tokens", "6", "Why is the sky blue?"],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )
+        assert streamed.returncode == 0, streamed.stderr
+        assert "completion=6" in streamed.stderr and "prefill=clitest-prefill-0" in streamed.stderr
+
+        bad = subprocess.run(
+            BATON + ["generate", "--target", target, "--temperature", "-1", "hi"],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )
+        assert bad.returncode == 1
+        assert "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    assert "stopped" in log.read_text()
+    assert _arenas() == set()  # the store's shared memory is gone
+
+
+def test_serve_rejects_a_bad_config_with_exit_code_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prefill:\n  num_instances: -1\nconductor:\n  policy: nope\n")
+    run = subprocess.run(BATON + ["serve", "--config", str(bad)], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert run.returncode == 2
+    assert "prefill.num_instances" in run.stderr and "unknown policy 'nope'" in run.stderr
+
+
+def test_generate_against_nothing_fails_cleanly():
+    run = subprocess.run(BATON + ["generate", "--target", "127.0.0.1:1", "--timeout", "5", "hi"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert run.returncode == 1
+    assert "UNAVAILABLE" in run.stderr

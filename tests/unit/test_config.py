@@ -1,0 +1,53 @@
+"""The cluster config: defaults, YAML, overrides, and errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from conductor.config import load_config
+from conductor.errors import ConfigError
+
+
+def test_defaults_serve_smollm2_with_one_instance_per_pool():
+    cfg = load_config()
+    assert cfg.engine.model == "smollm2"
+    assert (cfg.prefill.num_instances, cfg.decode.num_instances) == (1, 1)
+    assert (cfg.gateway.host, cfg.gateway.port) == ("127.0.0.1", 50051)
+    assert cfg.redis.url is None and cfg.ray.address is None
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("prefill:\n  num_instances: 3\ngateway:\n  port: 6000\n")
+    cfg = load_config(path, {"gateway.port": 7000, "decode.num_instances": 2})
+    assert (cfg.prefill.num_instances, cfg.decode.num_instances, cfg.gateway.port) == (3, 2, 7000)
+
+
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("prefill:\n  num_instances: -1\n", "prefill.num_instances"),
+        ("conductor:\n  policy: fastest\n", "unknown policy 'fastest'"),
+        ("engine:\n  modle: tiny\n", "engine.modle"),
+        ("gateway:\n  port: 70000\n", "gateway.port"),
+        ("- just\n- a list\n", "mapping"),
+        ("prefill: [unclosed\n", "not valid YAML"),
+        ("name: Bad_Name\n", "name"),
+    ],
+)
+def test_invalid_config_names_the_problem(tmp_path, text, fragment):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config(path)
+    assert fragment in str(info.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_override_into_a_scalar_is_rejected():
+    with pytest.raises(ConfigError, match="not a section"):
+        load_config(None, {"name": "abc", "name.inner": 1})
