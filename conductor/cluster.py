@@ -19,7 +19,7 @@ from conductor.config import ClusterConfig
 from conductor.errors import ConfigError
 from conductor.conductor import Conductor
 from decode_worker.worker import DecodeWorker
-from engine.builder import StoreWiring, engine_env
+from engine.builder import StoreWiring, dtype_bytes, effective_dtype, engine_env
 from engine.models import PreparedModel, prepare_model
 from kvstore.node import KVStoreNode
 from kvstore.redis_server import LocalRedis, start_local_redis
@@ -32,10 +32,10 @@ DECODE_RESOURCE = "baton_decode"
 _POOL_SLOTS = 1024  # custom-resource units a local node advertises for each pool
 
 
-def kv_block_bytes(model: PreparedModel, block_size_tokens: int) -> int:
+def kv_block_bytes(model: PreparedModel, block_size_tokens: int, dtype_size_bytes: int) -> int:
     """Bytes of one KV block across all layers: 2 (K and V) x layers x kv_heads x head_dim x
     dtype bytes x tokens per block."""
-    return (2 * model.num_layers * model.num_kv_heads * model.head_dim * model.dtype_bytes
+    return (2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_size_bytes
             * block_size_tokens)
 
 
@@ -139,7 +139,10 @@ class LocalCluster:
 
     def _start_store(self) -> None:
         assert self.model is not None
-        block_bytes = kv_block_bytes(self.model, block_size_for(self.config.engine.device))
+        dtype = effective_dtype(self.config.engine, self.model)
+        block_bytes = kv_block_bytes(
+            self.model, block_size_for(self.config.engine.device), dtype_bytes(dtype)
+        )
         self.store_actor_name = f"{self.config.name}-kvstore-node0"
         self.progress("starting the KV store node")
         store = (

@@ -21,6 +21,31 @@ class StoreWiring(msgspec.Struct, frozen=True):
     namespace: str
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def effective_dtype(config: EngineConfig, model: PreparedModel) -> str:
+    """The dtype the engine (and so its KV cache) really runs in."""
+    if config.dtype != "auto":
+        return config.dtype
+    if model.dtype_bytes == 4:
+        return "float32"
+    if config.device == "cpu" and not cpu_has_native_bf16():
+        return "float32"
+    return "bfloat16"
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
 def engine_env(config: EngineConfig, omp_bind: str) -> dict[str, str]:
     """Environment a worker process needs *before* vLLM is imported.
 
@@ -71,8 +96,7 @@ def build_engine_args(
         max_num_seqs=config.max_num_seqs,
         kv_transfer_config=kv_transfer,
         seed=0,
-        # vLLM-CPU would run a float32 checkpoint in bf16; keep the model's own precision.
-        dtype="float32" if model.dtype_bytes == 4 else "auto",
+        dtype=effective_dtype(config, model),
     )
     if config.device == "cuda":
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization

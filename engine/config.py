@@ -23,6 +23,12 @@ class EngineConfig(BaseModel):
     max_model_len_tokens: int | None = Field(
         None, ge=16, description="Context length in tokens; default: the model's own."
     )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="Weights and KV cache dtype. 'auto': the checkpoint's own, except on CPUs "
+        "without native bf16 (no AVX512-BF16/AMX), where bf16 kernels are several times slower "
+        "than float32 and float32 is used.",
+    )
     kv_cache_gib: float = Field(
         1.0, gt=0, description="CPU only: KV cache space reserved per engine, in GiB."
     )

@@ -51,3 +51,10 @@ def test_missing_file_is_a_config_error(tmp_path):
 def test_override_into_a_scalar_is_rejected():
     with pytest.raises(ConfigError, match="not a section"):
         load_config(None, {"name": "abc", "name.inner": 1})
+
+
+def test_the_documented_local_config_is_exactly_the_defaults():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "local.yaml"
+    assert load_config(path) == load_config()
