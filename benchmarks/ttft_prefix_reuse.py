@@ -29,12 +29,14 @@ def _prompt(num_tokens: int, seed: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(num_tokens)]
 
 
-async def run(model: str, repeats: int, prompt_tokens: int, extra_tokens: int) -> dict:
+async def run(model: str, repeats: int, prompt_tokens: int, extra_tokens: int,
+              overrides: dict) -> dict:
     from conductor import client
     from conductor.config import load_config
     from conductor.serve import BatonServer
+    from engine.builder import effective_dtype
 
-    config = load_config(None, {"engine.model": model, "gateway.port": 0})
+    config = load_config(None, {"engine.model": model, "gateway.port": 0, **overrides})
     server = BatonServer(config, progress=lambda m: print(f"  {m}", flush=True))
     await server.start()
     try:
@@ -62,6 +64,8 @@ async def run(model: str, repeats: int, prompt_tokens: int, extra_tokens: int) -
             "benchmark": "ttft_prefix_reuse",
             "model": model,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+            "config_overrides": overrides,
+            "dtype": effective_dtype(config.engine, server.cluster.model),
             "prompt_tokens": prompt_tokens,
             "warm_extra_tokens": extra_tokens,
             "repeats": repeats,
@@ -83,15 +87,22 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--extra-tokens", type=int, default=64)
     parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="cluster config override, as in `baton serve --set`")
+    parser.add_argument("--name", default="ttft_prefix_reuse", help="output file stem")
     args = parser.parse_args()
+    import yaml
+
+    overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
     started = time.perf_counter()
-    result = asyncio.run(run(args.model, args.repeats, args.prompt_tokens, args.extra_tokens))
+    result = asyncio.run(run(args.model, args.repeats, args.prompt_tokens, args.extra_tokens, overrides))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "ttft_prefix_reuse.json"
+    path = out / f"{args.name}.json"
     path.write_text(json.dumps(result, indent=2))
     print()
-    print(f"model {result['model']}, {result['prompt_tokens']}-token prompt, median of {result['repeats']}")
+    print(f"model {result['model']} ({result['dtype']}), {result['prompt_tokens']}-token prompt, "
+          f"median of {result['repeats']}, overrides {overrides or 'none'}")
     print(f"  cold TTFT  {result['cold_ttft_ms_median']:8.1f} ms")
     print(f"  warm TTFT  {result['warm_ttft_ms_median']:8.1f} ms   (+{args.extra_tokens} tokens, "
           f"{result['pairs'][0]['warm_cached_tokens']} cached)")

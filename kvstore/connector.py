@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.client import StoreClient
-from kvstore.keys import BlockKey, KeyExtras, block_keys
+from kvstore.keys import BlockKey, KeyExtras, block_keys, hash_block, root_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,6 +68,22 @@ def connector_stats(engine_id: str) -> ConnectorStats:
     return _STATS.setdefault(engine_id, ConnectorStats())
 
 
+def prompt_block_keys(
+    token_ids: list[int], block_size: int, extras: KeyExtras
+) -> list[BlockKey]:
+    """Keys of a prompt's full blocks, then of its partial tail block (if any).
+
+    The tail's key hashes fewer tokens than a full block's, so it can never name a full block;
+    it lets a decode engine load the whole prompt's KV and compute only the last token. Tail
+    blocks are leaves: nothing chains after them.
+    """
+    keys = block_keys(token_ids, block_size, extras)
+    tail = token_ids[len(keys) * block_size :]
+    if tail:
+        keys.append(hash_block(keys[-1] if keys else root_key(extras), tail))
+    return keys
+
+
 def kv_layout_tag(dtype: str, block_size_tokens: int) -> str:
     """The part of a block key that says how its bytes are laid out (dtype and block size)."""
     return f"{dtype}:{block_size_tokens}"
@@ -97,6 +113,9 @@ class BatonConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class _RequestState:
+    """``keys`` name the prompt's blocks in order: every full block, then the partial tail
+    block if the prompt does not end on a block boundary."""
+
     keys: list[BlockKey]
     num_prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
@@ -144,7 +163,8 @@ class BatonConnector(KVConnectorBase_V1):
                 kv_layout=self._kv_layout,
             )
             state = _RequestState(
-                keys=block_keys(prompt, self._block_size, extras), num_prompt_tokens=len(prompt)
+                keys=prompt_block_keys(prompt, self._block_size, extras),
+                num_prompt_tokens=len(prompt),
             )
             self._requests[request.request_id] = state
         return state
@@ -168,7 +188,8 @@ class BatonConnector(KVConnectorBase_V1):
         slots = self._store.acquire(candidates)
         self.stats.hits_blocks += len(slots)
         # vLLM must compute at least the last prompt token itself.
-        load_end = min((first_block + len(slots)) * self._block_size, state.num_prompt_tokens - 1)
+        covered = min((first_block + len(slots)) * self._block_size, state.num_prompt_tokens)
+        load_end = min(covered, state.num_prompt_tokens - 1)
         num_external = load_end - num_computed_tokens
         if num_external <= 0:
             self._store.release(candidates[: len(slots)])
@@ -228,7 +249,10 @@ class BatonConnector(KVConnectorBase_V1):
         for req_id, num_computed in computed.items():
             state = self._requests[req_id]
             done_tokens = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            full_blocks = min(done_tokens, state.num_prompt_tokens) // self._block_size
+            done_tokens = min(done_tokens, state.num_prompt_tokens)
+            # full blocks once computed; the partial tail once the whole prompt is
+            full_blocks = -(-done_tokens // self._block_size) if (
+                done_tokens == state.num_prompt_tokens) else done_tokens // self._block_size
             full_blocks = min(full_blocks, len(state.keys), len(state.block_ids))
             if full_blocks <= state.saved_blocks:
                 continue
