@@ -55,6 +55,7 @@ class EngineRunner:
         self.start_seconds = time.perf_counter() - started
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._in_flight: set[str] = set()  # request ids between generate() start and end
         self._dead: BaseException | None = None
         self._stopping = False
         self.num_finished_reqs = 0
@@ -70,6 +71,12 @@ class EngineRunner:
         """
         if self._dead is not None:
             raise EngineDead(f"engine stopped: {self._dead!r}")
+        if request.request_id in self._in_flight:
+            raise EngineRejected(
+                f"request_id '{request.request_id}' is already in flight on this instance; "
+                "give every request its own id (or leave it empty for a generated one)"
+            )
+        self._in_flight.add(request.request_id)
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         budget = request.sampling.max_tokens if max_tokens is None else max_tokens
@@ -90,6 +97,7 @@ class EngineRunner:
         finally:
             if not finished:
                 self._commands.put(_Abort(request.request_id))
+            self._in_flight.discard(request.request_id)
 
     def num_running_and_waiting(self) -> tuple[int, int]:
         scheduler = self._scheduler()

@@ -206,3 +206,22 @@ async def test_cache_salt_isolates_tenants(server):
     # tenant B's decode still loads B's own freshly stored blocks, never A's
     assert as_b["usage"]["loaded_tokens"] == 3 * BLOCK + 9
     assert as_b["token_ids"] == first_a["token_ids"]
+
+
+async def test_a_request_id_already_in_flight_is_rejected_and_the_first_is_unharmed(reference):
+    from engine.messages import EngineRequest, SamplingOptions
+    from engine.runner import EngineRejected
+
+    prompt = tuple(random_prompt(64, seed=41))
+    request = EngineRequest("same-id", prompt, SamplingOptions(max_tokens=8, temperature=0.0))
+    first = reference.generate(request)
+    first_output = await first.__anext__()  # in flight now
+    with pytest.raises(EngineRejected, match="already in flight"):
+        await reference.generate(request).__anext__()
+    tokens = list(first_output.outputs[0].token_ids)
+    async for output in first:
+        tokens.extend(output.outputs[0].token_ids)
+    assert len(tokens) == 8
+    # and once it is done, the id is free again
+    again = [t async for o in reference.generate(request) for t in o.outputs[0].token_ids]
+    assert again == tokens
