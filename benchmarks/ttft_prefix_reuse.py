@@ -36,7 +36,7 @@ async def run(model: str, repeats: int, prompt_tokens: int, extra_tokens: int,
     from conductor.serve import BatonServer
     from engine.builder import effective_dtype
 
-    config = load_config(None, {"engine.model": model, "gateway.port": 0, **overrides})
+    config = load_config(None, {"engine.model": model, "gateway.port": 0, "http.enabled": False, **overrides})
     server = BatonServer(config, progress=lambda m: print(f"  {m}", flush=True))
     await server.start()
     try:

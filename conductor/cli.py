@@ -39,6 +39,8 @@ def _parse_overrides(items: list[str]) -> dict[str, object]:
 @app.command()
 def serve(
     port: Optional[int] = typer.Option(None, help="gRPC port (default from config: 50051; 0 = any free)."),
+    http_port: Optional[int] = typer.Option(
+        None, help="OpenAI-compatible HTTP port (default from config: 8000; 0 = any free)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="Cluster config YAML."),
     prefill: Optional[int] = typer.Option(None, help="Prefill instances (overrides config)."),
     decode: Optional[int] = typer.Option(None, help="Decode instances (overrides config)."),
@@ -55,7 +57,7 @@ def serve(
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = _parse_overrides(set_)
-    for key, value in (("gateway.port", port), ("prefill.num_instances", prefill),
+    for key, value in (("gateway.port", port), ("http.port", http_port), ("prefill.num_instances", prefill),
                        ("decode.num_instances", decode), ("engine.model", model)):
         if value is not None:
             overrides[key] = value

@@ -27,6 +27,20 @@ class GatewayConfig(BaseModel):
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
 
 
+class HttpConfig(BaseModel):
+    """The OpenAI-compatible HTTP front, served beside gRPC through the same conductor."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(True, description="Serve the OpenAI-compatible HTTP API.")
+    host: str = Field("127.0.0.1", description="Address the HTTP front binds.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
+    api_key_file: str | None = Field(
+        None, description="File with one accepted API key per line; unset: no key required. "
+        "Keys are read from the file, never from the config itself, and never logged."
+    )
+
+
 class ConductorConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -73,6 +87,7 @@ class ClusterConfig(BaseModel):
     decode: PoolConfig = PoolConfig()
     kvstore: KVStoreConfig = KVStoreConfig()
     gateway: GatewayConfig = GatewayConfig()
+    http: HttpConfig = HttpConfig()
     conductor: ConductorConfig = ConductorConfig()
     redis: RedisConfig = RedisConfig()
     ray: RayConfig = RayConfig()

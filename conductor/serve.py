@@ -21,6 +21,24 @@ from conductor.tokenization import PromptTokenizer
 log = logging.getLogger(__name__)
 
 
+def _read_api_keys(path: str | None) -> frozenset[str]:
+    """Accepted API keys, one per line of ``path`` (blank lines and ``#`` comments skipped)."""
+    if path is None:
+        return frozenset()
+    from pathlib import Path
+
+    from conductor.errors import ConfigError
+
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"http.api_key_file: cannot read {path}: {exc.strerror}") from exc
+    keys = frozenset(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+    if not keys:
+        raise ConfigError(f"http.api_key_file: {path} holds no key")
+    return keys
+
+
 class BatonServer:
     """Cluster + router + gateway. ``await start()``, then ``await stop()``."""
 
@@ -29,6 +47,7 @@ class BatonServer:
         self.progress = progress
         self.cluster = LocalCluster(config, progress=progress)
         self.gateway: RunningGateway | None = None
+        self.http = None
         self.router: LiveRouter | None = None
         self.start_seconds: float | None = None
 
@@ -36,6 +55,11 @@ class BatonServer:
     def port(self) -> int:
         assert self.gateway is not None
         return self.gateway.port
+
+    @property
+    def http_port(self) -> int:
+        assert self.http is not None, "the HTTP front is disabled (http.enabled: false)"
+        return self.http.port
 
     @property
     def target(self) -> str:
@@ -55,6 +79,13 @@ class BatonServer:
         self.gateway = await start_gateway(servicer, self.config.gateway.host, self.config.gateway.port)
         await self.gateway.set_serving(False)
         self.progress(f"gateway listening on {self.target} (not serving until workers are ready)")
+        if self.config.http.enabled:
+            from conductor.openai_http import build_app, start_http
+
+            app = build_app(self.router, tokenizer, model.name, max_len,
+                            api_keys=_read_api_keys(self.config.http.api_key_file))
+            self.http = await start_http(app, self.config.http.host, self.config.http.port)
+            self.progress(f"OpenAI-compatible HTTP on http://{self.config.http.host}:{self.http.port}/v1")
         if wait_ready:
             await self.wait_ready()
         self.start_seconds = time.perf_counter() - started
@@ -70,6 +101,9 @@ class BatonServer:
         if self.gateway is not None:
             await self.gateway.stop(grace_s=5)
             self.gateway = None
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
         if self.router is not None:
             self.router.stop()
         await asyncio.to_thread(self.cluster.stop)

@@ -40,7 +40,7 @@ def test_serve_generate_and_ctrl_c(tmp_path):
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            BATON + ["serve", "--model", "tiny", "--port", "0", "--set", "name=clitest",
+            BATON + ["serve", "--model", "tiny", "--port", "0", "--http-port", "0", "--set", "name=clitest",
                      "--set", "kvstore.host_capacity_bytes=67108864"],
             stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
         )

@@ -27,6 +27,7 @@ async def server(tiny_model):
     config = load_config(None, {
         "engine.model": "tiny",
         "gateway.port": 0,
+        "http.port": 0,
         "kvstore.host_capacity_bytes": 256 << 20,
     })
     srv = BatonServer(config)
@@ -225,3 +226,95 @@ async def test_a_request_id_already_in_flight_is_rejected_and_the_first_is_unhar
     # and once it is done, the id is free again
     again = [t async for o in reference.generate(request) for t in o.outputs[0].token_ids]
     assert again == tokens
+
+
+# --------------------------------------------------------------- the OpenAI-compatible HTTP front
+
+
+def _openai(server):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused",
+                              max_retries=0, timeout=60)
+
+
+async def test_http_greedy_output_equals_grpc_output(server):
+    prompt = random_prompt(2 * BLOCK + 30, seed=51)
+    via_grpc = await client.generate(server.target, token_ids=prompt, max_tokens=12)
+    oai = _openai(server)
+
+    completion = await oai.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    streamed = await oai.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                            stream=True)
+    streamed_text = "".join([chunk.choices[0].text async for chunk in streamed if chunk.choices])
+
+    assert completion.choices[0].text == via_grpc["text"]
+    assert streamed_text == via_grpc["text"]
+    assert completion.usage.completion_tokens == 12
+    assert completion.usage.prompt_tokens == len(prompt)
+
+
+async def test_http_reports_cached_tokens_on_a_repeated_prefix(server):
+    base = random_prompt(3 * BLOCK + 7, seed=52)
+    oai = _openai(server)
+    await oai.completions.create(model="tiny", prompt=base, max_tokens=2, temperature=0)
+    again = await oai.completions.create(model="tiny", prompt=base[: 3 * BLOCK] + [7, 8, 9],
+                                         max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 3 * BLOCK
+
+
+async def test_http_chat_with_openai_client_and_bad_input_exceptions(server):
+    import openai
+
+    oai = _openai(server)
+    chat = await oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Why is the sky blue?"}],
+        max_tokens=5, temperature=0)
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == 5
+    with pytest.raises(openai.BadRequestError):
+        await oai.completions.create(model="tiny", prompt="hi", max_tokens=5, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        await oai.completions.create(model="gpt-17", prompt="hi", max_tokens=5)
+
+
+async def test_http_32_concurrent_streams_complete(server):
+    oai = _openai(server)
+
+    async def one(i: int) -> int:
+        stream = await oai.completions.create(model="tiny", prompt=random_prompt(60 + i, seed=600 + i),
+                                              max_tokens=8, temperature=0, stream=True,
+                                              stream_options={"include_usage": True})
+        usage = None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+        return usage.completion_tokens
+
+    assert await asyncio.gather(*(one(i) for i in range(32))) == [8] * 32
+
+
+async def test_http_disconnect_mid_stream_frees_the_request(server):
+    import httpx
+
+    decode = server.cluster.actor(server.cluster.decode_ids[0])
+    finished_before = (await decode.stats.remote()).num_finished_reqs
+    body = {"model": "tiny", "prompt": random_prompt(100, seed=61), "max_tokens": 3000,
+            "temperature": 0, "stream": True}
+    async with httpx.AsyncClient(timeout=30) as http:
+        async with http.stream("POST", f"http://127.0.0.1:{server.http_port}/v1/completions",
+                               json=body) as response:
+            assert response.status_code == 200
+            lines = 0
+            async for line in response.aiter_lines():
+                lines += line.startswith("data: ")
+                if lines >= 3:
+                    break  # leave mid-stream
+            assert (await decode.stats.remote()).num_running_reqs == 1
+    for _ in range(100):
+        if (await decode.stats.remote()).num_running_reqs == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (await decode.stats.remote()).num_running_reqs == 0
+    # aborted, not run to its 3,000 tokens
+    assert (await decode.stats.remote()).num_finished_reqs == finished_before

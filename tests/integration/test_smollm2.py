@@ -22,7 +22,7 @@ LONG_CONTEXT = (
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(smollm2_model):
-    config = load_config(None, {"engine.model": "smollm2", "gateway.port": 0,
+    config = load_config(None, {"engine.model": "smollm2", "gateway.port": 0, "http.port": 0,
                                 "kvstore.host_capacity_bytes": 512 << 20})
     srv = BatonServer(config)
     await srv.start()

@@ -1,0 +1,506 @@
+"""The OpenAI-compatible HTTP front over real uvicorn, driven by the official ``openai`` client.
+
+A scripted ``FakeRouter`` (the gateway tests') stands in for placement and workers, so these
+tests are about the HTTP wire only: shapes, usage, errors and their statuses, auth, health,
+metrics, disconnects and concurrency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import httpx
+import openai
+import prometheus_client
+import pytest
+import pytest_asyncio
+
+from conductor.errors import BatonError, ConfigError, NoWorkerReady, WorkerFailed
+from conductor.gateway import NOT_READY_MESSAGE
+from conductor.openai_http import build_app, error_for, start_http
+from conductor.tokenization import PromptTokenizer
+from engine.messages import SamplingOptions
+from engine.models import prepare_model
+from tests.unit.test_gateway_wire import PLACEMENT, SCRIPTED_CHUNKS, FakeRouter
+
+SERVED = "tiny"
+MAX_MODEL_LEN = 100
+API_KEY = "sk-test"
+HELLO_WORLD_IDS = [19556, 905]
+EXPECTED_BATON = {
+    "placement": {
+        "prefill": "prefill-0",
+        "decode": "decode-1",
+        "policy": "kv-aware",
+        "reason": PLACEMENT.reason,
+    },
+    "loaded_tokens": 12,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PromptTokenizer:
+    return PromptTokenizer(prepare_model("tiny").path)
+
+
+class RouterSlot:
+    """The module's server routes through whichever ``FakeRouter`` the current test made."""
+
+    current: FakeRouter
+
+    def is_ready(self) -> bool:
+        return self.current.is_ready()
+
+    def stream(self, request):
+        return self.current.stream(request)
+
+
+@pytest.fixture(scope="module")
+def slot() -> RouterSlot:
+    return RouterSlot()
+
+
+@pytest.fixture
+def router(slot) -> FakeRouter:
+    slot.current = FakeRouter()
+    return slot.current
+
+
+@pytest.fixture(scope="module")
+def registry() -> prometheus_client.CollectorRegistry:
+    registry = prometheus_client.CollectorRegistry()
+    prometheus_client.Counter(
+        "baton_test_requests", "Requests seen by the test.", registry=registry
+    ).inc(3)
+    return registry
+
+
+@pytest_asyncio.fixture(scope="module")
+async def running(slot, tokenizer, registry):
+    app = build_app(slot, tokenizer, SERVED, MAX_MODEL_LEN, frozenset({API_KEY}), registry)
+    running = await start_http(app, "127.0.0.1", 0)
+    yield running
+    await running.stop(grace_s=1.0)
+
+
+@pytest.fixture
+def server(running, router):
+    """The running server, serving this test's ``router``."""
+    return running
+
+
+@pytest_asyncio.fixture
+async def client(server):
+    async with openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key=API_KEY, max_retries=0
+    ) as client:
+        yield client
+
+
+@pytest_asyncio.fixture
+async def http(server):
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=10) as http:
+        yield http
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+HI = [{"role": "user", "content": "hi"}]
+
+
+def without_ttft(baton: dict) -> dict:
+    baton = dict(baton)
+    assert baton.pop("ttft_ms") > 0
+    return baton
+
+
+async def test_chat_completion_text_usage_and_baton_extras(client, router, tokenizer):
+    completion = await client.chat.completions.create(
+        model=SERVED,
+        messages=HI,
+        max_tokens=4,
+        temperature=0.5,
+        top_p=0.9,
+        seed=7,
+        stop=["\n", "END"],
+        user="alice",
+        extra_body={"tenant": "acme"},
+    )
+
+    assert completion.object == "chat.completion"
+    assert completion.model == SERVED
+    [choice] = completion.choices
+    assert (choice.message.role, choice.message.content) == ("assistant", "abcd")
+    assert choice.finish_reason == "stop"
+    chat_ids = tokenizer.encode_chat([("user", "hi")])
+    assert completion.usage.prompt_tokens == len(chat_ids)
+    assert completion.usage.completion_tokens == 4
+    assert completion.usage.total_tokens == len(chat_ids) + 4
+    assert completion.usage.prompt_tokens_details.cached_tokens == 16
+    assert without_ttft(completion.model_extra["baton"]) == EXPECTED_BATON
+    [engine_request] = router.requests
+    assert completion.id == f"chatcmpl-{engine_request.request_id}"
+    assert engine_request.prompt_token_ids == tuple(chat_ids)
+    assert engine_request.sampling == SamplingOptions(
+        max_tokens=4, temperature=0.5, top_p=0.9, seed=7, stop=("\n", "END")
+    )
+    assert engine_request.cache_salt == "acme"
+    assert router.num_closed_streams == 1
+
+
+async def test_completion_text_and_token_id_prompts(client, router):
+    text = await client.completions.create(
+        model=SERVED,
+        prompt="Hello world",
+        max_tokens=5,
+        extra_body={"cache_salt": "salt-1", "tenant": "ignored"},
+    )
+    ids = await client.completions.create(model=SERVED, prompt=[[1, 2, 3]])
+
+    assert text.object == "text_completion"
+    assert [(c.text, c.finish_reason) for c in text.choices] == [("abcd", "stop")]
+    assert text.usage.model_dump(exclude_none=True) == {
+        "prompt_tokens": 2,
+        "completion_tokens": 4,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+    assert ids.choices[0].text == "abcd"
+    assert ids.usage.prompt_tokens == 3
+    first, second = router.requests
+    assert first.prompt_token_ids == tuple(HELLO_WORLD_IDS)
+    assert (first.sampling.max_tokens, first.sampling.temperature) == (5, 1.0)
+    assert first.cache_salt == "salt-1"
+    assert second.prompt_token_ids == (1, 2, 3)
+    assert second.sampling.max_tokens == 64  # the shared default, not the whole window
+    assert second.cache_salt == ""
+
+
+async def test_streaming_chat_with_usage(client, tokenizer):
+    stream = await client.chat.completions.create(
+        model=SERVED,
+        messages=HI,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+
+    assert {chunk.object for chunk in chunks} == {"chat.completion.chunk"}
+    assert len({chunk.id for chunk in chunks}) == 1
+    *content, finish, last = chunks
+    assert content[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in content) == "abcd"
+    assert [c.usage for c in content + [finish]] == [None] * (len(content) + 1)
+    assert finish.choices[0].finish_reason == "stop"
+    assert without_ttft(finish.model_extra["baton"]) == EXPECTED_BATON
+    assert last.choices == []
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        len(tokenizer.encode_chat([("user", "hi")])),
+        4,
+    )
+    assert last.usage.prompt_tokens_details.cached_tokens == 16
+
+
+async def test_streaming_completion_without_usage(client):
+    stream = await client.completions.create(model=SERVED, prompt="Hello world", stream=True)
+    chunks = [chunk async for chunk in stream]
+
+    assert "".join(chunk.choices[0].text for chunk in chunks) == "abcd"
+    assert [chunk.choices[0].finish_reason for chunk in chunks][-1] == "stop"
+    assert all(chunk.usage is None for chunk in chunks)
+
+
+async def test_raw_sse_framing_ends_with_done(http):
+    body = {"model": SERVED, "prompt": "Hello world", "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body, headers=AUTH) as response:
+        raw = (await response.aread()).decode()
+
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(event.startswith("data: {") for event in events[:-2])
+
+
+BAD_REQUESTS = {
+    "negative temperature": (
+        "chat", {"messages": HI, "temperature": -1}, "temperature",
+        "sampling.temperature must be a finite number >= 0",
+    ),
+    "empty prompt": ("completion", {"prompt": ""}, "prompt", "prompt is empty"),
+    "n=2": ("completion", {"prompt": "x", "n": 2}, "n", "n must be 1"),
+    "two prompts": (
+        "completion", {"prompt": ["a", "b"]}, "prompt", "only one prompt per request",
+    ),
+    "bad role": (
+        "chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages",
+        "messages[0] has role 'robot'",
+    ),
+    "token id outside vocabulary": (
+        "completion", {"prompt": [1, 99999]}, "prompt",
+        "prompt token id 99999 at position 1 is outside the vocabulary",
+    ),
+    "prompt too long": (
+        "completion", {"prompt": [1] * 100}, "prompt", "prompt is 100 tokens but the context",
+    ),
+    "max_tokens too large": (
+        "completion", {"prompt": "x", "max_tokens": 100}, "max_tokens", "at most 99 new tokens fit",
+    ),
+    "empty stop string": ("completion", {"prompt": "x", "stop": [""]}, "stop", "is empty"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "endpoint, fields, param, fragment", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys()
+)
+async def test_bad_input_is_bad_request(client, router, endpoint, fields, param, fragment):
+    create = client.chat.completions.create if endpoint == "chat" else client.completions.create
+
+    with pytest.raises(openai.BadRequestError) as info:
+        await create(model=SERVED, **fields)
+
+    assert info.value.status_code == 400
+    assert info.value.body["type"] == "invalid_request_error"
+    assert info.value.body["param"] == param
+    assert fragment in info.value.body["message"]
+    assert router.requests == []
+
+
+async def test_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.chat.completions.create(model="gpt-4o", messages=HI)
+
+    assert info.value.body == {
+        "message": "model 'gpt-4o' is not served here; the served model is 'tiny' "
+        "(an empty model field also selects it)",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "unknown_model",
+    }
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (b'{"prompt": "x",', "the request body is not valid JSON"),
+        (b'{"prompt": "x", "temperature": "hot"}', "temperature: Input should be a valid number"),
+        (b'{"model": "tiny"}', "prompt: Field required"),
+        (b"[1, 2]", "request body: Input should be a valid dictionary"),
+    ],
+    ids=["malformed json", "wrong type", "missing prompt", "not an object"],
+)
+async def test_malformed_body_is_400_in_openai_format(http, router, content, fragment):
+    response = await http.post(
+        "/v1/completions",
+        content=content,
+        headers=AUTH | {"Content-Type": "application/json"},
+    )
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert fragment in error["message"]
+    assert router.requests == []
+
+
+async def test_api_key_is_required_on_v1_only(server, http):
+    wrong = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="sk-wrong", max_retries=0
+    )
+    with pytest.raises(openai.AuthenticationError) as info:
+        await wrong.models.list()
+    await wrong.close()
+    missing = await http.post("/v1/completions", json={"prompt": "x"})
+
+    assert info.value.body["code"] == "invalid_api_key"
+    assert missing.status_code == 401
+    assert missing.headers["www-authenticate"] == "Bearer"
+    assert (await http.get("/health")).status_code == 200
+    assert (await http.get("/metrics")).status_code == 200
+
+
+async def test_models_lists_the_served_model(client):
+    models = await client.models.list()
+    model = await client.models.retrieve(SERVED)
+
+    assert [(m.id, m.object, m.owned_by) for m in models.data] == [(SERVED, "model", "baton")]
+    assert model.model_extra["max_model_len"] == MAX_MODEL_LEN
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("gpt-4o")
+
+
+async def test_health_follows_router_readiness_and_requests_get_503(http, client, router):
+    ok = await http.get("/health")
+    router.ready = False
+    not_ready = await http.get("/health")
+
+    with pytest.raises(openai.InternalServerError) as info:
+        await client.chat.completions.create(model=SERVED, messages=HI)
+
+    assert (ok.status_code, ok.json()) == (200, {"status": "ok"})
+    assert not_ready.status_code == 503
+    assert info.value.status_code == 503
+    assert info.value.response.headers["retry-after"] == "1"
+    assert info.value.body["message"] == NOT_READY_MESSAGE
+    assert info.value.body["code"] == "no_worker_ready"
+    assert router.requests == []
+
+
+async def test_metrics_exposes_the_given_registry(http):
+    response = await http.get("/metrics")
+
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    assert "baton_test_requests_total 3.0" in response.text
+
+
+async def test_worker_failure_is_503_or_a_stream_error(client, router):
+    router.error = WorkerFailed("decode-1 died; the request was not completed")
+    router.chunks = SCRIPTED_CHUNKS[:1]
+
+    with pytest.raises(openai.InternalServerError) as info:
+        await client.completions.create(model=SERVED, prompt="x")
+    stream = await client.completions.create(model=SERVED, prompt="x", stream=True)
+    texts = []
+    with pytest.raises(openai.APIError) as stream_info:
+        async for chunk in stream:
+            texts.append(chunk.choices[0].text)
+
+    assert info.value.status_code == 503
+    assert info.value.body["message"] == "decode-1 died; the request was not completed"
+    assert texts == ["ab"]
+    assert stream_info.value.message == "decode-1 died; the request was not completed"
+    assert stream_info.value.body["code"] == "worker_failed"
+    assert router.num_closed_streams == 2
+
+
+class RefusingRouter(FakeRouter):
+    """Refuses every request before placing it, as a router with no free instance does."""
+
+    async def stream(self, request):
+        self.requests.append(request)
+        raise NoWorkerReady("every decode instance is full; retry in a second")
+        yield  # an async generator, like a real router's stream
+
+
+async def test_refusal_before_placement_is_503_even_when_streaming(tokenizer):
+    router = RefusingRouter()
+    running = await start_http(build_app(router, tokenizer, SERVED, MAX_MODEL_LEN), "127.0.0.1", 0)
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{running.port}/v1", api_key="unused", max_retries=0
+    )
+    try:
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(model=SERVED, messages=HI, stream=True)
+    finally:
+        await client.close()
+        await running.stop(grace_s=1.0)
+
+    assert info.value.status_code == 503
+    assert info.value.response.headers["retry-after"] == "1"
+    assert info.value.body["message"] == "every decode instance is full; retry in a second"
+
+
+class Overloaded(BatonError):
+    """What an admission-control error would look like; ``conductor.errors`` has none yet."""
+
+    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
+    retry_after_s = 3
+
+
+def test_resource_exhausted_maps_to_429_with_retry_after():
+    error = error_for(Overloaded("the queue holds 512 requests; retry in 3 s"))
+
+    assert error.status == 429
+    assert error.headers == {"Retry-After": "3"}
+    assert error.body == {
+        "error": {
+            "message": "the queue holds 512 requests; retry in 3 s",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "overloaded",
+        }
+    }
+
+
+async def test_unexpected_router_error_is_500(client, router):
+    router.error = KeyError("boom")
+    router.chunks = ()
+
+    with pytest.raises(openai.InternalServerError) as info:
+        await client.completions.create(
+            model=SERVED, prompt="x", extra_headers={"X-Request-Id": "req-9"}
+        )
+
+    assert info.value.status_code == 500
+    assert info.value.body["message"] == (
+        "internal error while serving request req-9; the gateway log has the details"
+    )
+
+
+async def wait_for_closed_streams(router: FakeRouter, expected: int) -> None:
+    for _ in range(200):
+        if router.num_closed_streams >= expected:
+            break
+        await asyncio.sleep(0.01)
+    assert router.num_closed_streams == expected
+
+
+async def test_disconnect_mid_stream_closes_the_router_stream(http, router):
+    router.chunks = SCRIPTED_CHUNKS[:1]
+    router.hang = True
+    body = {"model": SERVED, "messages": HI, "stream": True}
+
+    async with http.stream("POST", "/v1/chat/completions", json=body, headers=AUTH) as response:
+        lines = response.aiter_lines()
+        first = await anext(lines)
+        while not (line := await anext(lines)).startswith("data:"):
+            pass
+        second = json.loads(line.removeprefix("data: "))
+        assert router.num_closed_streams == 0
+
+    assert response.status_code == 200
+    assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["role"] == "assistant"
+    assert second["choices"][0]["delta"] == {"content": "ab"}
+    await wait_for_closed_streams(router, 1)
+
+
+async def test_disconnect_while_waiting_for_a_full_completion_closes_the_router_stream(
+    http, router
+):
+    router.hang = True
+
+    with pytest.raises(httpx.ReadTimeout):
+        await http.post(
+            "/v1/completions", json={"prompt": "x"}, headers=AUTH, timeout=0.3
+        )
+
+    await wait_for_closed_streams(router, 1)
+
+
+async def test_32_concurrent_streams_all_complete(client, router):
+    async def one(index: int) -> tuple[str, int]:
+        stream = await client.completions.create(
+            model=SERVED,
+            prompt=f"request {index}",
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+        text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+        return text, chunks[-1].usage.completion_tokens
+
+    results = await asyncio.gather(*(one(index) for index in range(32)))
+
+    assert results == [("abcd", 4)] * 32
+    assert len(router.requests) == 32
+    assert len({request.request_id for request in router.requests}) == 32
+    assert router.num_closed_streams == 32
+
+
+async def test_taken_port_is_a_config_error(server, router, tokenizer):
+    app = build_app(router, tokenizer, SERVED, MAX_MODEL_LEN)
+
+    with pytest.raises(ConfigError, match=f"could not bind 127.0.0.1:{server.port}"):
+        await start_http(app, "127.0.0.1", server.port)
