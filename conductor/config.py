@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from conductor.errors import ConfigError
 from engine.config import EngineConfig
@@ -23,6 +23,7 @@ class PoolConfig(BaseModel):
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    enabled: bool = Field(True, description="Serve the gRPC Inference API.")
     host: str = Field("127.0.0.1", description="Address the gRPC gateway binds.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
 
@@ -91,6 +92,12 @@ class ClusterConfig(BaseModel):
     conductor: ConductorConfig = ConductorConfig()
     redis: RedisConfig = RedisConfig()
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _some_front(self) -> "ClusterConfig":
+        if not (self.gateway.enabled or self.http.enabled):
+            raise ValueError("gateway.enabled and http.enabled are both false: enable a front")
+        return self
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

@@ -53,7 +53,7 @@ class BatonServer:
 
     @property
     def port(self) -> int:
-        assert self.gateway is not None
+        assert self.gateway is not None, "the gRPC gateway is disabled (gateway.enabled: false)"
         return self.gateway.port
 
     @property
@@ -76,9 +76,12 @@ class BatonServer:
         self.router = LiveRouter(self.cluster.conductor, self.cluster.namespace)
         self.router.start()
         servicer = InferenceServicer(self.router, tokenizer, model.name, max_len)
-        self.gateway = await start_gateway(servicer, self.config.gateway.host, self.config.gateway.port)
-        await self.gateway.set_serving(False)
-        self.progress(f"gateway listening on {self.target} (not serving until workers are ready)")
+        if self.config.gateway.enabled:
+            self.gateway = await start_gateway(
+                servicer, self.config.gateway.host, self.config.gateway.port
+            )
+            await self.gateway.set_serving(False)
+            self.progress(f"gateway listening on {self.target} (not serving until workers are ready)")
         if self.config.http.enabled:
             from conductor.openai_http import build_app, start_http
 
@@ -94,8 +97,11 @@ class BatonServer:
         await asyncio.to_thread(self.cluster.wait_ready)
         while not self.router.is_ready():  # the router polls the conductor
             await asyncio.sleep(0.05)
-        await self.gateway.set_serving(True)
-        self.progress(f"serving on {self.target}")
+        if self.gateway is not None:
+            await self.gateway.set_serving(True)
+            self.progress(f"serving on {self.target}")
+        if self.http is not None:
+            self.progress(f"serving HTTP on http://{self.config.http.host}:{self.http.port}/v1")
 
     async def stop(self) -> None:
         if self.gateway is not None:

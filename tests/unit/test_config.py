@@ -33,6 +33,7 @@ def test_yaml_then_overrides(tmp_path):
         ("- just\n- a list\n", "mapping"),
         ("prefill: [unclosed\n", "not valid YAML"),
         ("name: Bad_Name\n", "name"),
+        ("gateway:\n  enabled: false\nhttp:\n  enabled: false\n", "enable a front"),
     ],
 )
 def test_invalid_config_names_the_problem(tmp_path, text, fragment):
@@ -58,3 +59,18 @@ def test_the_documented_local_config_is_exactly_the_defaults():
 
     path = Path(__file__).resolve().parents[2] / "deploy" / "local.yaml"
     assert load_config(path) == load_config()
+
+
+def test_api_key_file_is_read_one_key_per_line(tmp_path):
+    from conductor.serve import _read_api_keys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# operators\nsk-one\n\n  sk-two  \n")
+    assert _read_api_keys(str(keys)) == frozenset({"sk-one", "sk-two"})
+    assert _read_api_keys(None) == frozenset()
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        _read_api_keys(str(empty))
+    with pytest.raises(ConfigError, match="cannot read"):
+        _read_api_keys(str(tmp_path / "missing"))
