@@ -2,43 +2,165 @@
 
 ``select(snapshot, request, config) -> Placement``. The live conductor and the trace simulator
 call the same functions, so what the simulator measures is the code that serves. A policy never
-does I/O and never mutates its inputs; state it needs (a round-robin cursor) is in the snapshot.
+does I/O and never mutates its inputs; state it needs (a round-robin cursor, a seed) is in the
+snapshot and the request. Every ``Placement.reason`` carries the numbers the choice was made on.
+
+The cost-aware policies (``mooncake``, ``baton``) price each prefill instance in milliseconds:
+``T = transfer + queue + prefill`` (see ``conductor.cost_model``). Ties go to the instance listed
+first in the snapshot, so a policy is deterministic.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import hashlib
+import math
+import random as _random
+from typing import Callable, Mapping, Sequence
 
+import grpc
 import msgspec
+from pydantic import BaseModel, ConfigDict, Field
 
-from conductor.errors import NoWorkerReady
+from conductor.cost_model import PrefillCostModel, TransferModel
+from conductor.errors import BatonError, NoWorkerReady
 from engine.messages import Placement
 
 
+class Overloaded(BatonError):
+    """The request is predicted to miss its SLO on every instance; rejected before any prefill."""
+
+    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class InstanceView(msgspec.Struct, frozen=True):
-    """What a policy may know about one instance."""
+    """What a policy may know about one instance. Every field past ``ready`` defaults to idle."""
 
     instance_id: str
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     ready: bool = True
+    num_queued_prefill_tokens: int = 0
+    """Uncached prompt tokens waiting to be prefilled here (tokens)."""
+    queued_prefill_ms: float = 0.0
+    """Mooncake's T_queue: the sum of predicted prefill times of the requests queued here (ms).
+    When 0 and ``num_queued_prefill_tokens`` > 0, policies price the queue as one prefill of that
+    many tokens."""
+    num_active_decode_blocks: int = 0
+    """KV blocks held by the sequences running here (Dynamo's ``decode_blocks``) (blocks)."""
+    kv_usage_frac: float = 0.0
+    """Fraction of the device KV cache in use, 0..1."""
+    num_cached_blocks: int = 0
+    """Blocks in this instance's prefix cache, all tiers (SGLang's tree size) (blocks)."""
+    node_id: str = ""
+    """The machine the instance runs on; equal non-empty ids make a pull ``same_node``."""
+
+
+class PrefixHit(msgspec.Struct, frozen=True):
+    """How much of one request's prefix one instance holds, by tier.
+
+    The caller walks the request's ``block_keys`` in order and stops at the first key the instance
+    holds in no tier: that *leading run* is all that is reusable (chain hashing makes keys
+    positional). Each block of the run is counted once, in the fastest tier the instance holds it
+    in. Policies price the run as laid out device → host → disk (the first ``num_blocks_device``
+    blocks on device, then host, then disk), the shape leaf-first eviction produces, where an
+    ancestor is always at least as hot as its descendants.
+    """
+
+    num_blocks_device: int = 0
+    num_blocks_host: int = 0
+    num_blocks_disk: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_blocks_device + self.num_blocks_host + self.num_blocks_disk
+
+    def tiers_in(self, start: int, end: int) -> tuple[int, int, int]:
+        """Blocks of the run's ``[start, end)`` on (device, host, disk)."""
+        host_start = self.num_blocks_device
+        disk_start = host_start + self.num_blocks_host
+
+        def overlap(lo: int, hi: int) -> int:
+            return max(0, min(end, hi) - max(start, lo))
+
+        return overlap(0, host_start), overlap(host_start, disk_start), overlap(disk_start, self.num_blocks)
+
+
+NO_HIT = PrefixHit()
 
 
 class ClusterSnapshot(msgspec.Struct, frozen=True):
-    """The pools at one instant, plus the count of placements made so far (the RR cursor)."""
+    """The pools at one instant, the count of placements made so far (the RR cursor and seed),
+    and the KV index as this request sees it: ``prefix_hits[instance_id]`` for any instance in
+    either pool (absent: no hit). Read-only by contract."""
 
     prefill: tuple[InstanceView, ...]
     decode: tuple[InstanceView, ...]
     num_placed: int = 0
+    prefix_hits: Mapping[str, PrefixHit] = msgspec.field(default_factory=dict)
+
+    def hit(self, instance_id: str) -> PrefixHit:
+        return self.prefix_hits.get(instance_id, NO_HIT)
 
 
 class PlacementRequest(msgspec.Struct, frozen=True):
     request_id: str
     num_prompt_tokens: int
+    block_keys: tuple[bytes, ...] = ()
+    """The prompt's chain-hashed full-block keys, in order (what ``prefix_hits`` was matched on)."""
 
 
-class PolicyConfig(msgspec.Struct, frozen=True):
-    """Knobs shared by the simple policies (the cost-aware ones add their own)."""
+class PolicyConfig(BaseModel):
+    """Knobs of every policy; each policy reads only its own (prefixed by its name)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_size_tokens: int = Field(16, gt=0, description="Tokens per KV block (tokens).")
+    kv_bytes_per_token: int = Field(
+        23_040, gt=0, description="KV bytes one token occupies (bytes); see cost_model.kv_bytes_per_token."
+    )
+    prefill_cost: PrefillCostModel = Field(PrefillCostModel(), description="Predicted prefill time.")
+    transfer: TransferModel = Field(TransferModel(), description="Predicted KV transfer time per path.")
+    sglang_cache_threshold: float = Field(
+        0.3, ge=0, le=1, description="SGLang: min matched fraction of the prompt to follow the cache."
+    )
+    sglang_balance_abs_threshold: int = Field(
+        64, ge=0, description="SGLang: imbalanced when max - min load exceeds this (requests)."
+    )
+    sglang_balance_rel_threshold: float = Field(
+        1.5, ge=1, description="SGLang: ... and max load exceeds this × min load (ratio)."
+    )
+    dynamo_overlap_score_weight: float = Field(
+        1.0, ge=0, description="Dynamo: weight of prefill_blocks against decode_blocks."
+    )
+    dynamo_temperature: float = Field(
+        0.0, ge=0, description="Dynamo: softmax temperature over normalized cost; 0 is argmin."
+    )
+    dynamo_host_hit_credit: float = Field(
+        0.75, ge=0, le=1, description="Dynamo: a host-tier hit counts as this fraction of a device hit."
+    )
+    dynamo_disk_hit_credit: float = Field(
+        0.0, ge=0, le=1, description="Dynamo: a disk-tier hit counts as this fraction of a device hit."
+    )
+    mooncake_kvcache_balancing_threshold: float = Field(
+        2.0, gt=0, description="Mooncake: pull the best prefix when best_len / local_len exceeds this."
+    )
+    baton_replication_margin_frac: float = Field(
+        0.05, ge=0, description="Baton: keep a local-prefix choice unless a pull is faster by more "
+        "than this fraction of its TTFT (avoids replicating a prefix for a marginal gain)."
+    )
+    short_prefill_tokens: int = Field(
+        256, ge=0, description="Baton: an uncached suffix shorter than this prefills on the decode "
+        "instance (tokens); 0 always disaggregates."
+    )
+    ttft_slo_ms: float | None = Field(
+        None, gt=0, description="Mooncake, baton: reject when the best predicted TTFT exceeds this "
+        "(ms); unset: never reject."
+    )
+    min_retry_after_s: float = Field(1.0, ge=0, description="Least retry-after hint on rejection (s).")
 
 
 Policy = Callable[[ClusterSnapshot, PlacementRequest, PolicyConfig], Placement]
@@ -51,6 +173,37 @@ def _ready(pool: tuple[InstanceView, ...], role: str) -> tuple[InstanceView, ...
     return ready
 
 
+def _load(view: InstanceView) -> int:
+    return view.num_running_reqs + view.num_waiting_reqs
+
+
+def _rng(snapshot: ClusterSnapshot, request: PlacementRequest) -> _random.Random:
+    """A generator seeded from the request id and the placement count: same inputs, same draws."""
+    digest = hashlib.blake2b(f"{request.request_id}\0{snapshot.num_placed}".encode(), digest_size=8)
+    return _random.Random(int.from_bytes(digest.digest(), "little"))
+
+
+def _decode_by_load(snapshot: ClusterSnapshot) -> InstanceView:
+    """Fewest running + waiting sequences, then lowest KV use, then fewest active blocks."""
+    return min(
+        _ready(snapshot.decode, "decode"),
+        key=lambda v: (_load(v), v.kv_usage_frac, v.num_active_decode_blocks),
+    )
+
+
+def _decode_terms(view: InstanceView) -> str:
+    return f"decode {view.instance_id}: load {_load(view)}, kv {view.kv_usage_frac:.0%}"
+
+
+def random(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
+    """A uniform draw from each pool's ready instances, seeded by request id and placement count."""
+    prefill = _ready(snapshot.prefill, "prefill")
+    decode = _ready(snapshot.decode, "decode")
+    rng = _rng(snapshot, request)
+    p, d = rng.choice(prefill), rng.choice(decode)
+    return Placement(p.instance_id, d.instance_id, "random", f"seeded by {request.request_id!r}/{snapshot.num_placed}")
+
+
 def round_robin(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
     """The n-th placement goes to instance n mod size of each pool (ready instances only)."""
     prefill = _ready(snapshot.prefill, "prefill")
@@ -58,10 +211,6 @@ def round_robin(snapshot: ClusterSnapshot, request: PlacementRequest, config: Po
     p = prefill[snapshot.num_placed % len(prefill)]
     d = decode[snapshot.num_placed % len(decode)]
     return Placement(p.instance_id, d.instance_id, "round_robin", f"cursor={snapshot.num_placed}")
-
-
-def _load(view: InstanceView) -> int:
-    return view.num_running_reqs + view.num_waiting_reqs
 
 
 def least_loaded(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
@@ -73,4 +222,239 @@ def least_loaded(snapshot: ClusterSnapshot, request: PlacementRequest, config: P
     )
 
 
-POLICIES: dict[str, Policy] = {"round_robin": round_robin, "least_loaded": least_loaded}
+def sglang_cache_aware(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
+    """SGLang's cache-aware router for the prefill pool; decode by load.
+
+    Load is running + waiting requests. If the pool is imbalanced (max - min > abs threshold and
+    max > rel threshold × min) go to the least loaded instance; else to the longest prefix match
+    (all tiers) if it covers more than ``cache_threshold`` of the prompt; else to the instance with
+    the smallest cache (``num_cached_blocks``), to spread new prefixes.
+    """
+    prefill = _ready(snapshot.prefill, "prefill")
+    d = _decode_by_load(snapshot)
+    loads = [_load(v) for v in prefill]
+    lo, hi = min(loads), max(loads)
+    if hi - lo > config.sglang_balance_abs_threshold and hi > config.sglang_balance_rel_threshold * lo:
+        p = min(prefill, key=_load)
+        why = f"imbalanced (load max {hi}, min {lo}): shortest queue, load {_load(p)}"
+    else:
+        p = max(prefill, key=lambda v: snapshot.hit(v.instance_id).num_blocks)
+        matched_tokens = min(snapshot.hit(p.instance_id).num_blocks * config.block_size_tokens,
+                             request.num_prompt_tokens)
+        ratio = matched_tokens / request.num_prompt_tokens if request.num_prompt_tokens else 0.0
+        if ratio > config.sglang_cache_threshold:
+            why = f"best match {matched_tokens} tokens = {ratio:.2f} of prompt > {config.sglang_cache_threshold}"
+        else:
+            p = min(prefill, key=lambda v: v.num_cached_blocks)
+            why = (f"match {ratio:.2f} <= {config.sglang_cache_threshold}: smallest tree, "
+                   f"{p.num_cached_blocks} blocks")
+    return Placement(p.instance_id, d.instance_id, "sglang_cache_aware", f"{why}; {_decode_terms(d)}")
+
+
+def _dynamo_pick(views: Sequence[InstanceView], costs: Sequence[float], temperature: float,
+                 rng: _random.Random) -> int:
+    """Index of the argmin cost (first on ties), or a softmax draw over min-max normalized costs."""
+    if temperature == 0:
+        return min(range(len(costs)), key=costs.__getitem__)
+    lo, hi = min(costs), max(costs)
+    normalized = [(c - lo) / (hi - lo) if hi > lo else 0.0 for c in costs]
+    weights = [math.exp(-n / temperature) for n in normalized]
+    return rng.choices(range(len(views)), weights=weights)[0]
+
+
+def dynamo_kv(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
+    """Dynamo's KV router: cost = overlap_score_weight × prefill_blocks + decode_blocks.
+
+    ``prefill_blocks`` = the prompt's blocks (rounded up) less the leading-run hits on that
+    instance, a host hit credited at ``dynamo_host_hit_credit`` and a disk hit at
+    ``dynamo_disk_hit_credit`` of a device hit; ``decode_blocks`` = its active KV blocks. Decode
+    instances are chosen by the same rule with no prefill term.
+    """
+    prefill = _ready(snapshot.prefill, "prefill")
+    decode = _ready(snapshot.decode, "decode")
+    rng = _rng(snapshot, request)
+    request_blocks = -(-request.num_prompt_tokens // config.block_size_tokens)
+    prefill_blocks = []
+    for view in prefill:
+        hit = snapshot.hit(view.instance_id)
+        credit = (hit.num_blocks_device + config.dynamo_host_hit_credit * hit.num_blocks_host
+                  + config.dynamo_disk_hit_credit * hit.num_blocks_disk)
+        prefill_blocks.append(max(0.0, request_blocks - credit))
+    w = config.dynamo_overlap_score_weight
+    costs = [w * pb + v.num_active_decode_blocks for pb, v in zip(prefill_blocks, prefill)]
+    i = _dynamo_pick(prefill, costs, config.dynamo_temperature, rng)
+    j = _dynamo_pick(decode, [float(v.num_active_decode_blocks) for v in decode], config.dynamo_temperature, rng)
+    p, d = prefill[i], decode[j]
+    reason = (f"cost = {w:g} x prefill_blocks {prefill_blocks[i]:g} + decode_blocks "
+              f"{p.num_active_decode_blocks} = {costs[i]:g}; decode {d.instance_id}: decode_blocks "
+              f"{d.num_active_decode_blocks}")
+    return Placement(p.instance_id, d.instance_id, "dynamo_kv", reason)
+
+
+class PrefillPrice(msgspec.Struct, frozen=True):
+    """The priced TTFT terms of one prefill option (ms)."""
+
+    instance_id: str
+    transfer_ms: float
+    queue_ms: float
+    prefill_ms: float
+    num_cached_blocks: int
+    num_pulled_blocks: int = 0
+    pulled_from: str = ""
+
+    @property
+    def total_ms(self) -> float:
+        return self.transfer_ms + self.queue_ms + self.prefill_ms
+
+    def describe(self) -> str:
+        where = (f"pulled {self.num_pulled_blocks} blocks from {self.pulled_from}" if self.num_pulled_blocks
+                 else f"local prefix {self.num_cached_blocks} blocks")
+        return (f"{self.instance_id}: T=transfer {self.transfer_ms:.1f} + queue {self.queue_ms:.1f} + "
+                f"prefill {self.prefill_ms:.1f} = {self.total_ms:.1f} ms ({where})")
+
+
+def _queue_ms(view: InstanceView, config: PolicyConfig) -> float:
+    if view.queued_prefill_ms > 0 or view.num_queued_prefill_tokens <= 0:
+        return view.queued_prefill_ms
+    return config.prefill_cost.t_prefill_ms(view.num_queued_prefill_tokens, 0)
+
+
+def price(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
+          view: InstanceView, source: InstanceView | None = None) -> PrefillPrice:
+    """TTFT terms for prefilling on ``view``, using its own leading run, or, with ``source``, the
+    longer run ``source`` holds: the blocks past the local run are pulled from ``source``.
+
+    Transfer: local host blocks load over ``same_node``; disk blocks anywhere over
+    ``remote_disk``; pulled device/host blocks over ``same_node`` when both share a non-empty
+    ``node_id``, else ``remote_host``. Device blocks on ``view`` itself cost nothing.
+    """
+    local = snapshot.hit(view.instance_id)
+    bytes_per_block = config.block_size_tokens * config.kv_bytes_per_token
+    t = config.transfer
+    _, host, disk = local.tiers_in(0, local.num_blocks)
+    transfer_ms = (t.t_transfer_ms(host * bytes_per_block, "same_node")
+                   + t.t_transfer_ms(disk * bytes_per_block, "remote_disk"))
+    num_cached_blocks, num_pulled = local.num_blocks, 0
+    if source is not None:
+        remote = snapshot.hit(source.instance_id)
+        device, host, disk = remote.tiers_in(local.num_blocks, remote.num_blocks)
+        path = "same_node" if source.node_id and source.node_id == view.node_id else "remote_host"
+        transfer_ms += (t.t_transfer_ms((device + host) * bytes_per_block, path)
+                        + t.t_transfer_ms(disk * bytes_per_block, "remote_disk"))
+        num_pulled = device + host + disk
+        num_cached_blocks += num_pulled
+    cached_tokens = min(num_cached_blocks * config.block_size_tokens, request.num_prompt_tokens)
+    prefill_ms = config.prefill_cost.t_prefill_ms(request.num_prompt_tokens - cached_tokens, cached_tokens)
+    return PrefillPrice(view.instance_id, transfer_ms, _queue_ms(view, config), prefill_ms,
+                        num_cached_blocks, num_pulled, source.instance_id if num_pulled else "")
+
+
+def _best_source(snapshot: ClusterSnapshot, views: Sequence[InstanceView]) -> InstanceView:
+    """The instance with the longest leading run; ties to the most device blocks, then first listed."""
+    return max(views, key=lambda v: (snapshot.hit(v.instance_id).num_blocks,
+                                     snapshot.hit(v.instance_id).num_blocks_device))
+
+
+def _admit(chosen: PrefillPrice, config: PolicyConfig) -> None:
+    slo = config.ttft_slo_ms
+    if slo is not None and chosen.total_ms > slo:
+        retry_after_s = max(config.min_retry_after_s, (chosen.total_ms - slo) / 1000.0)
+        raise Overloaded(
+            f"predicted TTFT {chosen.total_ms:.1f} ms on the best instance exceeds ttft_slo_ms {slo:g}; "
+            f"retry after {retry_after_s:.1f} s, add prefill instances, or raise ttft_slo_ms",
+            retry_after_s,
+        )
+
+
+def mooncake_options(snapshot: ClusterSnapshot, request: PlacementRequest,
+                     config: PolicyConfig) -> list[PrefillPrice]:
+    """Algorithm 1's price for each ready prefill instance, in pool order.
+
+    The best prefix is the longest leading run in the prefill pool. An instance pulls it when
+    ``best_len / local_len > kvcache_balancing_threshold`` (a local run of 0 with a best run > 0
+    always pulls), else it uses its local prefix.
+    """
+    prefill = _ready(snapshot.prefill, "prefill")
+    best = _best_source(snapshot, prefill)
+    best_len = snapshot.hit(best.instance_id).num_blocks
+    threshold = config.mooncake_kvcache_balancing_threshold
+    options = []
+    for view in prefill:
+        local_len = snapshot.hit(view.instance_id).num_blocks
+        pull = best_len > local_len and (local_len == 0 or best_len / local_len > threshold)
+        options.append(price(snapshot, request, config, view, best if pull else None))
+    return options
+
+
+def mooncake(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
+    """Mooncake's FAST'25 Algorithm 1: the least T = transfer + queue + prefill; decode by load;
+    ``Overloaded`` when even that misses ``ttft_slo_ms``."""
+    options = mooncake_options(snapshot, request, config)
+    d = _decode_by_load(snapshot)
+    chosen = min(options, key=lambda o: o.total_ms)
+    _admit(chosen, config)
+    return Placement(chosen.instance_id, d.instance_id, "mooncake", f"{chosen.describe()}; {_decode_terms(d)}")
+
+
+def baton_options(snapshot: ClusterSnapshot, request: PlacementRequest,
+                  config: PolicyConfig) -> list[PrefillPrice]:
+    """Each ready prefill instance's best price, in pool order: its local prefix, or the longest
+    run held by any ready instance (either pool) pulled to it, whichever is faster.
+
+    This is Algorithm 1 with the threshold derived rather than set: pull exactly when the transfer
+    costs less than the prefill it saves (at equal queue). Queue-time differences between
+    instances are weighed by the choice across instances that follows.
+    """
+    prefill = _ready(snapshot.prefill, "prefill")
+    best = _best_source(snapshot, prefill + tuple(v for v in snapshot.decode if v.ready))
+    best_len = snapshot.hit(best.instance_id).num_blocks
+    options = []
+    for view in prefill:
+        local = price(snapshot, request, config, view)
+        if best_len > snapshot.hit(view.instance_id).num_blocks:
+            pulled = price(snapshot, request, config, view, best)
+            if pulled.total_ms < local.total_ms:
+                local = pulled
+        options.append(local)
+    return options
+
+
+def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
+    """Algorithm 1 priced in ms with an adaptive pull threshold, plus conditional disaggregation.
+
+    Takes the least T over ``baton_options``, except that the fastest option without a pull wins
+    when it is within ``baton_replication_margin_frac`` of it: the chosen T never exceeds
+    (1 + margin) × the least. The decode instance is chosen by load; when the prompt's uncached
+    suffix on that decode instance (its own leading run) is shorter than ``short_prefill_tokens``,
+    it prefills there too, saving the KV hand-off. Rejects with ``Overloaded`` past ``ttft_slo_ms``.
+    """
+    options = baton_options(snapshot, request, config)
+    d = _decode_by_load(snapshot)
+    cached_on_decode = min(snapshot.hit(d.instance_id).num_blocks * config.block_size_tokens,
+                           request.num_prompt_tokens)
+    suffix_tokens = request.num_prompt_tokens - cached_on_decode
+    if suffix_tokens < config.short_prefill_tokens:
+        chosen = price(snapshot, request, config, d)
+        _admit(chosen, config)
+        reason = (f"colocated: uncached suffix {suffix_tokens} tokens < short_prefill_tokens "
+                  f"{config.short_prefill_tokens}; {chosen.describe()}; {_decode_terms(d)}")
+        return Placement(d.instance_id, d.instance_id, "baton", reason)
+    chosen = min(options, key=lambda o: o.total_ms)
+    local = [o for o in options if not o.num_pulled_blocks]
+    if chosen.num_pulled_blocks and local:
+        best_local = min(local, key=lambda o: o.total_ms)
+        if best_local.total_ms <= chosen.total_ms * (1 + config.baton_replication_margin_frac):
+            chosen = best_local
+    _admit(chosen, config)
+    return Placement(chosen.instance_id, d.instance_id, "baton", f"{chosen.describe()}; {_decode_terms(d)}")
+
+
+POLICIES: dict[str, Policy] = {
+    "random": random,
+    "round_robin": round_robin,
+    "least_loaded": least_loaded,
+    "sglang_cache_aware": sglang_cache_aware,
+    "dynamo_kv": dynamo_kv,
+    "mooncake": mooncake,
+    "baton": baton,
+}

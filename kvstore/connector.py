@@ -149,6 +149,7 @@ class BatonConnector(KVConnectorBase_V1):
         self._loads_ready: list[LoadSpec] = []
         # worker half
         self._layers: list[torch.Tensor] = []
+        self._device = torch.device("cpu")
         self._arena_layers: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- scheduler half
@@ -304,6 +305,7 @@ class BatonConnector(KVConnectorBase_V1):
                 f"{per_layer_bytes}); the store was sized for another model or block size"
             )
         self._layers = layers
+        self._device = layers[0].device
         self._arena_layers = arena.slots.view(dtype).view(
             arena.num_slots, len(layers), *block_shape
         )
@@ -338,9 +340,10 @@ class BatonConnector(KVConnectorBase_V1):
         released: list[BlockKey] = []
         for load in meta.loads:
             slots = torch.tensor(load.slots, dtype=torch.long)
-            block_ids = torch.tensor(load.block_ids, dtype=torch.long)
+            # the arena is host memory; on GPUs the engine's cache is device memory
+            block_ids = torch.tensor(load.block_ids, dtype=torch.long, device=self._device)
             for index, layer in enumerate(self._layers):
-                layer[block_ids] = self._arena_layers[slots, index]
+                layer[block_ids] = self._arena_layers[slots, index].to(self._device)
             self.stats.loaded_blocks += len(load.slots)
             released.extend(load.keys)
         self._store.release(released)
@@ -361,10 +364,11 @@ class BatonConnector(KVConnectorBase_V1):
             if not written:
                 continue
             try:
-                src = torch.tensor([save.block_ids[i] for i, _ in written], dtype=torch.long)
+                src = torch.tensor([save.block_ids[i] for i, _ in written], dtype=torch.long,
+                                   device=self._device)
                 dst = torch.tensor([s for _, s in written], dtype=torch.long)
                 for index, layer in enumerate(self._layers):
-                    self._arena_layers[dst, index] = layer[src]
+                    self._arena_layers[dst, index] = layer[src].to("cpu")
             except BaseException:
                 self._store.abort([save.keys[i] for i, _ in written])
                 raise

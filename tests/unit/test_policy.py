@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+import grpc
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from conductor.errors import NoWorkerReady
+from conductor.cost_model import (
+    LinkCost,
+    PrefillCostModel,
+    PrefillSample,
+    TransferModel,
+    kv_bytes_per_token,
+)
+from conductor.errors import BatonError, NoWorkerReady
 from conductor.policy import (
     POLICIES,
     ClusterSnapshot,
     InstanceView,
+    Overloaded,
     PlacementRequest,
     PolicyConfig,
+    PrefixHit,
+    baton,
+    baton_options,
+    dynamo_kv,
     least_loaded,
+    mooncake,
+    price,
     round_robin,
+    sglang_cache_aware,
 )
 
 REQ = PlacementRequest("r", 100)
@@ -54,3 +73,358 @@ def test_every_policy_raises_no_worker_ready_for_an_empty_pool(name, empty):
     s = snap(none if empty == "prefill" else ready, none if empty == "decode" else ready)
     with pytest.raises(NoWorkerReady, match=empty):
         POLICIES[name](s, REQ, PolicyConfig())
+
+
+# --- shared properties, every registered policy --------------------------------------------------
+
+LONG = PlacementRequest("long", 1000)  # longer than short_prefill_tokens: baton disaggregates
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_picks_the_only_instance_of_a_one_instance_fleet(name):
+    s = ClusterSnapshot((InstanceView("p0"),), (InstanceView("d0"),), 7, {"p0": PrefixHit(3, 2, 1)})
+    placement = POLICIES[name](s, LONG, PolicyConfig())
+    assert (placement.prefill_instance, placement.decode_instance, placement.policy) == ("p0", "d0", name)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("num_placed", range(4))
+def test_every_policy_never_picks_an_instance_that_is_not_ready(name, num_placed):
+    # The instances that are not ready are the ones every policy would like best.
+    s = ClusterSnapshot(
+        (InstanceView("p0", ready=False, num_cached_blocks=0), InstanceView("p1", 9, 9, num_cached_blocks=50,
+                                                                          queued_prefill_ms=900.0)),
+        (InstanceView("d0", ready=False), InstanceView("d1", 9, 9, kv_usage_frac=0.9)),
+        num_placed,
+        {"p0": PrefixHit(60), "d0": PrefixHit(62)},
+    )
+    placement = POLICIES[name](s, LONG, PolicyConfig())
+    assert (placement.prefill_instance, placement.decode_instance) == ("p1", "d1")
+
+
+def test_the_registry_holds_exactly_the_named_policies():
+    assert sorted(POLICIES) == sorted(
+        ["random", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv", "mooncake", "baton"]
+    )
+
+
+# --- exact choices per policy ---------------------------------------------------------------------
+
+# 16-token blocks of 1,000 bytes/token: 16,000 bytes a block. Prefill costs 1 ms per uncached token
+# (16 ms a block); a remote pull costs 1 ms a block (FAST) or 32 ms a block (SLOW); no setup cost.
+UNIT_PREFILL = PrefillCostModel(intercept_ms=0, per_token_ms=1.0, per_token_sq_ms=0, per_token_cached_ms=0)
+
+
+def unit_config(remote_bytes_per_s=16e6, **overrides):
+    transfer = TransferModel(
+        same_node=LinkCost(bytes_per_s=32e6, setup_ms=0),
+        remote_host=LinkCost(bytes_per_s=remote_bytes_per_s, setup_ms=0),
+        remote_disk=LinkCost(bytes_per_s=8e6, setup_ms=0),
+    )
+    return PolicyConfig(kv_bytes_per_token=1000, prefill_cost=UNIT_PREFILL, transfer=transfer, **overrides)
+
+
+SLOW = 0.5e6
+REQ20 = PlacementRequest("r20", 320)  # 20 blocks
+
+
+def hot_prefix_snapshot(p1_hit_blocks):
+    """p0 holds 10 blocks but has a 1,000 ms queue; p1 is idle and holds ``p1_hit_blocks``."""
+    return ClusterSnapshot(
+        (InstanceView("p0", queued_prefill_ms=1000.0), InstanceView("p1")),
+        (InstanceView("d0", 2, 0), InstanceView("d1", 1, 0)),
+        0,
+        {"p0": PrefixHit(10), "p1": PrefixHit(p1_hit_blocks)},
+    )
+
+
+def test_random_is_seeded_by_request_and_cursor_and_reaches_every_instance():
+    s = snap([InstanceView("p0"), InstanceView("p1"), InstanceView("p2")], [InstanceView("d0")])
+    chosen = {POLICIES["random"](s, PlacementRequest(f"r{i}", 10), PolicyConfig()).prefill_instance
+              for i in range(60)}
+    assert chosen == {"p0", "p1", "p2"}
+
+
+def test_sglang_goes_to_the_shortest_queue_when_imbalanced():
+    s = ClusterSnapshot((InstanceView("p0", 100, 0), InstanceView("p1", 10, 0)), (InstanceView("d0"),), 0,
+                        {"p0": PrefixHit(20)})
+    placement = sglang_cache_aware(s, REQ20, PolicyConfig())
+    assert placement.prefill_instance == "p1"
+    assert placement.reason.startswith("imbalanced (load max 100, min 10)")
+
+
+def test_sglang_follows_the_best_match_above_the_threshold_when_balanced():
+    s = ClusterSnapshot((InstanceView("p0", 10, 0), InstanceView("p1", 0, 0, num_cached_blocks=0)),
+                        (InstanceView("d0"),), 0, {"p0": PrefixHit(4, 4, 2)})
+    placement = sglang_cache_aware(s, REQ20, PolicyConfig())
+    assert placement.prefill_instance == "p0"
+    assert placement.reason.startswith("best match 160 tokens = 0.50 of prompt > 0.3")
+
+
+def test_sglang_goes_to_the_smallest_tree_below_the_threshold():
+    s = ClusterSnapshot(
+        (InstanceView("p0", num_cached_blocks=100), InstanceView("p1", num_cached_blocks=5),
+         InstanceView("p2", num_cached_blocks=30)),
+        (InstanceView("d0"),), 0, {"p0": PrefixHit(6)},
+    )
+    placement = sglang_cache_aware(s, REQ20, PolicyConfig())
+    assert placement.prefill_instance == "p1"
+    assert "smallest tree, 5 blocks" in placement.reason
+
+
+def dynamo_snapshot():
+    # p0: 10 device hits, 5 active blocks. p1: 14 host hits, 6 active blocks.
+    return ClusterSnapshot(
+        (InstanceView("p0", num_active_decode_blocks=5), InstanceView("p1", num_active_decode_blocks=6)),
+        (InstanceView("d0", num_active_decode_blocks=40), InstanceView("d1", num_active_decode_blocks=12)),
+        0,
+        {"p0": PrefixHit(10), "p1": PrefixHit(0, 14)},
+    )
+
+
+def test_dynamo_takes_the_argmin_with_host_hits_credited_at_three_quarters():
+    # p0: 1 x (20 - 10) + 5 = 15; p1: 1 x (20 - 0.75 x 14) + 6 = 15.5.
+    placement = dynamo_kv(dynamo_snapshot(), REQ20, PolicyConfig())
+    assert (placement.prefill_instance, placement.decode_instance) == ("p0", "d1")
+    assert placement.reason.startswith("cost = 1 x prefill_blocks 10 + decode_blocks 5 = 15;")
+
+
+def test_dynamo_with_full_host_credit_prefers_the_host_hits():
+    # p1: 1 x (20 - 14) + 6 = 12 < 15.
+    placement = dynamo_kv(dynamo_snapshot(), REQ20, PolicyConfig(dynamo_host_hit_credit=1.0))
+    assert placement.prefill_instance == "p1"
+
+
+def test_dynamo_breaks_ties_toward_the_first_instance_listed():
+    s = snap([InstanceView("p0"), InstanceView("p1")], [InstanceView("d0"), InstanceView("d1")])
+    placement = dynamo_kv(s, REQ20, PolicyConfig())
+    assert (placement.prefill_instance, placement.decode_instance) == ("p0", "d0")
+
+
+def test_dynamo_with_temperature_samples_over_equal_costs():
+    s = snap([InstanceView("p0"), InstanceView("p1")], [InstanceView("d0")])
+    config = PolicyConfig(dynamo_temperature=1.0)
+    chosen = {dynamo_kv(s, PlacementRequest(f"r{i}", 320), config).prefill_instance for i in range(40)}
+    assert chosen == {"p0", "p1"}
+
+
+def test_mooncake_pulls_the_best_prefix_when_the_ratio_exceeds_the_threshold():
+    # p1 holds 4 of p0's 10 blocks: 10 / 4 = 2.5 > 2. Pull 6 blocks: 6 + 0 + 160 = 166 ms.
+    placement = mooncake(hot_prefix_snapshot(4), REQ20, unit_config())
+    assert (placement.prefill_instance, placement.decode_instance) == ("p1", "d1")
+    assert placement.reason.startswith(
+        "p1: T=transfer 6.0 + queue 0.0 + prefill 160.0 = 166.0 ms (pulled 6 blocks from p0)"
+    )
+
+
+def test_mooncake_uses_the_local_prefix_when_the_ratio_is_below_the_threshold():
+    # 10 / 6 = 1.67 <= 2: p1 computes 320 - 96 = 224 tokens itself, even though a pull is cheaper.
+    placement = mooncake(hot_prefix_snapshot(6), REQ20, unit_config())
+    assert placement.prefill_instance == "p1"
+    assert placement.reason.startswith("p1: T=transfer 0.0 + queue 0.0 + prefill 224.0 = 224.0 ms (local prefix 6 blocks)")
+
+
+def test_mooncake_prices_the_queue_and_stays_on_the_holder_when_it_is_idle():
+    s = ClusterSnapshot((InstanceView("p0"), InstanceView("p1", queued_prefill_ms=5.0)), (InstanceView("d0"),),
+                        0, {"p0": PrefixHit(10)})
+    placement = mooncake(s, REQ20, unit_config())
+    assert placement.prefill_instance == "p0"
+    assert placement.reason.startswith("p0: T=transfer 0.0 + queue 0.0 + prefill 160.0 = 160.0 ms")
+
+
+def test_mooncake_rejects_a_request_predicted_to_miss_the_ttft_slo():
+    s = ClusterSnapshot((InstanceView("p0", queued_prefill_ms=3000.0),), (InstanceView("d0"),))
+    with pytest.raises(Overloaded, match="exceeds ttft_slo_ms 500") as caught:
+        mooncake(s, REQ20, unit_config(ttft_slo_ms=500.0))
+    assert caught.value.grpc_status == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert isinstance(caught.value, BatonError)
+    assert caught.value.retry_after_s == pytest.approx(2.82)  # (3000 + 320 - 500) ms
+
+
+def test_baton_pulls_when_the_transfer_beats_recompute_whatever_the_ratio():
+    # 10 / 8 = 1.25, below Mooncake's threshold; pulling 2 blocks costs 2 ms and saves 32 ms.
+    placement = baton(hot_prefix_snapshot(8), REQ20, unit_config())
+    assert placement.prefill_instance == "p1"
+    assert placement.reason.startswith(
+        "p1: T=transfer 2.0 + queue 0.0 + prefill 160.0 = 162.0 ms (pulled 2 blocks from p0)"
+    )
+    assert mooncake(hot_prefix_snapshot(8), REQ20, unit_config()).reason.startswith(
+        "p1: T=transfer 0.0 + queue 0.0 + prefill 192.0"
+    )
+
+
+def test_baton_recomputes_when_the_transfer_is_slower_than_recompute():
+    # 32 ms a block to pull against 16 ms to compute: p1 computes its 16 missing blocks.
+    placement = baton(hot_prefix_snapshot(4), REQ20, unit_config(remote_bytes_per_s=SLOW))
+    assert placement.prefill_instance == "p1"
+    assert placement.reason.startswith("p1: T=transfer 0.0 + queue 0.0 + prefill 256.0 = 256.0 ms (local prefix 4 blocks)")
+
+
+def test_baton_pulls_over_the_same_node_path_when_the_nodes_match():
+    s = ClusterSnapshot(
+        (InstanceView("p0", queued_prefill_ms=1000.0, node_id="n0"), InstanceView("p1", node_id="n0")),
+        (InstanceView("d0"),), 0, {"p0": PrefixHit(8, 2)},
+    )
+    # 10 blocks at 0.5 ms each over same_node.
+    placement = baton(s, REQ20, unit_config(remote_bytes_per_s=SLOW))
+    assert placement.reason.startswith("p1: T=transfer 5.0 + queue 0.0 + prefill 160.0")
+
+
+def test_baton_keeps_a_local_prefix_within_the_replication_margin():
+    # Pulling to p1 costs 6 + 166 = 166; p0 with its own prefix and a 10 ms queue: 170 <= 166 x 1.05.
+    s = ClusterSnapshot((InstanceView("p0", queued_prefill_ms=10.0), InstanceView("p1")),
+                        (InstanceView("d0"),), 0, {"p0": PrefixHit(10), "p1": PrefixHit(4)})
+    assert baton(s, REQ20, unit_config()).prefill_instance == "p0"
+    assert baton(s, REQ20, unit_config(baton_replication_margin_frac=0.0)).prefill_instance == "p1"
+
+
+def test_baton_prefills_a_short_uncached_suffix_on_the_decode_instance():
+    s = ClusterSnapshot((InstanceView("p0"),), (InstanceView("d0", 3, 0), InstanceView("d1", 1, 0)), 0,
+                        {"d1": PrefixHit(50)})
+    # 1,000 tokens, 800 cached on d1: a 200-token suffix.
+    placement = baton(s, LONG, unit_config())
+    assert (placement.prefill_instance, placement.decode_instance) == ("d1", "d1")
+    assert placement.reason.startswith("colocated: uncached suffix 200 tokens < short_prefill_tokens 256; "
+                                       "d1: T=transfer 0.0 + queue 0.0 + prefill 200.0 = 200.0 ms")
+    assert baton(s, PlacementRequest("short", 100), unit_config()).prefill_instance == "d1"
+
+
+def test_baton_disaggregates_a_long_uncached_suffix_and_when_turned_off():
+    s = ClusterSnapshot((InstanceView("p0"),), (InstanceView("d0"),), 0, {"d0": PrefixHit(50)})
+    assert baton(s, PlacementRequest("r", 1200), unit_config()).prefill_instance == "p0"
+    assert baton(s, LONG, unit_config(short_prefill_tokens=0)).prefill_instance == "p0"
+
+
+def test_price_loads_local_host_and_disk_blocks_and_pulls_only_past_the_local_run():
+    s = ClusterSnapshot((InstanceView("p0"), InstanceView("p1")), (), 0,
+                        {"p0": PrefixHit(2, 2, 1), "p1": PrefixHit(4, 4, 2)})
+    view0, view1 = s.prefill
+    priced = price(s, REQ20, unit_config(), view0, view1)
+    # local: 2 host blocks at 0.5 ms + 1 disk block at 2 ms; pulled blocks 5..10 of p1's run:
+    # blocks 5-7 on host (3 x 1 ms remote_host) and 8-9 on disk (2 x 2 ms).
+    assert (priced.transfer_ms, priced.num_cached_blocks, priced.num_pulled_blocks) == (10.0, 10, 5)
+    assert PrefixHit(4, 4, 2).tiers_in(5, 10) == (0, 3, 2)
+
+
+# --- cost model -------------------------------------------------------------------------------------
+
+
+def test_prefill_cost_model_fit_recovers_known_coefficients():
+    truth = PrefillCostModel(intercept_ms=3.0, per_token_ms=0.4, per_token_sq_ms=2e-5, per_token_cached_ms=7e-6)
+    samples = [PrefillSample(uncached_tokens=u, cached_tokens=c, prefill_ms=truth.t_prefill_ms(u, c))
+               for u in (16, 128, 512, 1024, 4096) for c in (0, 256, 2048, 8192)]
+    fitted = PrefillCostModel.fit(samples)
+    for field in PrefillCostModel.model_fields:
+        assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-6)
+    assert fitted.prediction_error_pct(samples) == pytest.approx((0.0, 0.0), abs=1e-6)
+
+
+def test_prefill_cost_model_fit_refuses_too_few_or_degenerate_samples():
+    with pytest.raises(ValueError, match="at least 4"):
+        PrefillCostModel.fit([PrefillSample(uncached_tokens=1, cached_tokens=0, prefill_ms=1.0)] * 3)
+    with pytest.raises(ValueError, match="vary in both"):
+        PrefillCostModel.fit([PrefillSample(uncached_tokens=u, cached_tokens=0, prefill_ms=u) for u in (1, 2, 3, 4)])
+
+
+def test_prediction_error_reports_median_and_p90_percent():
+    model = PrefillCostModel(intercept_ms=0, per_token_ms=1.0, per_token_sq_ms=0, per_token_cached_ms=0)
+    samples = [PrefillSample(uncached_tokens=100, cached_tokens=0, prefill_ms=ms) for ms in (100, 125, 200, 50)]
+    median, p90 = model.prediction_error_pct(samples)
+    assert median == pytest.approx(35.0)  # errors 0, 20, 50, 100 %
+    assert p90 == pytest.approx(85.0)
+
+
+def test_transfer_model_prices_setup_plus_bytes_over_bandwidth():
+    model = TransferModel()
+    assert model.t_transfer_ms(3_000_000_000, "same_node") == pytest.approx(1000.2)
+    assert model.t_transfer_ms(1_400_000, "remote_host") == pytest.approx(2.0)
+    assert model.t_transfer_ms(0, "remote_disk") == 0.0
+
+
+def test_kv_bytes_per_token_matches_the_design_figures():
+    assert kv_bytes_per_token(30, 3, 64, 2) == 23_040  # SmolLM2-135M, bf16
+    assert kv_bytes_per_token(40, 8, 128, 2) == 160 * 1024
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        kv_bytes_per_token(30, 0, 64, 2)
+
+
+# --- hypothesis: every policy is deterministic, valid, and pure ------------------------------------
+
+views = st.builds(
+    InstanceView,
+    instance_id=st.just(""),
+    num_running_reqs=st.integers(0, 200),
+    num_waiting_reqs=st.integers(0, 200),
+    ready=st.booleans(),
+    num_queued_prefill_tokens=st.integers(0, 20_000),
+    queued_prefill_ms=st.floats(0, 10_000),
+    num_active_decode_blocks=st.integers(0, 5_000),
+    kv_usage_frac=st.floats(0, 1),
+    num_cached_blocks=st.integers(0, 10_000),
+    node_id=st.sampled_from(["", "n0", "n1"]),
+)
+hits = st.builds(PrefixHit, st.integers(0, 40), st.integers(0, 40), st.integers(0, 40))
+
+
+@st.composite
+def scenarios(draw):
+    prefill = tuple(msgspec.structs.replace(v, instance_id=f"p{i}")
+                    for i, v in enumerate(draw(st.lists(views, min_size=1, max_size=6))))
+    decode = tuple(msgspec.structs.replace(v, instance_id=f"d{i}")
+                   for i, v in enumerate(draw(st.lists(views, min_size=1, max_size=4))))
+    ids = [v.instance_id for v in prefill + decode]
+    prefix_hits = draw(st.dictionaries(st.sampled_from(ids), hits))
+    num_prompt_tokens = draw(st.integers(1, 4096))
+    # Runs no longer than the prompt's full blocks, as the index would report.
+    num_full_blocks = num_prompt_tokens // 16
+    prefix_hits = {
+        i: PrefixHit(*(min(n, max(0, num_full_blocks - sum((h.num_blocks_device, h.num_blocks_host,
+                                                              h.num_blocks_disk)[:k])))
+                       for k, n in enumerate((h.num_blocks_device, h.num_blocks_host, h.num_blocks_disk))))
+        for i, h in prefix_hits.items()
+    }
+    snapshot = ClusterSnapshot(prefill, decode, draw(st.integers(0, 1000)), prefix_hits)
+    return snapshot, PlacementRequest(draw(st.text(max_size=8)), num_prompt_tokens)
+
+
+CONFIGS = [PolicyConfig(), PolicyConfig(dynamo_temperature=0.5, short_prefill_tokens=0)]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("config", CONFIGS, ids=["defaults", "temperature"])
+@settings(max_examples=60, deadline=None)
+@given(scenario=scenarios())
+def test_every_policy_is_deterministic_valid_and_leaves_its_inputs_alone(name, config, scenario):
+    snapshot, request = scenario
+    before = msgspec.json.encode((snapshot, request))
+    try:
+        first = POLICIES[name](snapshot, request, config)
+    except NoWorkerReady:
+        assert not any(v.ready for v in snapshot.prefill) or not any(v.ready for v in snapshot.decode)
+        return
+    assert POLICIES[name](snapshot, request, config) == first
+    assert msgspec.json.encode((snapshot, request)) == before
+    ready_decode = {v.instance_id for v in snapshot.decode if v.ready}
+    ready_prefill = {v.instance_id for v in snapshot.prefill if v.ready}
+    assert first.decode_instance in ready_decode
+    colocated = name == "baton" and first.prefill_instance == first.decode_instance
+    assert first.prefill_instance in ready_prefill or colocated
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenario=scenarios())
+def test_baton_never_picks_a_ttft_more_than_its_margin_above_the_best(scenario):
+    snapshot, request = scenario
+    config = PolicyConfig(short_prefill_tokens=0)
+    try:
+        placement = baton(snapshot, request, config)
+    except NoWorkerReady:
+        return
+    options = {o.instance_id: o for o in baton_options(snapshot, request, config)}
+    least = min(o.total_ms for o in options.values())
+    chosen = options[placement.prefill_instance]
+    assert chosen.total_ms <= least * (1 + config.baton_replication_margin_frac) + 1e-9
+    # ... and each instance's own option is no slower than using its local prefix.
+    for view in snapshot.prefill:
+        if view.ready:
+            assert options[view.instance_id].total_ms <= price(snapshot, request, config, view).total_ms

