@@ -201,7 +201,8 @@ def random(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyC
     decode = _ready(snapshot.decode, "decode")
     rng = _rng(snapshot, request)
     p, d = rng.choice(prefill), rng.choice(decode)
-    return Placement(p.instance_id, d.instance_id, "random", f"seeded by {request.request_id!r}/{snapshot.num_placed}")
+    seed = f"seeded by {request.request_id!r}/{snapshot.num_placed}"
+    return Placement(p.instance_id, d.instance_id, "random", seed)
 
 
 def round_robin(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
@@ -222,7 +223,9 @@ def least_loaded(snapshot: ClusterSnapshot, request: PlacementRequest, config: P
     )
 
 
-def sglang_cache_aware(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
+def sglang_cache_aware(
+    snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig
+) -> Placement:
     """SGLang's cache-aware router for the prefill pool; decode by load.
 
     Load is running + waiting requests. If the pool is imbalanced (max - min > abs threshold and
@@ -243,7 +246,8 @@ def sglang_cache_aware(snapshot: ClusterSnapshot, request: PlacementRequest, con
                              request.num_prompt_tokens)
         ratio = matched_tokens / request.num_prompt_tokens if request.num_prompt_tokens else 0.0
         if ratio > config.sglang_cache_threshold:
-            why = f"best match {matched_tokens} tokens = {ratio:.2f} of prompt > {config.sglang_cache_threshold}"
+            why = (f"best match {matched_tokens} tokens = {ratio:.2f} of prompt > "
+                   f"{config.sglang_cache_threshold}")
         else:
             p = min(prefill, key=lambda v: v.num_cached_blocks)
             why = (f"match {ratio:.2f} <= {config.sglang_cache_threshold}: smallest tree, "
@@ -283,7 +287,8 @@ def dynamo_kv(snapshot: ClusterSnapshot, request: PlacementRequest, config: Poli
     w = config.dynamo_overlap_score_weight
     costs = [w * pb + v.num_active_decode_blocks for pb, v in zip(prefill_blocks, prefill)]
     i = _dynamo_pick(prefill, costs, config.dynamo_temperature, rng)
-    j = _dynamo_pick(decode, [float(v.num_active_decode_blocks) for v in decode], config.dynamo_temperature, rng)
+    decode_costs = [float(v.num_active_decode_blocks) for v in decode]
+    j = _dynamo_pick(decode, decode_costs, config.dynamo_temperature, rng)
     p, d = prefill[i], decode[j]
     reason = (f"cost = {w:g} x prefill_blocks {prefill_blocks[i]:g} + decode_blocks "
               f"{p.num_active_decode_blocks} = {costs[i]:g}; decode {d.instance_id}: decode_blocks "
@@ -393,7 +398,8 @@ def mooncake(snapshot: ClusterSnapshot, request: PlacementRequest, config: Polic
     d = _decode_by_load(snapshot)
     chosen = min(options, key=lambda o: o.total_ms)
     _admit(chosen, config)
-    return Placement(chosen.instance_id, d.instance_id, "mooncake", f"{chosen.describe()}; {_decode_terms(d)}")
+    reason = f"{chosen.describe()}; {_decode_terms(d)}"
+    return Placement(chosen.instance_id, d.instance_id, "mooncake", reason)
 
 
 def baton_options(snapshot: ClusterSnapshot, request: PlacementRequest,

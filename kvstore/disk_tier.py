@@ -3,11 +3,14 @@
 A block lives in ``<directory>/<hh>/<key hex>``, where ``hh`` is the first two hex digits of the
 key (256 subfolders keep directories small). Each file is a fixed header followed by the payload::
 
-    magic "BATONKV\\0" | version u16 | flags u16 | key 16B | parent 16B | payload_len u64 | crc32 u32
+    magic "BATONKV\\0" | version u16 | flags u16 | key 16B | parent 16B | payload_len u64
+    | payload_crc32 u32 | header_crc32 u32
 
 All integers are little-endian. ``flags`` bit 0 says the parent field is meaningful (the block is
-not the first of its chain). The CRC-32 covers every header byte before it and then the payload,
-so a flipped bit anywhere in the file is caught on read. CRC-32 (``zlib.crc32``) was chosen over
+not the first of its chain). ``header_crc32`` covers every header byte before it, so start-up can
+trust a header (the parent link decides eviction order) without reading the payload;
+``payload_crc32`` covers the payload, checked on every read. A flipped bit anywhere in the file
+is caught. CRC-32 (``zlib.crc32``) was chosen over
 BLAKE2b-64 because it is about 4x faster (3 MB payload on the build machine: 1.40 ms vs 5.51 ms);
 it guards against bit rot and torn writes, not against an adversary who can write the directory.
 
@@ -52,9 +55,9 @@ logger = logging.getLogger(__name__)
 MAGIC = b"BATONKV\x00"
 FORMAT_VERSION = 1
 _FLAG_HAS_PARENT = 1
-_HEADER = struct.Struct("<8sHH16s16sQI")
+_HEADER = struct.Struct("<8sHH16s16sQII")
 HEADER_BYTES = _HEADER.size
-_CHECKED_HEADER_BYTES = HEADER_BYTES - 4  # every header byte before the checksum itself
+_CHECKED_HEADER_BYTES = HEADER_BYTES - 4  # every header byte before the header checksum
 _TEMP_SUFFIX = ".tmp"
 _NO_PARENT = bytes(KEY_SIZE_BYTES)
 
@@ -250,8 +253,8 @@ class DiskTier:
     def rebuild_index(self) -> None:
         """Forget the in-memory index and rebuild it from the directory (start-up).
 
-        Deletes temporaries and block files whose header is bad (wrong magic or version, key not
-        matching the file name, wrong length or file size). Payload checksums are verified on
+        Deletes temporaries and block files whose header is bad (header checksum, magic, version,
+        key not matching the file name, length or file size). Payload checksums are verified on
         read, not here, so start-up costs one header read per file. Recency is restored from file
         modification times (ties by key); if the blocks exceed the capacity, LRU leaves go.
         """
@@ -313,7 +316,7 @@ class DiskTier:
         return self._tick
 
     def _is_evictable(self, key: BlockKey) -> bool:
-        return key in self._entries and key not in self._pins
+        return key in self._entries and key not in self._pins and key not in self._children
 
     def _refile(self, key: BlockKey) -> None:
         """Bring ``key``'s membership in the evictable set in line with the rule."""
@@ -413,7 +416,9 @@ class DiskTier:
     ) -> tuple[BlockKey, BlockKey | None] | None:
         if len(raw) != HEADER_BYTES or file_size != self.file_bytes:
             return None
-        magic, version, flags, stored_key, parent, payload_len, _ = _HEADER.unpack(raw)
+        magic, version, flags, stored_key, parent, payload_len, _, header_crc = _HEADER.unpack(raw)
+        if zlib.crc32(raw[:_CHECKED_HEADER_BYTES]) != header_crc:
+            return None
         if (magic, version, stored_key, payload_len) != (MAGIC, FORMAT_VERSION, key,
                                                          self.block_bytes):
             return None
@@ -431,17 +436,17 @@ class DiskTier:
             return None
         if len(payload) != self.block_bytes:
             return None
-        (checksum,) = struct.unpack_from("<I", raw, _CHECKED_HEADER_BYTES)
-        if zlib.crc32(payload, zlib.crc32(raw[:_CHECKED_HEADER_BYTES])) != checksum:
+        (payload_crc,) = struct.unpack_from("<I", raw, _CHECKED_HEADER_BYTES - 4)
+        if zlib.crc32(payload) != payload_crc:
             return None
         return payload
 
 
 def _pack_header(key: BlockKey, parent: BlockKey | None, payload: memoryview) -> bytes:
     flags = _FLAG_HAS_PARENT if parent is not None else 0
-    prefix = _HEADER.pack(MAGIC, FORMAT_VERSION, flags, key, parent or _NO_PARENT, len(payload), 0)
-    prefix = prefix[:_CHECKED_HEADER_BYTES]
-    return prefix + struct.pack("<I", zlib.crc32(payload, zlib.crc32(prefix)))
+    fields = (MAGIC, FORMAT_VERSION, flags, key, parent or _NO_PARENT, len(payload))
+    prefix = _HEADER.pack(*fields, zlib.crc32(payload), 0)[:_CHECKED_HEADER_BYTES]
+    return prefix + struct.pack("<I", zlib.crc32(prefix))
 
 
 def _as_byte_view(payload: Any) -> memoryview:

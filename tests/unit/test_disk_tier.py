@@ -226,6 +226,7 @@ CORRUPTIONS = {
     "header-key": flip_byte(12),
     "header-parent": flip_byte(28),
     "header-length": flip_byte(44),
+    "header-payload-checksum": flip_byte(HEADER_BYTES - 8),
     "header-checksum": flip_byte(HEADER_BYTES - 1),
     "truncated-payload": truncate_to(FILE_BYTES - 1),
     "truncated-header": truncate_to(HEADER_BYTES - 1),
@@ -343,6 +344,7 @@ def test_restart_keeps_valid_blocks_and_discards_junk(tmp_path: Path) -> None:
         "garbage": block_path(tier, "F"),
         "wrong-key": block_path(tier, "G"),
         "truncated": block_path(tier, "H"),
+        "parent-rot": block_path(tier, "I"),
         "bad-name": block_path(tier, "A").with_name("not-a-key"),
     }
     for path in junk.values():
@@ -352,11 +354,13 @@ def test_restart_keeps_valid_blocks_and_discards_junk(tmp_path: Path) -> None:
     junk["wrong-key"].write_bytes(block_path(tier, "A").read_bytes())
     junk["truncated"].write_bytes(block_path(tier, "A").read_bytes()[:HEADER_BYTES])
     junk["bad-name"].write_bytes(b"x")
+    put(tier, "I", "D")
+    flip_byte(28)(junk["parent-rot"])  # a wrong parent link would mislead eviction: dropped
     outside = tmp_path / "README"  # not in a fan-out folder: not ours, left alone
     outside.write_text("operator notes")
 
     restarted = make_tier(tmp_path, 8)
-    assert {n for n in "ABCDEFGH" if restarted.contains(k(n))} == set("ABCD")
+    assert {n for n in "ABCDEFGHI" if restarted.contains(k(n))} == set("ABCD")
     assert not any(p.exists() for p in junk.values())
     assert outside.exists()
     outside.unlink()
@@ -495,4 +499,4 @@ class DiskTierMachine(RuleBasedStateMachine):
 
 
 TestDiskTierMachine = DiskTierMachine.TestCase
-TestDiskTierMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestDiskTierMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

@@ -221,11 +221,14 @@ def test_mooncake_uses_the_local_prefix_when_the_ratio_is_below_the_threshold():
     # 10 / 6 = 1.67 <= 2: p1 computes 320 - 96 = 224 tokens itself, even though a pull is cheaper.
     placement = mooncake(hot_prefix_snapshot(6), REQ20, unit_config())
     assert placement.prefill_instance == "p1"
-    assert placement.reason.startswith("p1: T=transfer 0.0 + queue 0.0 + prefill 224.0 = 224.0 ms (local prefix 6 blocks)")
+    assert placement.reason.startswith(
+        "p1: T=transfer 0.0 + queue 0.0 + prefill 224.0 = 224.0 ms (local prefix 6 blocks)"
+    )
 
 
 def test_mooncake_prices_the_queue_and_stays_on_the_holder_when_it_is_idle():
-    s = ClusterSnapshot((InstanceView("p0"), InstanceView("p1", queued_prefill_ms=5.0)), (InstanceView("d0"),),
+    s = ClusterSnapshot((InstanceView("p0"), InstanceView("p1", queued_prefill_ms=5.0)),
+                        (InstanceView("d0"),),
                         0, {"p0": PrefixHit(10)})
     placement = mooncake(s, REQ20, unit_config())
     assert placement.prefill_instance == "p0"
@@ -257,7 +260,9 @@ def test_baton_recomputes_when_the_transfer_is_slower_than_recompute():
     # 32 ms a block to pull against 16 ms to compute: p1 computes its 16 missing blocks.
     placement = baton(hot_prefix_snapshot(4), REQ20, unit_config(remote_bytes_per_s=SLOW))
     assert placement.prefill_instance == "p1"
-    assert placement.reason.startswith("p1: T=transfer 0.0 + queue 0.0 + prefill 256.0 = 256.0 ms (local prefix 4 blocks)")
+    assert placement.reason.startswith(
+        "p1: T=transfer 0.0 + queue 0.0 + prefill 256.0 = 256.0 ms (local prefix 4 blocks)"
+    )
 
 
 def test_baton_pulls_over_the_same_node_path_when_the_nodes_match():
@@ -310,7 +315,9 @@ def test_price_loads_local_host_and_disk_blocks_and_pulls_only_past_the_local_ru
 
 
 def test_prefill_cost_model_fit_recovers_known_coefficients():
-    truth = PrefillCostModel(intercept_ms=3.0, per_token_ms=0.4, per_token_sq_ms=2e-5, per_token_cached_ms=7e-6)
+    truth = PrefillCostModel(
+        intercept_ms=3.0, per_token_ms=0.4, per_token_sq_ms=2e-5, per_token_cached_ms=7e-6
+    )
     samples = [PrefillSample(uncached_tokens=u, cached_tokens=c, prefill_ms=truth.t_prefill_ms(u, c))
                for u in (16, 128, 512, 1024, 4096) for c in (0, 256, 2048, 8192)]
     fitted = PrefillCostModel.fit(samples)
@@ -323,12 +330,15 @@ def test_prefill_cost_model_fit_refuses_too_few_or_degenerate_samples():
     with pytest.raises(ValueError, match="at least 4"):
         PrefillCostModel.fit([PrefillSample(uncached_tokens=1, cached_tokens=0, prefill_ms=1.0)] * 3)
     with pytest.raises(ValueError, match="vary in both"):
-        PrefillCostModel.fit([PrefillSample(uncached_tokens=u, cached_tokens=0, prefill_ms=u) for u in (1, 2, 3, 4)])
+        PrefillCostModel.fit(
+            [PrefillSample(uncached_tokens=u, cached_tokens=0, prefill_ms=u) for u in (1, 2, 3, 4)]
+        )
 
 
 def test_prediction_error_reports_median_and_p90_percent():
     model = PrefillCostModel(intercept_ms=0, per_token_ms=1.0, per_token_sq_ms=0, per_token_cached_ms=0)
-    samples = [PrefillSample(uncached_tokens=100, cached_tokens=0, prefill_ms=ms) for ms in (100, 125, 200, 50)]
+    samples = [PrefillSample(uncached_tokens=100, cached_tokens=0, prefill_ms=ms)
+               for ms in (100, 125, 200, 50)]
     median, p90 = model.prediction_error_pct(samples)
     assert median == pytest.approx(35.0)  # errors 0, 20, 50, 100 %
     assert p90 == pytest.approx(85.0)
@@ -366,6 +376,13 @@ views = st.builds(
 hits = st.builds(PrefixHit, st.integers(0, 40), st.integers(0, 40), st.integers(0, 40))
 
 
+def fit_run(hit, num_full_blocks):
+    """Trim a run to the prompt's full blocks, as the index would report it."""
+    device = min(hit.num_blocks_device, num_full_blocks)
+    host = min(hit.num_blocks_host, num_full_blocks - device)
+    return PrefixHit(device, host, min(hit.num_blocks_disk, num_full_blocks - device - host))
+
+
 @st.composite
 def scenarios(draw):
     prefill = tuple(msgspec.structs.replace(v, instance_id=f"p{i}")
@@ -375,14 +392,7 @@ def scenarios(draw):
     ids = [v.instance_id for v in prefill + decode]
     prefix_hits = draw(st.dictionaries(st.sampled_from(ids), hits))
     num_prompt_tokens = draw(st.integers(1, 4096))
-    # Runs no longer than the prompt's full blocks, as the index would report.
-    num_full_blocks = num_prompt_tokens // 16
-    prefix_hits = {
-        i: PrefixHit(*(min(n, max(0, num_full_blocks - sum((h.num_blocks_device, h.num_blocks_host,
-                                                              h.num_blocks_disk)[:k])))
-                       for k, n in enumerate((h.num_blocks_device, h.num_blocks_host, h.num_blocks_disk))))
-        for i, h in prefix_hits.items()
-    }
+    prefix_hits = {i: fit_run(h, num_prompt_tokens // 16) for i, h in prefix_hits.items()}
     snapshot = ClusterSnapshot(prefill, decode, draw(st.integers(0, 1000)), prefix_hits)
     return snapshot, PlacementRequest(draw(st.text(max_size=8)), num_prompt_tokens)
 
