@@ -419,8 +419,8 @@ class DiskTier:
         magic, version, flags, stored_key, parent, payload_len, _, header_crc = _HEADER.unpack(raw)
         if zlib.crc32(raw[:_CHECKED_HEADER_BYTES]) != header_crc:
             return None
-        if (magic, version, stored_key, payload_len) != (MAGIC, FORMAT_VERSION, key,
-                                                         self.block_bytes):
+        expected = (MAGIC, FORMAT_VERSION, key, self.block_bytes)
+        if (magic, version, stored_key, payload_len) != expected:
             return None
         return key, BlockKey(parent) if flags & _FLAG_HAS_PARENT else None
 

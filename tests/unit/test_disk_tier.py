@@ -72,7 +72,8 @@ def test_round_trip(tmp_path: Path, wrap) -> None:
     )
     assert block_path(tier, "A").stat().st_size == FILE_BYTES
     stats = tier.stats()
-    assert (stats.hits, stats.misses, stats.used_blocks, stats.used_bytes) == (2, 1, 2, 2 * FILE_BYTES)
+    counts = (stats.hits, stats.misses, stats.used_blocks, stats.used_bytes)
+    assert counts == (2, 1, 2, 2 * FILE_BYTES)
 
 
 def test_tensor_view_of_a_larger_tensor(tmp_path: Path) -> None:
@@ -336,7 +337,7 @@ def test_pinned_blocks_are_never_evicted(tmp_path: Path) -> None:
 
 def test_restart_keeps_valid_blocks_and_discards_junk(tmp_path: Path) -> None:
     tier = make_tier(tmp_path, 8)
-    for name, parent in [("A", None), ("B", "A"), ("C", "B"), ("D", None)]:
+    for name, parent in [("A", None), ("B", "A"), ("C", "B"), ("D", None), ("I", "D")]:
         put(tier, name, parent)
     flip_byte(HEADER_BYTES + 3)(block_path(tier, "D"))  # payload rot: found on read, not start-up
     junk = {
@@ -354,7 +355,6 @@ def test_restart_keeps_valid_blocks_and_discards_junk(tmp_path: Path) -> None:
     junk["wrong-key"].write_bytes(block_path(tier, "A").read_bytes())
     junk["truncated"].write_bytes(block_path(tier, "A").read_bytes()[:HEADER_BYTES])
     junk["bad-name"].write_bytes(b"x")
-    put(tier, "I", "D")
     flip_byte(28)(junk["parent-rot"])  # a wrong parent link would mislead eviction: dropped
     outside = tmp_path / "README"  # not in a fan-out folder: not ours, left alone
     outside.write_text("operator notes")
