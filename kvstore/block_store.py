@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -110,10 +110,17 @@ class BlockStore:
     stale entries are compacted once they outnumber live ones), so millions of blocks stay cheap.
     """
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(
+        self,
+        capacity_blocks: int,
+        on_evict: "Callable[[BlockKey, BlockKey | None, int], None] | None" = None,
+    ) -> None:
+        """``on_evict(key, parent, slot)`` runs just before a block is evicted, while its slot
+        still holds its bytes: the owner's chance to demote it to a lower tier."""
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be at least 1, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
+        self._on_evict = on_evict
         self._blocks: dict[BlockKey, _Block] = {}
         # A stack whose pop() hands out slot 0 first, so tests can pin exact slot ids.
         self._free_slots: list[int] = list(range(capacity_blocks - 1, -1, -1))
@@ -385,7 +392,10 @@ class BlockStore:
         while self._heap:
             _, _, seq, key = heapq.heappop(self._heap)
             if self._evictable.get(key) == seq:
-                self._remove(self._blocks[key])
+                block = self._blocks[key]
+                if self._on_evict is not None:
+                    self._on_evict(key, block.parent, block.slot)
+                self._remove(block)
                 self._evicted_blocks += 1
                 evicted.append(key)
                 return True

@@ -18,6 +18,13 @@ class KVStoreConfig(BaseModel):
         "/dev/shm", description="Folder for the arena file; must be a memory-backed filesystem "
         "for zero-copy sharing between a node's workers."
     )
+    disk_dir: str | None = Field(
+        None, description="Folder of the SSD tier (one checksummed file per block); unset: no "
+        "disk tier, so blocks evicted from host memory are dropped."
+    )
+    disk_capacity_bytes: int = Field(
+        8 << 30, ge=1 << 20, description="Bytes the SSD tier may use on each node."
+    )
     publish_to_redis: bool = Field(
         True, description="Record which node holds each block in Redis (cluster-wide metadata)."
     )

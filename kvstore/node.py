@@ -14,8 +14,11 @@ from typing import Sequence
 
 import msgspec
 
+import torch
+
 from kvstore.block_store import BlockStore, StoreStats
 from kvstore.config import KVStoreConfig
+from kvstore.disk_tier import DiskTier
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey, key_hex
 
@@ -66,7 +69,13 @@ class KVStoreNode:
         _remove_stale_arenas(Path(config.arena_dir), f"baton-{cluster_name}-{node_id}-")
         path = Path(config.arena_dir) / f"baton-{cluster_name}-{node_id}-{os.getpid()}.arena"
         self.arena = HostArena(path, block_bytes, num_slots, create=True)
-        self.store = BlockStore(num_slots)
+        self.disk: DiskTier | None = None
+        if config.disk_dir:
+            folder = Path(config.disk_dir) / f"{cluster_name}-{node_id}"
+            self.disk = DiskTier(folder, config.disk_capacity_bytes, block_bytes)
+        self.store = BlockStore(num_slots, on_evict=self._demote)
+        self.promoted_blocks = 0
+        self.demoted_blocks = 0
         self._redis = None
         if redis_url and config.publish_to_redis:
             import redis
@@ -82,20 +91,24 @@ class KVStoreNode:
         return self.store.match_prefix(keys)
 
     def acquire(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Pin and return the slots of the leading run of ``keys`` in host memory, first
+        promoting the blocks that continue that run on disk (a disk hit is copied back to host;
+        a block that fails its checksum is a miss and ends the run)."""
+        if self.disk is not None:
+            self._promote(keys)
         return self.store.acquire(keys)
 
     def release(self, keys: Sequence[BlockKey]) -> None:
         self.store.release(keys)
 
     def reserve(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> list[int | None]:
-        result = self.store.reserve(keys, parents)
-        if result.evicted:
-            self._publish(removed=result.evicted)
-        return result.slots
+        return self.store.reserve(keys, parents).slots  # evictions were published by _demote
 
     def commit(self, keys: Sequence[BlockKey]) -> None:
         self.store.commit(keys)
         self._publish(stored=keys)
+        if self.disk is not None:
+            self._publish(removed=self.disk.drain_removed_keys())
 
     def abort(self, keys: Sequence[BlockKey]) -> None:
         self.store.abort(keys)
@@ -103,12 +116,55 @@ class KVStoreNode:
     def stats(self) -> StoreStats:
         return self.store.stats()
 
-    def _publish(self, stored: Sequence[BlockKey] = (), removed: Sequence[BlockKey] = ()) -> None:
-        if self._redis is None:
+    def tier_counters(self) -> dict[str, int]:
+        """Blocks moved between tiers, and the disk tier's own counters."""
+        counters = {"promoted_blocks": self.promoted_blocks, "demoted_blocks": self.demoted_blocks}
+        if self.disk is not None:
+            disk = self.disk.stats()
+            counters.update(disk_blocks=disk.used_blocks, disk_hits=disk.hits,
+                            disk_corrupt_blocks=disk.corrupt_blocks, disk_evictions=disk.evictions)
+        return counters
+
+    def _demote(self, key: BlockKey, parent: BlockKey | None, slot: int) -> None:
+        """BlockStore eviction hook: the slot still holds the block; copy it to disk first."""
+        if self.disk is None:
+            self._publish(removed=[key])
+            return
+        if self.disk.put(key, parent, self.arena.slot(slot)):
+            self.demoted_blocks += 1
+            self._publish(stored=[key], tier="disk")
+        else:
+            self._publish(removed=[key])
+
+    def _promote(self, keys: Sequence[BlockKey]) -> None:
+        start = self.store.match_prefix(keys)
+        for index in range(start, len(keys)):
+            key = keys[index]
+            if not self.disk.contains(key):
+                break
+            parent = keys[index - 1] if index > 0 else None
+            result = self.store.reserve([key], [parent])
+            slot = result.slots[0]
+            if slot is None:
+                break  # host memory is full of pinned blocks: serve what is there
+            payload = self.disk.get(key)
+            if payload is None:  # failed its checksum: counted and deleted by the disk tier
+                self.store.abort([key])
+                break
+            self.arena.slot(slot).copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            self.store.commit([key])
+            self.promoted_blocks += 1
+            self._publish(stored=[key])
+        self._publish(removed=self.disk.drain_removed_keys())
+
+    def _publish(
+        self, stored: Sequence[BlockKey] = (), removed: Sequence[BlockKey] = (), tier: str = "host"
+    ) -> None:
+        if self._redis is None or not (stored or removed):
             return
         pipe = self._redis.pipeline(transaction=False)
         for key in stored:
-            pipe.hset(REDIS_BLOCK_PREFIX + key_hex(key), self.node_id, "host")
+            pipe.hset(REDIS_BLOCK_PREFIX + key_hex(key), self.node_id, tier)
         for key in removed:
             pipe.hdel(REDIS_BLOCK_PREFIX + key_hex(key), self.node_id)
         try:

@@ -1,0 +1,107 @@
+"""The store node's tiers: host blocks evicted to disk (demotion) and brought back on a hit
+(promotion), with bytes intact; a corrupt disk block is a miss, never served. The node class is
+used in-process (no Ray, no Redis): this is about its tier mechanism."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvstore.config import KVStoreConfig
+from kvstore.keys import KeyExtras, block_keys, key_hex
+from kvstore.node import KVStoreNode
+
+BLOCK_BYTES = 256 * 1024
+EXTRAS = KeyExtras(model_id="m")
+
+
+def chain(seed: int, num_blocks: int):
+    return block_keys([seed * 1000 + i for i in range(num_blocks * 4)], 4, EXTRAS)
+
+
+def payload(key) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int.from_bytes(key[:4], "little"))
+    return torch.randint(0, 256, (BLOCK_BYTES,), dtype=torch.uint8, generator=g)
+
+
+def write(node: KVStoreNode, keys) -> None:
+    parents = [None] + list(keys[:-1])
+    slots = node.reserve(keys, parents)
+    for key, slot in zip(keys, slots):
+        if slot is not None:
+            node.arena.slot(slot).copy_(payload(key))
+    node.commit([k for k, s in zip(keys, slots) if s is not None])
+
+
+def read(node: KVStoreNode, keys) -> list[torch.Tensor]:
+    slots = node.acquire(keys)
+    data = [node.arena.slot(s).clone() for s in slots]
+    node.release(keys[: len(slots)])
+    return data
+
+
+@pytest.fixture
+def node(tmp_path):
+    config = KVStoreConfig(host_capacity_bytes=4 * BLOCK_BYTES, arena_dir=str(tmp_path),
+                           disk_dir=str(tmp_path / "disk"), disk_capacity_bytes=64 * 1024 * 1024)
+    n = KVStoreNode("node0", "t", config, BLOCK_BYTES, redis_url=None)
+    yield n
+    n.shutdown()
+
+
+def test_evicted_host_blocks_are_demoted_and_promoted_back_intact(node):
+    a, b = chain(1, 4), chain(2, 3)
+    write(node, a)
+    write(node, b)  # host holds 4 blocks: three of a's go to disk, leaves first
+    assert node.store.match_prefix(a) == 1
+    assert node.tier_counters()["demoted_blocks"] == 3
+
+    data = read(node, a)
+
+    assert len(data) == 4
+    assert all(torch.equal(d, payload(k)) for d, k in zip(data, a))
+    counters = node.tier_counters()
+    assert counters["promoted_blocks"] == 3 and counters["disk_hits"] == 3
+    node.store.check_invariants()
+    node.disk.check_invariants()
+
+
+def test_a_corrupt_disk_block_ends_the_run_and_is_never_served(node):
+    a, b = chain(1, 4), chain(2, 3)
+    write(node, a)
+    write(node, b)
+    path = next(node.disk.directory.rglob(key_hex(a[2])))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+    data = read(node, a)
+
+    assert len(data) == 2  # a[0] in host, a[1] promoted, a[2] corrupt: the run stops there
+    assert all(torch.equal(d, payload(k)) for d, k in zip(data, a))
+    assert node.tier_counters()["disk_corrupt_blocks"] == 1
+    assert not path.exists()
+
+
+def test_without_a_disk_tier_evicted_blocks_are_dropped(tmp_path):
+    config = KVStoreConfig(host_capacity_bytes=4 * BLOCK_BYTES, arena_dir=str(tmp_path))
+    node = KVStoreNode("node0", "t", config, BLOCK_BYTES, redis_url=None)
+    try:
+        a, b = chain(1, 4), chain(2, 3)
+        write(node, a)
+        write(node, b)
+        assert len(read(node, a)) == 1
+        assert node.tier_counters() == {"promoted_blocks": 0, "demoted_blocks": 0}
+    finally:
+        node.shutdown()
+
+
+def test_the_arena_file_is_removed_on_shutdown(tmp_path):
+    node = KVStoreNode("node0", "t", KVStoreConfig(host_capacity_bytes=BLOCK_BYTES * 4,
+                                                   arena_dir=str(tmp_path)), BLOCK_BYTES, None)
+    path = node.arena.path
+    assert path.exists() and path.name.endswith(f"-{os.getpid()}.arena")
+    node.shutdown()
+    assert not path.exists()
