@@ -42,6 +42,10 @@ class HttpConfig(BaseModel):
     )
 
 
+LIVE_POLICIES = ("round_robin", "least_loaded", "random")
+"""Policies the live conductor can feed today: they need only pool membership and load."""
+
+
 class ConductorConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -57,6 +61,11 @@ class ConductorConfig(BaseModel):
 
         if value not in POLICIES:
             raise ValueError(f"unknown policy '{value}'; choose one of {sorted(POLICIES)}")
+        if value not in LIVE_POLICIES:
+            raise ValueError(
+                f"policy '{value}' prices KV-cache hits, which the live conductor cannot see yet "
+                f"(no KV-event index); serve with one of {list(LIVE_POLICIES)}"
+            )
         return value
 
 

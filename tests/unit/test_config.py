@@ -33,6 +33,7 @@ def test_yaml_then_overrides(tmp_path):
         ("- just\n- a list\n", "mapping"),
         ("prefill: [unclosed\n", "not valid YAML"),
         ("name: Bad_Name\n", "name"),
+        ("conductor:\n  policy: mooncake\n", "cannot see yet"),
         ("gateway:\n  enabled: false\nhttp:\n  enabled: false\n", "enable a front"),
     ],
 )
