@@ -25,6 +25,13 @@ class KVStoreConfig(BaseModel):
     disk_capacity_bytes: int = Field(
         8 << 30, ge=1 << 20, description="Bytes the SSD tier may use on each node."
     )
+    heartbeat_interval_s: float = Field(
+        1.0, gt=0, description="Seconds between a node's liveness renewals in Redis."
+    )
+    heartbeat_ttl_s: float = Field(
+        5.0, gt=0, description="Seconds after its last heartbeat that a node counts as dead and "
+        "its block entries are removed by the other nodes."
+    )
     publish_to_redis: bool = Field(
         True, description="Record which node holds each block in Redis (cluster-wide metadata)."
     )

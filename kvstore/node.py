@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -19,13 +20,14 @@ import torch
 from kvstore.block_store import BlockStore, StoreStats
 from kvstore.config import KVStoreConfig
 from kvstore.disk_tier import DiskTier
+from kvstore.metadata import BLOCK_PREFIX, NODES_KEY, BlockDirectory
 from kvstore.host_arena import HostArena
-from kvstore.keys import BlockKey, key_hex
+from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
 
-REDIS_BLOCK_PREFIX = "baton:block:"
-REDIS_NODES_KEY = "baton:nodes"
+REDIS_BLOCK_PREFIX = BLOCK_PREFIX
+REDIS_NODES_KEY = NODES_KEY
 
 
 def _remove_stale_arenas(folder: Path, prefix: str) -> None:
@@ -76,12 +78,17 @@ class KVStoreNode:
         self.store = BlockStore(num_slots, on_evict=self._demote)
         self.promoted_blocks = 0
         self.demoted_blocks = 0
-        self._redis = None
+        self._directory: BlockDirectory | None = None
+        self._stop_heartbeat = threading.Event()
         if redis_url and config.publish_to_redis:
-            import redis
-
-            self._redis = redis.Redis.from_url(redis_url)
-            self._redis.hset(REDIS_NODES_KEY, node_id, str(path))
+            self._directory = BlockDirectory.from_url(redis_url)
+            self._directory.register(node_id, str(path), config.heartbeat_ttl_s)
+            threading.Thread(
+                target=self._heartbeat_forever,
+                args=(BlockDirectory.from_url(redis_url), config),
+                name="baton-store-heartbeat",
+                daemon=True,
+            ).start()
         log.info("store node %s: %d slots of %d bytes in %s", node_id, num_slots, block_bytes, path)
 
     def arena_info(self) -> ArenaInfo:
@@ -160,23 +167,29 @@ class KVStoreNode:
     def _publish(
         self, stored: Sequence[BlockKey] = (), removed: Sequence[BlockKey] = (), tier: str = "host"
     ) -> None:
-        if self._redis is None or not (stored or removed):
+        if self._directory is None:
             return
-        pipe = self._redis.pipeline(transaction=False)
-        for key in stored:
-            pipe.hset(REDIS_BLOCK_PREFIX + key_hex(key), self.node_id, tier)
-        for key in removed:
-            pipe.hdel(REDIS_BLOCK_PREFIX + key_hex(key), self.node_id)
         try:
-            pipe.execute()
+            self._directory.publish(self.node_id, stored, removed, tier)
         except Exception:  # metadata is advisory; serving goes on without it
             log.warning("could not publish block metadata to Redis", exc_info=True)
 
-    def shutdown(self) -> None:
-        if self._redis is not None:
+    def _heartbeat_forever(self, directory: BlockDirectory, config: KVStoreConfig) -> None:
+        """Renew this node's liveness and remove the entries of nodes that stopped doing so."""
+        while not self._stop_heartbeat.wait(config.heartbeat_interval_s):
             try:
-                self._redis.hdel(REDIS_NODES_KEY, self.node_id)
+                directory.heartbeat(self.node_id, config.heartbeat_ttl_s)
+                for dead in directory.reap_dead_nodes():
+                    log.warning("store node %s stopped heartbeating; removed its block entries", dead)
             except Exception:
-                pass
+                log.warning("Redis heartbeat failed; retrying", exc_info=True)
+
+    def shutdown(self) -> None:
+        self._stop_heartbeat.set()
+        if self._directory is not None:
+            try:
+                self._directory.deregister(self.node_id)
+            except Exception:
+                log.warning("could not deregister from Redis", exc_info=True)
         self.arena.close()
         self.arena.unlink()

@@ -1,0 +1,83 @@
+"""Block metadata in a real redis-server: who holds what, heartbeats, and the removal of a node
+that stopped heartbeating."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvstore.config import KVStoreConfig
+from kvstore.keys import KeyExtras, block_keys
+from kvstore.metadata import BlockDirectory
+from kvstore.node import KVStoreNode
+from kvstore.redis_server import start_local_redis
+
+BLOCK_BYTES = 256 * 1024
+
+
+@pytest.fixture
+def redis_url():
+    server = start_local_redis()
+    yield server.url
+    server.stop()
+
+
+def keys(seed: int, n: int):
+    return block_keys([seed * 1000 + i for i in range(4 * n)], 4, KeyExtras(model_id="m"))
+
+
+def test_publish_locate_and_deregister(redis_url):
+    directory = BlockDirectory.from_url(redis_url)
+    a, b = keys(1, 3), keys(2, 2)
+    directory.register("n1", "arena-1", ttl_s=30)
+    directory.register("n2", "arena-2", ttl_s=30)
+    directory.publish("n1", stored=a)
+    directory.publish("n2", stored=a[:1] + b, tier="disk")
+    directory.publish("n1", removed=a[2:])
+
+    assert directory.locate(a) == [{"n1": "host", "n2": "disk"}, {"n1": "host"}, {}]
+    assert directory.locate(b) == [{"n2": "disk"}, {"n2": "disk"}]
+    assert directory.nodes() == {"n1": "arena-1", "n2": "arena-2"}
+
+    directory.deregister("n2")
+    assert directory.locate(a[:1] + b) == [{"n1": "host"}, {}, {}]
+    assert directory.nodes() == {"n1": "arena-1"}
+
+
+def _node(tmp_path, name: str, redis_url: str) -> KVStoreNode:
+    config = KVStoreConfig(host_capacity_bytes=4 * BLOCK_BYTES, arena_dir=str(tmp_path),
+                           heartbeat_interval_s=0.1, heartbeat_ttl_s=0.5)
+    return KVStoreNode(name, "t", config, BLOCK_BYTES, redis_url)
+
+
+def _write(node: KVStoreNode, chain) -> None:
+    slots = node.reserve(chain, [None] + list(chain[:-1]))
+    assert None not in slots
+    node.commit(chain)
+
+
+def test_a_node_that_stops_heartbeating_loses_its_entries(tmp_path, redis_url):
+    directory = BlockDirectory.from_url(redis_url)
+    survivor, doomed = _node(tmp_path, "alive", redis_url), _node(tmp_path, "doomed", redis_url)
+    try:
+        mine, theirs = keys(1, 2), keys(2, 2)
+        _write(survivor, mine)
+        _write(doomed, theirs)
+        time.sleep(1.0)  # twice the TTL: both heartbeat, nobody is reaped
+        assert directory.locate(theirs) == [{"doomed": "host"}] * 2
+        assert set(directory.nodes()) == {"alive", "doomed"}
+
+        doomed._stop_heartbeat.set()  # the process hangs or dies: no more heartbeats, no goodbye
+        deadline = time.monotonic() + 5
+        while "doomed" in directory.nodes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+        assert directory.nodes() == {"alive": str(survivor.arena.path)}
+        assert directory.locate(theirs) == [{}, {}]
+        assert directory.locate(mine) == [{"alive": "host"}] * 2
+    finally:
+        survivor.shutdown()
+        doomed.shutdown()
+    assert directory.nodes() == {}
+    assert directory.locate(mine) == [{}, {}]
