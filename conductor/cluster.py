@@ -149,7 +149,8 @@ class LocalCluster:
             ray.remote(KVStoreNode)
             .options(name=self.store_actor_name, namespace=self.namespace, num_cpus=0,
                      max_concurrency=1)
-            .remote("node0", self.config.name, self.config.kvstore, block_bytes, self.redis_url)
+            .remote("node0", self.config.name, self.config.kvstore, block_bytes, self.redis_url,
+                    block_size_for(self.config.engine.device))
         )
         ray.get(store.arena_info.remote())
         self._actors.append(store)

@@ -32,6 +32,13 @@ class KVStoreConfig(BaseModel):
         5.0, gt=0, description="Seconds after its last heartbeat that a node counts as dead and "
         "its block entries are removed by the other nodes."
     )
+    events_endpoint: str | None = Field(
+        None, description="ZMQ address the node binds to publish its KV events (vLLM's wire "
+        "format, medium CPU or DISK), e.g. tcp://127.0.0.1:5600; unset: no events."
+    )
+    events_replay_endpoint: str | None = Field(
+        None, description="ZMQ address the node binds to replay missed event batches."
+    )
     publish_to_redis: bool = Field(
         True, description="Record which node holds each block in Redis (cluster-wide metadata)."
     )

@@ -20,6 +20,7 @@ import torch
 from kvstore.block_store import BlockStore, StoreStats
 from kvstore.config import KVStoreConfig
 from kvstore.disk_tier import DiskTier
+from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, StoreEventPublisher
 from kvstore.metadata import BLOCK_PREFIX, NODES_KEY, BlockDirectory
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
@@ -44,6 +45,13 @@ def _remove_stale_arenas(folder: Path, prefix: str) -> None:
             continue
 
 
+def _stored(keys: list[BlockKey], parent: BlockKey | None, medium: str,
+            block_size_tokens: int) -> BlockStored:
+    """A store-side ``BlockStored``: the store knows keys, not tokens, so ``token_ids`` is empty."""
+    return BlockStored(block_hashes=keys, parent_block_hash=parent, token_ids=[],
+                       block_size=block_size_tokens, lora_id=None, medium=medium, lora_name=None)
+
+
 class ArenaInfo(msgspec.Struct, frozen=True):
     path: str
     slot_bytes: int
@@ -60,6 +68,7 @@ class KVStoreNode:
         config: KVStoreConfig,
         block_bytes: int,
         redis_url: str | None,
+        block_size_tokens: int = 0,
     ) -> None:
         num_slots = config.host_capacity_bytes // block_bytes
         if num_slots < 1:
@@ -75,6 +84,12 @@ class KVStoreNode:
         if config.disk_dir:
             folder = Path(config.disk_dir) / f"{cluster_name}-{node_id}"
             self.disk = DiskTier(folder, config.disk_capacity_bytes, block_bytes)
+        self._events: StoreEventPublisher | None = None
+        if config.events_endpoint:
+            self._events = StoreEventPublisher(
+                config.events_endpoint, config.events_replay_endpoint, f"baton.store.{node_id}"
+            )
+        self._block_size_tokens = block_size_tokens
         self.store = BlockStore(num_slots, on_evict=self._demote)
         self.promoted_blocks = 0
         self.demoted_blocks = 0
@@ -113,9 +128,8 @@ class KVStoreNode:
 
     def commit(self, keys: Sequence[BlockKey]) -> None:
         self.store.commit(keys)
-        self._publish(stored=keys)
-        if self.disk is not None:
-            self._publish(removed=self.disk.drain_removed_keys())
+        self._record(stored_host=keys)
+        self._record_disk_removals()
 
     def abort(self, keys: Sequence[BlockKey]) -> None:
         self.store.abort(keys)
@@ -134,14 +148,11 @@ class KVStoreNode:
 
     def _demote(self, key: BlockKey, parent: BlockKey | None, slot: int) -> None:
         """BlockStore eviction hook: the slot still holds the block; copy it to disk first."""
-        if self.disk is None:
-            self._publish(removed=[key])
-            return
-        if self.disk.put(key, parent, self.arena.slot(slot)):
+        if self.disk is not None and self.disk.put(key, parent, self.arena.slot(slot)):
             self.demoted_blocks += 1
-            self._publish(stored=[key], tier="disk")
+            self._record(removed_host=[key], stored_disk=[(key, parent)])
         else:
-            self._publish(removed=[key])
+            self._record(removed_host=[key])
 
     def _promote(self, keys: Sequence[BlockKey]) -> None:
         start = self.store.match_prefix(keys)
@@ -161,18 +172,46 @@ class KVStoreNode:
             self.arena.slot(slot).copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             self.store.commit([key])
             self.promoted_blocks += 1
-            self._publish(stored=[key])
-        self._publish(removed=self.disk.drain_removed_keys())
+            self._record(stored_host=[key])
+        self._record_disk_removals()
 
-    def _publish(
-        self, stored: Sequence[BlockKey] = (), removed: Sequence[BlockKey] = (), tier: str = "host"
+    def _record(
+        self,
+        stored_host: Sequence[BlockKey] = (),
+        removed_host: Sequence[BlockKey] = (),
+        stored_disk: Sequence[tuple[BlockKey, BlockKey | None]] = (),
+        removed_disk: Sequence[BlockKey] = (),
     ) -> None:
+        """Tell Redis and event subscribers what moved. Redis keeps one tier per node and
+        block (the fastest); events say exactly which tier gained or lost it."""
+        if self._events is not None:
+            events: list = []
+            for key in stored_host:
+                info = self.store.block_info(key)
+                parent = info.parent if info else None
+                events.append(_stored([key], parent, MEDIUM_HOST, self._block_size_tokens))
+            if removed_host:
+                events.append(BlockRemoved(block_hashes=list(removed_host), medium=MEDIUM_HOST))
+            events.extend(_stored([key], parent, MEDIUM_DISK, self._block_size_tokens)
+                          for key, parent in stored_disk)
+            if removed_disk:
+                events.append(BlockRemoved(block_hashes=list(removed_disk), medium=MEDIUM_DISK))
+            self._events.publish(events)
         if self._directory is None:
             return
         try:
-            self._directory.publish(self.node_id, stored, removed, tier)
+            self._directory.publish(self.node_id, stored=stored_host, tier="host")
+            demoted = [key for key, _ in stored_disk]
+            self._directory.publish(self.node_id, stored=demoted, tier="disk")
+            dropped = [k for k in removed_host if k not in demoted]
+            dropped += [k for k in removed_disk if k not in self.store]
+            self._directory.publish(self.node_id, removed=dropped)
         except Exception:  # metadata is advisory; serving goes on without it
             log.warning("could not publish block metadata to Redis", exc_info=True)
+
+    def _record_disk_removals(self) -> None:
+        if self.disk is not None:
+            self._record(removed_disk=self.disk.drain_removed_keys())
 
     def _heartbeat_forever(self, directory: BlockDirectory, config: KVStoreConfig) -> None:
         """Renew this node's liveness and remove the entries of nodes that stopped doing so."""
@@ -186,6 +225,8 @@ class KVStoreNode:
 
     def shutdown(self) -> None:
         self._stop_heartbeat.set()
+        if self._events is not None:
+            self._events.close()
         if self._directory is not None:
             try:
                 self._directory.deregister(self.node_id)
