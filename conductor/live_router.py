@@ -76,7 +76,12 @@ class LiveRouter:
         except RayTaskError as exc:
             raise _unwrap(exc) from exc
         yield Placed(placement, prefill)
-        decode = self._handle(placement.decode_instance)
+        try:
+            decode = self._handle(placement.decode_instance)
+        except ValueError as exc:  # the named actor is gone
+            raise WorkerFailed(
+                f"decode instance {placement.decode_instance} is gone; retry: {exc}"
+            ) from exc
         chunks = decode.generate.options(num_returns="streaming").remote(request)
         finished = False
         try:
