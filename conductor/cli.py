@@ -87,6 +87,8 @@ def generate(
     model: str = typer.Option("", help="Model name to check against the served one."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a stream."),
     timeout: float = typer.Option(300.0, help="Seconds before giving up."),
+    api_key: str = typer.Option("", envvar="BATON_API_KEY", show_default=False,
+                                help="API key, when the cluster requires one (or $BATON_API_KEY)."),
 ) -> None:
     """Send one request to a running gateway and stream the answer, then print usage."""
     from conductor.client import GenerateFailed, generate as run_generate
@@ -102,7 +104,7 @@ def generate(
         result = asyncio.run(run_generate(
             target, text=text, chat=chat, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt, model=model,
-            on_delta=on_delta, timeout_s=timeout,
+            on_delta=on_delta, timeout_s=timeout, api_key=api_key,
         ))
     except GenerateFailed as exc:
         err.print(f"[red]error:[/red] {exc.status}: {exc.details}")

@@ -81,6 +81,7 @@ async def generate(
     request_id: str = "",
     on_delta: DeltaCallback | None = None,
     timeout_s: float | None = None,
+    api_key: str = "",
 ) -> dict[str, Any]:
     """Run one Generate RPC against ``target`` (``host:port``) and return its result.
 
@@ -109,7 +110,8 @@ async def generate(
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.InferenceStub(channel)
         try:
-            async for response in stub.Generate(request, timeout=timeout_s):
+            metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+            async for response in stub.Generate(request, timeout=timeout_s, metadata=metadata):
                 if response.HasField("final"):
                     final = response.final
                     continue

@@ -36,14 +36,21 @@ class HttpConfig(BaseModel):
     enabled: bool = Field(True, description="Serve the OpenAI-compatible HTTP API.")
     host: str = Field("127.0.0.1", description="Address the HTTP front binds.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
-    api_key_file: str | None = Field(
-        None, description="File with one accepted API key per line; unset: no key required. "
-        "Keys are read from the file, never from the config itself, and never logged."
-    )
 
 
 LIVE_POLICIES = ("round_robin", "least_loaded", "random")
 """Policies the live conductor can feed today: they need only pool membership and load."""
+
+
+class AuthConfig(BaseModel):
+    """Client authentication, shared by the gRPC gateway and the HTTP front."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    api_key_file: str | None = Field(
+        None, description="File with one accepted API key per line; unset: no key required. "
+        "Keys are read from the file, never from the config itself, and never logged."
+    )
 
 
 class ConductorConfig(BaseModel):
@@ -98,6 +105,7 @@ class ClusterConfig(BaseModel):
     kvstore: KVStoreConfig = KVStoreConfig()
     gateway: GatewayConfig = GatewayConfig()
     http: HttpConfig = HttpConfig()
+    auth: AuthConfig = AuthConfig()
     conductor: ConductorConfig = ConductorConfig()
     redis: RedisConfig = RedisConfig()
     ray: RayConfig = RayConfig()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from dataclasses import dataclass
@@ -74,7 +75,9 @@ class InferenceServicer:
         served_model_name: str,
         max_model_len: int,
         vocab_size: int | None = None,
+        api_keys: frozenset[str] = frozenset(),
     ) -> None:
+        self._api_keys = api_keys
         self._router = router
         self._tokenizer = tokenizer
         self._served_model_name = served_model_name
@@ -99,11 +102,25 @@ class InferenceServicer:
             },
         )
 
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        """With keys configured, every call carries ``authorization: Bearer <key>`` metadata."""
+        if not self._api_keys:
+            return
+        metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+        header = metadata.get("authorization", "")
+        offered = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        if not any(hmac.compare_digest(offered, key) for key in self._api_keys):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or invalid API key: send metadata 'authorization: Bearer <key>'",
+            )
+
     async def Generate(
         self, request: pb.GenerateRequest | UndecodableRequest, context: grpc.aio.ServicerContext
     ) -> None:
         """Validate, check readiness, then relay the router's stream (see the .proto contract)."""
         received_at = time.perf_counter()
+        await self._authenticate(context)
         if isinstance(request, UndecodableRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
@@ -200,6 +217,7 @@ class InferenceServicer:
         self, request: pb.TokenizeRequest | UndecodableRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         """The prompt's token ids; checks the model and prompt but not the context window."""
+        await self._authenticate(context)
         if isinstance(request, UndecodableRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:

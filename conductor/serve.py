@@ -32,10 +32,10 @@ def _read_api_keys(path: str | None) -> frozenset[str]:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
-        raise ConfigError(f"http.api_key_file: cannot read {path}: {exc.strerror}") from exc
+        raise ConfigError(f"auth.api_key_file: cannot read {path}: {exc.strerror}") from exc
     keys = frozenset(line.strip() for line in lines if line.strip() and not line.startswith("#"))
     if not keys:
-        raise ConfigError(f"http.api_key_file: {path} holds no key")
+        raise ConfigError(f"auth.api_key_file: {path} holds no key")
     return keys
 
 
@@ -75,7 +75,9 @@ class BatonServer:
                       model.max_model_len)
         self.router = LiveRouter(self.cluster.conductor, self.cluster.namespace)
         self.router.start()
-        servicer = InferenceServicer(self.router, tokenizer, model.name, max_len)
+        api_keys = _read_api_keys(self.config.auth.api_key_file)
+        servicer = InferenceServicer(self.router, tokenizer, model.name, max_len,
+                                     api_keys=api_keys)
         if self.config.gateway.enabled:
             self.gateway = await start_gateway(
                 servicer, self.config.gateway.host, self.config.gateway.port
@@ -85,8 +87,7 @@ class BatonServer:
         if self.config.http.enabled:
             from conductor.openai_http import build_app, start_http
 
-            app = build_app(self.router, tokenizer, model.name, max_len,
-                            api_keys=_read_api_keys(self.config.http.api_key_file))
+            app = build_app(self.router, tokenizer, model.name, max_len, api_keys=api_keys)
             self.http = await start_http(app, self.config.http.host, self.config.http.port)
             self.progress(f"OpenAI-compatible HTTP on http://{self.config.http.host}:{self.http.port}/v1")
         if wait_ready:

@@ -24,9 +24,6 @@ class StoreClient:
         info = ray.get(self._actor.arena_info.remote())
         self.arena = HostArena(info.path, info.slot_bytes, info.num_slots, create=False)
 
-    def match_prefix(self, keys: Sequence[BlockKey]) -> int:
-        return ray.get(self._actor.match_prefix.remote(list(keys)))
-
     def acquire(self, keys: Sequence[BlockKey]) -> list[int]:
         return ray.get(self._actor.acquire.remote(list(keys)))
 

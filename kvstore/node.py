@@ -21,14 +21,12 @@ from kvstore.block_store import BlockStore, StoreStats
 from kvstore.config import KVStoreConfig
 from kvstore.disk_tier import DiskTier
 from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, StoreEventPublisher
-from kvstore.metadata import BLOCK_PREFIX, NODES_KEY, BlockDirectory
+from kvstore.metadata import BlockDirectory
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
 
-REDIS_BLOCK_PREFIX = BLOCK_PREFIX
-REDIS_NODES_KEY = NODES_KEY
 
 
 def _remove_stale_arenas(folder: Path, prefix: str) -> None:

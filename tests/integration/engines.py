@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from typing import AsyncIterator
 
+from conductor.config import load_config
+from conductor.serve import BatonServer
 from engine.builder import build_engine_args
 from engine.config import EngineConfig
 from engine.messages import EngineRequest, SamplingOptions
@@ -29,3 +33,14 @@ def random_prompt(num_tokens: int, seed: int, vocab_low: int = 100, vocab_high: 
     """A reproducible prompt of token ids (distinct seeds give prompts sharing no block)."""
     rng = random.Random(seed)
     return [rng.randrange(vocab_low, vocab_high) for _ in range(num_tokens)]
+
+
+@contextlib.asynccontextmanager
+async def running_server(overrides: dict) -> AsyncIterator[BatonServer]:
+    """A whole local cluster with both fronts on free ports (unless ``overrides`` say otherwise)."""
+    server = BatonServer(load_config(None, {"gateway.port": 0, "http.port": 0, **overrides}))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()

@@ -11,22 +11,17 @@ import pytest_asyncio
 import ray
 
 from conductor import client
-from conductor.config import load_config
-from conductor.serve import BatonServer
-from tests.integration.engines import random_prompt
+from tests.integration.engines import random_prompt, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(tiny_model):
-    config = load_config(None, {"engine.model": "tiny", "gateway.port": 0, "http.enabled": False,
-                                "name": "deadtest", "kvstore.host_capacity_bytes": 64 << 20,
-                                "conductor.stats_interval_s": 0.2})
-    srv = BatonServer(config)
-    await srv.start()
-    yield srv
-    await srv.stop()
+    async with running_server({"engine.model": "tiny", "http.enabled": False, "name": "deadtest",
+                               "kvstore.host_capacity_bytes": 64 << 20,
+                               "conductor.stats_interval_s": 0.2}) as srv:
+        yield srv
 
 
 async def test_killing_the_decode_worker_mid_stream_ends_cleanly_and_later_requests_fail_fast(server):

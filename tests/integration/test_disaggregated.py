@@ -12,9 +12,8 @@ import pytest_asyncio
 import ray
 
 from conductor import client
-from conductor.config import load_config
 from conductor.serve import BatonServer
-from tests.integration.engines import plain_generate, plain_runner, random_prompt
+from tests.integration.engines import plain_generate, plain_runner, random_prompt, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
@@ -24,16 +23,8 @@ MAX_TOKENS = 24
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(tiny_model):
-    config = load_config(None, {
-        "engine.model": "tiny",
-        "gateway.port": 0,
-        "http.port": 0,
-        "kvstore.host_capacity_bytes": 256 << 20,
-    })
-    srv = BatonServer(config)
-    await srv.start()
-    yield srv
-    await srv.stop()
+    async with running_server({"engine.model": "tiny", "kvstore.host_capacity_bytes": 256 << 20}) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +173,8 @@ async def test_store_records_each_stored_block_in_redis(server):
 
     from kvstore.connector import kv_layout_tag
     from kvstore.keys import KeyExtras, block_keys, key_hex
-    from kvstore.node import REDIS_BLOCK_PREFIX, REDIS_NODES_KEY
+    from kvstore.metadata import BLOCK_PREFIX as REDIS_BLOCK_PREFIX
+    from kvstore.metadata import NODES_KEY as REDIS_NODES_KEY
 
     prompt = random_prompt(4 * BLOCK + 5, seed=21)
     result = await client.generate(server.target, token_ids=prompt, max_tokens=2)

@@ -6,10 +6,8 @@ import pytest
 import pytest_asyncio
 
 from conductor import client
-from conductor.config import load_config
-from conductor.serve import BatonServer
 from conductor.tokenization import PromptTokenizer
-from tests.integration.engines import plain_generate, plain_runner
+from tests.integration.engines import plain_generate, plain_runner, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
@@ -22,12 +20,8 @@ LONG_CONTEXT = (
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(smollm2_model):
-    config = load_config(None, {"engine.model": "smollm2", "gateway.port": 0, "http.port": 0,
-                                "kvstore.host_capacity_bytes": 512 << 20})
-    srv = BatonServer(config)
-    await srv.start()
-    yield srv
-    await srv.stop()
+    async with running_server({"engine.model": "smollm2", "kvstore.host_capacity_bytes": 512 << 20}) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

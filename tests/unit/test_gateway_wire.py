@@ -381,3 +381,31 @@ async def test_client_generate_raises_generate_failed(gateway):
 
     assert info.value.status == "INVALID_ARGUMENT"
     assert "sampling.max_tokens must be positive, got 0" in info.value.details
+
+
+@pytest.mark.asyncio
+async def test_api_keys_are_required_when_configured(router, tokenizer):
+    servicer = InferenceServicer(router, tokenizer, SERVED, MAX_MODEL_LEN, api_keys=frozenset({"k-1"}))
+    running = await start_gateway(servicer, "127.0.0.1", 0)
+    target = f"127.0.0.1:{running.port}"
+    try:
+        for key in ("", "wrong", "k-1x"):
+            with pytest.raises(client.GenerateFailed) as info:
+                await client.generate(target, text="hi", api_key=key)
+            assert info.value.status == "UNAUTHENTICATED"
+            assert "authorization: Bearer" in info.value.details
+        assert router.requests == []  # nothing reached the router
+        result = await client.generate(target, text="hi", api_key="k-1")
+        assert result["text"] == "abcd"
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            error = await expect_error(stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=5))
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+            ok = await stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=5,
+                                     metadata=(("authorization", "Bearer k-1"),))
+            assert list(ok.token_ids) == tokenizer.encode_text("hi")
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # open without a key
+    finally:
+        await running.stop(None)
