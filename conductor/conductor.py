@@ -32,6 +32,7 @@ class Conductor:
         self._config = config
         self._namespace = namespace
         self._policy = POLICIES[config.policy]
+        self._policy_config = PolicyConfig()
         self._roles: dict[str, str] = {}
         self._views: dict[str, InstanceView] = {}
         self._num_placed = 0
@@ -64,7 +65,7 @@ class Conductor:
 
     async def place(self, request: PlacementRequest) -> Placement:
         """Placement for one request; raises ``NoWorkerReady`` when a pool has no ready instance."""
-        placement = self._policy(self.snapshot(), request, PolicyConfig())
+        placement = self._policy(self.snapshot(), request, self._policy_config)
         self._num_placed += 1
         log.debug(
             "placed %s: prefill=%s decode=%s policy=%s %s",

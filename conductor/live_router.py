@@ -13,7 +13,7 @@ from typing import AsyncIterator
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from conductor.errors import InvalidRequest, NoWorkerReady, WorkerFailed
+from conductor.errors import InvalidRequest, WorkerFailed
 from conductor.policy import PlacementRequest
 from conductor.router import Placed, RouterEvent
 from engine.messages import EngineRequest, TokenChunk
@@ -111,6 +111,4 @@ def _unwrap(exc: RayTaskError) -> Exception:
         return InvalidRequest(str(exc.cause))
     if isinstance(cause, EngineDead):
         return WorkerFailed(str(exc.cause))
-    if isinstance(cause, NoWorkerReady):
-        return cause
     return WorkerFailed(f"worker error: {exc.cause!r}")

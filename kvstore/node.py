@@ -107,9 +107,6 @@ class KVStoreNode:
     def arena_info(self) -> ArenaInfo:
         return ArenaInfo(str(self.arena.path), self.arena.slot_bytes, self.arena.num_slots)
 
-    def match_prefix(self, keys: Sequence[BlockKey]) -> int:
-        return self.store.match_prefix(keys)
-
     def acquire(self, keys: Sequence[BlockKey]) -> list[int]:
         """Pin and return the slots of the leading run of ``keys`` in host memory, first
         promoting the blocks that continue that run on disk (a disk hit is copied back to host;

@@ -22,14 +22,17 @@ class PrefillWorker(EngineWorker):
         from kvstore.connector import connector_stats
 
         saved = connector_stats(self.instance_id).saved_blocks_by_request
-        async for output in self.runner.generate(request, max_tokens=1):
-            if output.num_cached_tokens is not None:
-                num_cached_tokens = output.num_cached_tokens
+        try:
+            async for output in self.runner.generate(request, max_tokens=1):
+                if output.num_cached_tokens is not None:
+                    num_cached_tokens = output.num_cached_tokens
+        finally:  # an aborted prefill must not leave its counter behind
+            num_stored_blocks = saved.pop(request.request_id, 0)
         return PrefillResult(
             request_id=request.request_id,
             instance_id=self.instance_id,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=num_cached_tokens,
-            num_stored_blocks=saved.pop(request.request_id, 0),
+            num_stored_blocks=num_stored_blocks,
             prefill_ms=(time.perf_counter() - started) * 1000.0,
         )
