@@ -19,6 +19,9 @@ app = typer.Typer(
 )
 model_app = typer.Typer(help="Prepare the models Baton serves.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+bench_app = typer.Typer(help="Benchmarks: simulated fleets, the live cluster, the KV store, the conductor.",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
 
 err = Console(stderr=True)
 
