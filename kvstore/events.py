@@ -32,17 +32,21 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 
 class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+    block_hashes: list[bytes | int]
+    """Baton keys from a store; vLLM's own hashes (bytes or int) from an engine."""
+    parent_block_hash: bytes | int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[list | None] | None = None
+    """vLLM's per-block extra hash inputs, untagged: the LoRA name (when ``lora_name`` is set),
+    multimodal ``(identifier, offset)`` pairs, then the ``cache_salt`` string (first block only)."""
 
 
 class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes]
+    block_hashes: list[bytes | int]
     medium: str | None
 
 

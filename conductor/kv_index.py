@@ -1,0 +1,327 @@
+"""The conductor's KV index: which instance holds which block, in which tier.
+
+Fed by two kinds of event streams, both in vLLM's KV-event wire format:
+
+- **engine events** (one stream per vLLM instance): blocks entering and leaving that instance's
+  own device cache. vLLM names blocks by its own hashes, which are not reproducible across
+  processes, so each ``BlockStored`` is translated to Baton's chain keys from its tokens and its
+  parent (``kvstore.keys.hash_block``); the per-instance map from vLLM hash to Baton key resolves
+  later ``BlockRemoved`` events and parents.
+- **store events** (one stream per store node): blocks entering and leaving the node's host
+  (``CPU``) and disk (``DISK``) tiers, already named by Baton keys. Every instance on a node can
+  load what the node's store holds, so a store hit counts for each of them.
+
+Holders are bitmasks (one bit per instance, one per node), so matching a 64-block prompt against
+a thousand instances is a few dozen integer ANDs. ``prefix_hits`` returns, per instance, the
+leading run of the prompt's blocks it can reach and in which tier (``conductor.policy.PrefixHit``).
+
+Never trusting a stale entry: every stream carries sequence numbers; a gap (lost events) or a
+restart (sequence back to 0, ``AllBlocksCleared``) makes ``ingest_*`` return ``StreamGap`` and the
+caller replays or calls ``clear_instance`` / ``clear_node`` to drop what the stream said, so the
+index under-reports until the stream has re-announced (a lost affinity, never a wrong hit). The
+index itself does no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import msgspec
+
+from conductor.policy import PrefixHit
+from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvstore.keys import BlockKey, KeyExtras, hash_block, root_key
+
+
+class StreamGap(msgspec.Struct, frozen=True):
+    """Events were lost on a stream: ``expected_seq`` was due, ``got_seq`` arrived."""
+
+    source: str
+    expected_seq: int
+    got_seq: int
+
+
+@dataclass
+class _Instance:
+    bit: int
+    node_id: str
+    model_id: str
+    kv_layout: str
+    last_seq: int | None = None
+    vllm_to_key: dict = field(default_factory=dict)
+    """vLLM block hash → Baton key, for every block the instance's stream said it holds."""
+
+
+@dataclass
+class _Node:
+    bit: int
+    last_seq: int | None = None
+    host_keys: set = field(default_factory=set)
+    disk_keys: set = field(default_factory=set)
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _cache_salt(extra_keys: list | None, has_lora: bool) -> str:
+    """The ``cache_salt`` in vLLM's untagged extra keys of a chain's first block ('' if none)."""
+    if not extra_keys or extra_keys[0] is None:
+        return ""
+    strings = [k for k in extra_keys[0] if isinstance(k, str)]
+    if has_lora and strings:
+        strings = strings[1:]
+    return strings[-1] if strings else ""
+
+
+class KvIndex:
+    """Block holders by tier. Not thread-safe: one owner (the conductor's event loop) calls it."""
+
+    def __init__(self) -> None:
+        self._instances: dict[str, _Instance] = {}
+        self._nodes: dict[str, _Node] = {}
+        self._instance_ids: dict[int, str] = {}
+        self._device: dict[BlockKey, int] = {}
+        self._host: dict[BlockKey, int] = {}
+        self._disk: dict[BlockKey, int] = {}
+        self._node_members: dict[int, int] = {}
+        """node bit → mask of the instances on it."""
+        self._members_of_mask: dict[int, int] = {}
+        """Memo: node mask → mask of every instance on those nodes."""
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.num_untranslatable_blocks = 0
+        """Blocks announced with a parent the index never saw (their chain cannot be keyed)."""
+        self.num_resyncs = 0
+
+    # ------------------------------------------------------------------ membership
+
+    def add_instance(self, instance_id: str, node_id: str, model_id: str, kv_layout: str) -> None:
+        """Start tracking an instance (idempotent; re-adding clears what it held)."""
+        if instance_id in self._instances:
+            self.remove_instance(instance_id)
+        used = {i.bit for i in self._instances.values()}
+        bit = next(b for b in range(len(used) + 1) if b not in used)
+        self._instances[instance_id] = _Instance(bit, node_id, model_id, kv_layout)
+        self._instance_ids[bit] = instance_id
+        node = self._node(node_id)
+        self._node_members[node.bit] = self._node_members.get(node.bit, 0) | (1 << bit)
+        self._members_of_mask.clear()
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Forget an instance that left: its device entries go with it."""
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            return
+        self.clear_instance(instance_id)
+        node = self._nodes[inst.node_id]
+        self._node_members[node.bit] &= ~(1 << inst.bit)
+        del self._instances[instance_id], self._instance_ids[inst.bit]
+        self._members_of_mask.clear()
+
+    def _node(self, node_id: str) -> _Node:
+        node = self._nodes.get(node_id)
+        if node is None:
+            used = {n.bit for n in self._nodes.values()}
+            node = _Node(next(b for b in range(len(used) + 1) if b not in used))
+            self._nodes[node_id] = node
+        return node
+
+    def clear_instance(self, instance_id: str) -> None:
+        """Drop every device entry of an instance (its stream restarted or lost events)."""
+        inst = self._instances[instance_id]
+        keep = ~(1 << inst.bit)
+        for key in inst.vllm_to_key.values():
+            self._drop(self._device, key, keep)
+        inst.vllm_to_key.clear()
+        inst.last_seq = None
+        self.num_resyncs += 1
+
+    def clear_node(self, node_id: str) -> None:
+        """Drop every host and disk entry of a store node (lost, restarted, or out of sync)."""
+        node = self._node(node_id)
+        keep = ~(1 << node.bit)
+        for key in node.host_keys:
+            self._drop(self._host, key, keep)
+        for key in node.disk_keys:
+            self._drop(self._disk, key, keep)
+        node.host_keys.clear()
+        node.disk_keys.clear()
+        node.last_seq = None
+        self.num_resyncs += 1
+
+    @staticmethod
+    def _drop(tier: dict[BlockKey, int], key: BlockKey, keep: int) -> None:
+        mask = tier.get(key, 0) & keep
+        if mask:
+            tier[key] = mask
+        else:
+            tier.pop(key, None)
+
+    # ------------------------------------------------------------------ ingestion
+
+    @staticmethod
+    def _check_seq(source: str, last_seq: int | None, seq: int) -> StreamGap | None:
+        if last_seq is None or seq == last_seq + 1:
+            return None
+        return StreamGap(source, last_seq + 1, seq)
+
+    def ingest_engine(self, instance_id: str, seq: int, payload: bytes) -> StreamGap | None:
+        """Apply one engine batch (msgpack ``KVEventBatch``); a gap is returned, not applied."""
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            return None  # an instance that left (or was never registered): nothing to trust
+        gap = self._check_seq(instance_id, inst.last_seq, seq)
+        if gap is not None:
+            return gap
+        inst.last_seq = seq
+        self.apply_engine_events(instance_id, self._decoder.decode(payload).events)
+        return None
+
+    def apply_engine_events(self, instance_id: str, events: Sequence) -> None:
+        inst = self._instances[instance_id]
+        bit = 1 << inst.bit
+        device, mapping = self._device, inst.vllm_to_key
+        for event in events:
+            if isinstance(event, BlockStored):
+                if event.parent_block_hash is None:
+                    salt = _cache_salt(event.extra_keys, event.lora_name is not None)
+                    parent = root_key(KeyExtras(inst.model_id, salt, event.lora_name or "",
+                                                inst.kv_layout))
+                else:
+                    parent = mapping.get(event.parent_block_hash)
+                    if parent is None:
+                        self.num_untranslatable_blocks += len(event.block_hashes)
+                        continue
+                size, tokens = event.block_size, event.token_ids
+                for i, vllm_hash in enumerate(event.block_hashes):
+                    parent = hash_block(parent, tokens[i * size:(i + 1) * size])
+                    mapping[vllm_hash] = parent
+                    device[parent] = device.get(parent, 0) | bit
+            elif isinstance(event, BlockRemoved):
+                keep = ~bit
+                for vllm_hash in event.block_hashes:
+                    key = mapping.pop(vllm_hash, None)
+                    if key is not None:
+                        self._drop(device, key, keep)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear_instance(instance_id)
+                self.num_resyncs -= 1  # a clean restart announced by the engine, not a repair
+
+    def ingest_store(self, node_id: str, seq: int, payload: bytes) -> StreamGap | None:
+        """Apply one store-node batch; a gap is returned, not applied."""
+        node = self._node(node_id)
+        gap = self._check_seq(node_id, node.last_seq, seq)
+        if gap is not None:
+            return gap
+        node.last_seq = seq
+        self.apply_store_events(node_id, self._decoder.decode(payload).events)
+        return None
+
+    def apply_store_events(self, node_id: str, events: Sequence) -> None:
+        node = self._node(node_id)
+        bit = 1 << node.bit
+        for event in events:
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                tier, keys = ((self._disk, node.disk_keys) if event.medium == MEDIUM_DISK
+                              else (self._host, node.host_keys))
+                assert event.medium in (MEDIUM_HOST, MEDIUM_DISK), event.medium
+                if isinstance(event, BlockStored):
+                    for key in event.block_hashes:
+                        tier[key] = tier.get(key, 0) | bit
+                        keys.add(key)
+                else:
+                    for key in event.block_hashes:
+                        self._drop(tier, key, ~bit)
+                        keys.discard(key)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear_node(node_id)
+                self.num_resyncs -= 1
+
+    def note_device_blocks(self, instance_id: str, keys: Sequence[BlockKey]) -> None:
+        """Record blocks an instance is known to hold right now (it just computed them), ahead
+        of its events. The event that follows is idempotent; a later ``BlockRemoved`` cannot
+        remove these (their vLLM hashes are unknown), so they live until ``forget_device_blocks``
+        or a stream reset."""
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            return
+        bit = 1 << inst.bit
+        for key in keys:
+            self._device[key] = self._device.get(key, 0) | bit
+
+    def forget_device_blocks(self, instance_id: str, keys: Sequence[BlockKey]) -> None:
+        """The instance turned out not to hold these (it computed what the index said it held)."""
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            return
+        keep = ~(1 << inst.bit)
+        gone = set(keys)
+        for key in gone:
+            self._drop(self._device, key, keep)
+        for vllm_hash in [h for h, k in inst.vllm_to_key.items() if k in gone]:
+            del inst.vllm_to_key[vllm_hash]
+
+    # ------------------------------------------------------------------ queries
+
+    def _instances_on(self, node_mask: int) -> int:
+        members = self._members_of_mask.get(node_mask)
+        if members is None:
+            members = 0
+            for node_bit in _bits(node_mask):
+                members |= self._node_members.get(node_bit, 0)
+            self._members_of_mask[node_mask] = members
+        return members
+
+    def prefix_hits(self, keys: Sequence[BlockKey]) -> dict[str, PrefixHit]:
+        """Per instance with a non-empty leading run of ``keys``: its blocks by fastest tier."""
+        device, host, disk = self._device, self._host, self._disk
+        alive = -1
+        steps: list[tuple[int, int]] = []  # (device mask, host-reachable mask) per block of the run
+        ends: dict[int, int] = {}
+        for i, key in enumerate(keys):
+            d = device.get(key, 0)
+            h = host.get(key, 0)
+            h = self._instances_on(h) if h else 0
+            s = disk.get(key, 0)
+            s = self._instances_on(s) if s else 0
+            reach = (d | h | s) & alive
+            dropped = (alive & ~reach) if i else 0  # alive starts as every bit: nothing to drop
+            for b in _bits(dropped):
+                ends[b] = i
+            alive = reach
+            if not alive:
+                break
+            steps.append((d, h))
+        else:
+            for b in _bits(alive if keys else 0):
+                ends[b] = len(keys)
+        hits: dict[str, PrefixHit] = {}
+        for b, run in ends.items():
+            instance_id = self._instance_ids.get(b)
+            if instance_id is None or run == 0:
+                continue
+            bit = 1 << b
+            num_device = num_host = 0
+            for d, h in steps[:run]:
+                if d & bit:
+                    num_device += 1
+                elif h & bit:
+                    num_host += 1
+            hits[instance_id] = PrefixHit(num_device, num_host, run - num_device - num_host)
+        return hits
+
+    def num_blocks(self) -> dict[str, int]:
+        """Indexed keys per tier (a key held by several holders counts once)."""
+        return {"device": len(self._device), "host": len(self._host), "disk": len(self._disk)}
+
+    def num_device_blocks(self, instance_id: str) -> int:
+        """Blocks the instance's stream says it holds (SGLang's tree size)."""
+        inst = self._instances.get(instance_id)
+        return len(inst.vllm_to_key) if inst else 0
+
+    def instance_ids(self) -> list[str]:
+        return list(self._instances)

@@ -1,0 +1,136 @@
+"""The conductor's KV index: events in, per-instance prefix hits by tier out."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from conductor.kv_index import KvIndex, StreamGap
+from conductor.policy import PrefixHit
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvstore.keys import KeyExtras, block_keys
+
+BS = 4
+MODEL, LAYOUT = "m", "float32:4"
+PROMPT = list(range(100, 124))  # 6 full blocks
+
+
+def keys(tokens=PROMPT, salt=""):
+    return block_keys(tokens, BS, KeyExtras(MODEL, salt, "", LAYOUT))
+
+
+def stored(hashes, parent, tokens, extra_keys=None, medium="GPU"):
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent, token_ids=list(tokens),
+                       block_size=BS, lora_id=None, medium=medium, lora_name=None, extra_keys=extra_keys)
+
+
+def payload(*events):
+    return msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=list(events)))
+
+
+@pytest.fixture
+def index():
+    ix = KvIndex()
+    ix.add_instance("p0", "node-a", MODEL, LAYOUT)
+    ix.add_instance("p1", "node-a", MODEL, LAYOUT)
+    ix.add_instance("p2", "node-b", MODEL, LAYOUT)
+    return ix
+
+
+def test_engine_blocks_are_translated_to_baton_chain_keys(index):
+    # Two events: the first three blocks, then three more chained on vLLM's hash of block 3.
+    assert index.ingest_engine("p0", 0, payload(stored([11, 12, 13], None, PROMPT[:12]))) is None
+    assert index.ingest_engine("p0", 1, payload(stored([14, 15, 16], 13, PROMPT[12:]))) is None
+    assert index.prefix_hits(keys()) == {"p0": PrefixHit(6, 0, 0)}
+    # A prompt sharing the first two blocks only.
+    other = PROMPT[:8] + [1] * 16
+    assert index.prefix_hits(keys(other)) == {"p0": PrefixHit(2, 0, 0)}
+
+
+def test_cache_salt_from_vllm_extra_keys_enters_the_root(index):
+    index.ingest_engine("p0", 0, payload(stored([1, 2], None, PROMPT[:8], extra_keys=[["tenant-a"], None])))
+    assert index.prefix_hits(keys(salt="tenant-a")) == {"p0": PrefixHit(2, 0, 0)}
+    assert index.prefix_hits(keys()) == {}
+    assert index.prefix_hits(keys(salt="tenant-b")) == {}
+
+
+def test_removed_and_cleared(index):
+    index.ingest_engine("p0", 0, payload(stored([1, 2, 3], None, PROMPT[:12])))
+    index.ingest_engine("p0", 1, payload(BlockRemoved(block_hashes=[3], medium="GPU")))
+    assert index.prefix_hits(keys()) == {"p0": PrefixHit(2, 0, 0)}
+    index.ingest_engine("p0", 2, payload(BlockRemoved(block_hashes=[1], medium="GPU")))
+    assert index.prefix_hits(keys()) == {}  # block 2 is held but the run starts with a miss
+    index.ingest_engine("p0", 3, payload(AllBlocksCleared()))
+    assert index.num_blocks()["device"] == 0
+    assert index.num_resyncs == 0  # a clean restart is not a repair
+
+
+def test_store_tiers_count_for_every_instance_on_the_node(index):
+    k = keys()
+    index.ingest_store("node-a", 0, payload(stored(k[:4], None, [], medium="CPU")))
+    index.ingest_store("node-a", 1, payload(stored(k[4:5], None, [], medium="DISK")))
+    index.ingest_engine("p1", 0, payload(stored([1, 2], None, PROMPT[:8])))
+    assert index.prefix_hits(k) == {
+        "p0": PrefixHit(0, 4, 1),
+        "p1": PrefixHit(2, 2, 1),  # each block counted once, in its fastest tier
+    }
+    index.ingest_store("node-a", 2, payload(BlockRemoved(block_hashes=k[2:3], medium="CPU")))
+    assert index.prefix_hits(k) == {"p0": PrefixHit(0, 2, 0), "p1": PrefixHit(2, 0, 0)}
+
+
+def test_a_sequence_gap_is_returned_and_not_applied(index):
+    index.ingest_engine("p0", 0, payload(stored([1], None, PROMPT[:4])))
+    gap = index.ingest_engine("p0", 2, payload(stored([2], 1, PROMPT[4:8])))
+    assert gap == StreamGap("p0", 1, 2)
+    assert index.prefix_hits(keys()) == {"p0": PrefixHit(1, 0, 0)}
+    index.clear_instance("p0")  # the caller could not replay: drop what the stream said
+    assert index.prefix_hits(keys()) == {}
+    assert index.num_resyncs == 1
+    assert index.ingest_engine("p0", 7, payload(stored([1], None, PROMPT[:4]))) is None  # fresh start
+    assert index.prefix_hits(keys()) == {"p0": PrefixHit(1, 0, 0)}
+
+
+def test_store_gap_and_node_clear(index):
+    k = keys()
+    index.ingest_store("node-b", 0, payload(stored(k[:2], None, [], medium="CPU")))
+    assert index.ingest_store("node-b", 5, payload(stored(k[2:3], None, [], medium="CPU"))) == \
+        StreamGap("node-b", 1, 5)
+    index.clear_node("node-b")
+    assert index.prefix_hits(k) == {}
+
+
+def test_unknown_parent_is_counted_not_guessed(index):
+    index.ingest_engine("p0", 0, payload(stored([9], 12345, PROMPT[4:8])))
+    assert index.num_untranslatable_blocks == 1
+    assert index.num_blocks()["device"] == 0
+
+
+def test_removed_instance_frees_its_bit_and_entries(index):
+    index.ingest_engine("p0", 0, payload(stored([1, 2], None, PROMPT[:8])))
+    index.remove_instance("p0")
+    assert index.prefix_hits(keys()) == {}
+    index.add_instance("p3", "node-b", MODEL, LAYOUT)  # reuses p0's bit: must start empty
+    assert index.prefix_hits(keys()) == {}
+    assert index.ingest_engine("p0", 1, payload(stored([1], None, PROMPT[:4]))) is None  # ignored
+    assert index.prefix_hits(keys()) == {}
+
+
+def test_noted_blocks_count_until_forgotten(index):
+    k = keys()
+    index.note_device_blocks("p2", k[:3])
+    assert index.prefix_hits(k) == {"p2": PrefixHit(3, 0, 0)}
+    index.forget_device_blocks("p2", k[1:3])
+    assert index.prefix_hits(k) == {"p2": PrefixHit(1, 0, 0)}
+
+
+def test_vllm_encoded_batches_decode():
+    from vllm.distributed.kv_events import BlockStored as VllmStored
+    from vllm.distributed.kv_events import KVEventBatch as VllmBatch
+
+    ix = KvIndex()
+    ix.add_instance("p0", "n", MODEL, LAYOUT)
+    event = VllmStored(block_hashes=[b"h1", b"h2"], parent_block_hash=None, token_ids=PROMPT[:8],
+                       block_size=BS, lora_id=None, medium="GPU", lora_name=None,
+                       extra_keys=[("salt",), None])
+    ix.ingest_engine("p0", 0, msgspec.msgpack.encode(VllmBatch(ts=1.0, events=[event])))
+    assert ix.prefix_hits(keys(salt="salt")) == {"p0": PrefixHit(2, 0, 0)}
