@@ -2,7 +2,67 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
+
+
+class TransferConfig(BaseModel):
+    """The transfer engine: each store node serves its blocks to registered peers; clients pull
+    batches of blocks by key. Same node: shared memory; other nodes: ``backend``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: Literal["tcp", "ucx"] = Field(
+        "tcp", description="Data path between nodes: 'tcp' (asyncio sockets) or 'ucx' (ucxx; "
+        "transports from ucx_options). A node with 'ucx' also serves 'tcp'."
+    )
+    listen_host: str = Field(
+        "127.0.0.1", description="Address the block server binds (tcp and ucx listeners)."
+    )
+    advertise_host: str | None = Field(
+        None, description="Address peers connect to; unset: listen_host."
+    )
+    listen_port: int = Field(
+        0, ge=0, le=65535, description="TCP port of the block server; 0 picks a free one."
+    )
+    ucx_port: int = Field(
+        0, ge=0, le=65535, description="UCX listener port (backend 'ucx'); 0 picks a free one."
+    )
+    ucx_options: dict[str, str] = Field(
+        default_factory=lambda: {"TLS": "tcp", "WARN_UNUSED_ENV_VARS": "n"},
+        description="UCX settings without the UCX_ prefix (TLS=tcp here; rc,cuda_copy,... on "
+        "RDMA clusters). Applied once per process, when UCX is first used.",
+    )
+    ucx_progress_mode: Literal["blocking", "polling", "thread"] = Field(
+        "blocking", description="ucxx progress mode; 'blocking' gives ~25 us round trips here."
+    )
+    same_node_shared_memory: bool = Field(
+        True, description="Read a peer on the same machine straight from its arena file."
+    )
+    connect_timeout_s: float = Field(
+        2.0, gt=0, description="Seconds to connect and authenticate to a peer."
+    )
+    request_timeout_s: float = Field(
+        5.0, gt=0, description="Seconds one batched read may take end to end."
+    )
+    max_retries: int = Field(
+        2, ge=0, description="Extra attempts after a failed connect or timed-out read."
+    )
+    retry_backoff_s: float = Field(
+        0.05, ge=0, description="Seconds before the first retry; doubles on each later one."
+    )
+    token_file: str | None = Field(
+        None, description="File holding the cluster's shared transfer secret; unset: the "
+        "environment variable named by token_env."
+    )
+    token_env: str = Field(
+        "BATON_TRANSFER_TOKEN", description="Environment variable holding the shared secret "
+        "when token_file is unset."
+    )
+    bandwidth_ewma_alpha: float = Field(
+        0.2, gt=0, le=1, description="Weight of the newest read in each path's bandwidth EWMA."
+    )
 
 
 class KVStoreConfig(BaseModel):
@@ -41,4 +101,7 @@ class KVStoreConfig(BaseModel):
     )
     publish_to_redis: bool = Field(
         True, description="Record which node holds each block in Redis (cluster-wide metadata)."
+    )
+    transfer: TransferConfig | None = Field(
+        None, description="Serve this node's blocks to peers (transfer engine); unset: no server."
     )

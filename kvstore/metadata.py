@@ -6,7 +6,8 @@ Layout (all keys under ``baton:``):
 - ``baton:node:<node id>:blocks``: set of the key hexes the node holds (so a dead node's entries
   can be found and removed without scanning every block);
 - ``baton:nodes``: hash, node id → its description (arena path);
-- ``baton:node:<node id>:alive``: a key with a time-to-live, renewed by the node's heartbeat.
+- ``baton:node:<node id>:alive``: a key with a time-to-live, renewed by the node's heartbeat;
+- ``baton:transfer``: hash, node id → where its block server listens (JSON ``PeerAddress``).
 
 A node whose ``alive`` key has expired is dead: ``reap_dead_nodes`` (run by every live node on its
 heartbeat) deletes its block entries and its registration, so no reader is sent to a node that is
@@ -23,6 +24,7 @@ from kvstore.keys import BlockKey, key_hex
 
 BLOCK_PREFIX = "baton:block:"
 NODES_KEY = "baton:nodes"
+TRANSFER_KEY = "baton:transfer"
 
 
 def _node_blocks(node_id: str) -> str:
@@ -86,6 +88,13 @@ class BlockDirectory:
     def nodes(self) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in self._redis.hgetall(NODES_KEY).items()}
 
+    def set_transfer_address(self, node_id: str, address_json: bytes) -> None:
+        self._redis.hset(TRANSFER_KEY, node_id, address_json)
+
+    def transfer_addresses(self) -> dict[str, bytes]:
+        """Node id → its block server's address (JSON ``kvstore.transfer.PeerAddress``)."""
+        return {k.decode(): v for k, v in self._redis.hgetall(TRANSFER_KEY).items()}
+
     def is_alive(self, node_id: str) -> bool:
         return bool(self._redis.exists(_node_alive(node_id)))
 
@@ -97,6 +106,7 @@ class BlockDirectory:
             pipe.hdel(BLOCK_PREFIX + hexkey.decode(), node_id)
         pipe.delete(_node_blocks(node_id), _node_alive(node_id))
         pipe.hdel(NODES_KEY, node_id)
+        pipe.hdel(TRANSFER_KEY, node_id)
         pipe.execute()
 
     def reap_dead_nodes(self) -> list[str]:

@@ -2,16 +2,19 @@
 
 Workers on the node ask it which slot to write or read (``reserve``/``commit``,
 ``acquire``/``release``) and move the bytes themselves through the shared arena. The node also
-records in Redis which blocks it holds, so any process in the cluster can find them.
+records in Redis which blocks it holds, so any process in the cluster can find them, and, when
+``config.transfer`` is set, serves its blocks to other nodes (``kvstore.transfer_server``) from a
+second thread: every public method takes the node's lock.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import functools
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import msgspec
 
@@ -24,8 +27,21 @@ from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, 
 from kvstore.metadata import BlockDirectory
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
+from kvstore.transfer_server import BlockServer, PeerAddress, PinnedRun
 
 log = logging.getLogger(__name__)
+_F = TypeVar("_F", bound=Callable)
+
+
+def _locked(method: _F) -> _F:
+    """Serialise a public method with the block server's thread."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 
@@ -75,6 +91,7 @@ class KVStoreNode:
                 f"{block_bytes} bytes; raise it"
             )
         self.node_id = node_id
+        self._lock = threading.RLock()
         _remove_stale_arenas(Path(config.arena_dir), f"baton-{cluster_name}-{node_id}-")
         path = Path(config.arena_dir) / f"baton-{cluster_name}-{node_id}-{os.getpid()}.arena"
         self.arena = HostArena(path, block_bytes, num_slots, create=True)
@@ -102,11 +119,18 @@ class KVStoreNode:
                 name="baton-store-heartbeat",
                 daemon=True,
             ).start()
+        self.transfer_server: BlockServer | None = None
+        if config.transfer is not None:
+            self.transfer_server = BlockServer(self, config.transfer)
+            address = self.transfer_server.start()
+            if self._directory is not None:
+                self._directory.set_transfer_address(node_id, msgspec.json.encode(address))
         log.info("store node %s: %d slots of %d bytes in %s", node_id, num_slots, block_bytes, path)
 
     def arena_info(self) -> ArenaInfo:
         return ArenaInfo(str(self.arena.path), self.arena.slot_bytes, self.arena.num_slots)
 
+    @_locked
     def acquire(self, keys: Sequence[BlockKey]) -> list[int]:
         """Pin and return the slots of the leading run of ``keys`` in host memory, first
         promoting the blocks that continue that run on disk (a disk hit is copied back to host;
@@ -115,23 +139,29 @@ class KVStoreNode:
             self._promote(keys)
         return self.store.acquire(keys)
 
+    @_locked
     def release(self, keys: Sequence[BlockKey]) -> None:
         self.store.release(keys)
 
+    @_locked
     def reserve(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> list[int | None]:
         return self.store.reserve(keys, parents).slots  # evictions were published by _demote
 
+    @_locked
     def commit(self, keys: Sequence[BlockKey]) -> None:
         self.store.commit(keys)
         self._record(stored_host=keys)
         self._record_disk_removals()
 
+    @_locked
     def abort(self, keys: Sequence[BlockKey]) -> None:
         self.store.abort(keys)
 
+    @_locked
     def stats(self) -> StoreStats:
         return self.store.stats()
 
+    @_locked
     def tier_counters(self) -> dict[str, int]:
         """Blocks moved between tiers, and the disk tier's own counters."""
         counters = {"promoted_blocks": self.promoted_blocks, "demoted_blocks": self.demoted_blocks}
@@ -140,6 +170,18 @@ class KVStoreNode:
             counters.update(disk_blocks=disk.used_blocks, disk_hits=disk.hits,
                             disk_corrupt_blocks=disk.corrupt_blocks, disk_evictions=disk.evictions)
         return counters
+
+    def transfer_address(self) -> PeerAddress | None:
+        """Where this node's block server listens (None without ``config.transfer``)."""
+        return self.transfer_server.address if self.transfer_server is not None else None
+
+    @_locked
+    def pin_for_transfer(self, keys: Sequence[BlockKey]) -> PinnedRun:
+        """``acquire`` for the block server, saying which blocks came up from the disk tier."""
+        num_in_host = self.store.match_prefix(keys)
+        slots = self.acquire(keys)
+        from_disk = [i >= num_in_host for i in range(len(slots))]
+        return PinnedRun(keys=list(keys[: len(slots)]), slots=slots, from_disk=from_disk)
 
     def _demote(self, key: BlockKey, parent: BlockKey | None, slot: int) -> None:
         """BlockStore eviction hook: the slot still holds the block; copy it to disk first."""
@@ -220,6 +262,8 @@ class KVStoreNode:
 
     def shutdown(self) -> None:
         self._stop_heartbeat.set()
+        if self.transfer_server is not None:
+            self.transfer_server.close()  # unpins what in-flight sends held
         if self._events is not None:
             self._events.close()
         if self._directory is not None:
