@@ -142,6 +142,11 @@ async def generate(
             "decode": final.placement.decode,
             "policy": final.placement.policy,
             "reason": final.placement.reason,
+            "transfer_ms": final.placement.transfer_ms,
+            "queue_ms": final.placement.queue_ms,
+            "prefill_ms": final.placement.prefill_ms,
+            "expected_cached_blocks": final.placement.expected_cached_blocks,
+            "pulled_from": final.placement.pulled_from,
         },
         "request_id": final.request_id,
     }

@@ -1,94 +1,259 @@
 """The conductor: the one place where placement is decided.
 
-A Ray actor that keeps a snapshot of the pools (which instances exist, are ready, and how loaded
-they are), and answers ``place`` by calling the configured policy, a pure function, on it.
+A Ray async actor around ``ConductorState``. It binds the ZMQ socket every engine publishes its
+KV events to (vLLM's ``KVEventsConfig``: the conductor binds, engines connect, topic = instance
+id), subscribes to each store node's tier events, repairs sequence gaps by replay (or drops what
+the stream said when replay cannot), polls worker load, makes requests that share a prefix being
+prefilled right now wait (bounded) for it, and answers ``place``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
+import msgspec
 import ray
+import zmq
+import zmq.asyncio
 
 from conductor.config import ConductorConfig
-from conductor.policy import (
-    POLICIES,
-    ClusterSnapshot,
-    InstanceView,
-    PlacementRequest,
-    PolicyConfig,
-)
+from conductor.kv_index import StreamGap
+from conductor.policy import PlacementRequest, PolicyConfig
+from conductor.state import ConductorState, PlacementCounters
 from engine.messages import Placement
 
 log = logging.getLogger(__name__)
 
+END_SEQ = -1
+REPLAY_TIMEOUT_S = 2.0
+
+
+class ConductorStatus(msgspec.Struct, frozen=True):
+    """What ``baton status`` and the tests read from the conductor."""
+
+    policy: str
+    counters: PlacementCounters
+    indexed_blocks: dict[str, int]
+    num_resyncs: int
+    num_untranslatable_blocks: int
+    num_in_flight_prefills: int
+    num_in_flight_decodes: int
+    events_received: int
+    events_dropped_for_test: int
+
 
 class Conductor:
-    """Owns the snapshot and the placement counters. Ray async actor; one per cluster."""
+    """Owns the placement state and the event streams that keep its KV index current."""
 
-    def __init__(self, config: ConductorConfig, namespace: str) -> None:
+    def __init__(self, config: ConductorConfig, namespace: str, policy_config: PolicyConfig,
+                 events_host: str = "127.0.0.1") -> None:
         logging.basicConfig(level=logging.INFO)
         self._config = config
         self._namespace = namespace
-        self._policy = POLICIES[config.policy]
-        self._policy_config = PolicyConfig()
-        self._roles: dict[str, str] = {}
-        self._views: dict[str, InstanceView] = {}
-        self._num_placed = 0
-        self._refresher: asyncio.Task | None = None
+        self.state = ConductorState(config.policy, policy_config)
+        self._ctx = zmq.asyncio.Context()
+        self._engine_sub = self._ctx.socket(zmq.SUB)
+        self._engine_sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._engine_sub.setsockopt(zmq.LINGER, 0)
+        self._engine_sub.bind(f"tcp://{events_host}:0")
+        self._events_endpoint = self._engine_sub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._store_sub = self._ctx.socket(zmq.SUB)
+        self._store_sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._store_sub.setsockopt(zmq.LINGER, 0)
+        self._replay_endpoints: dict[str, str] = {}
+        self._store_topics: dict[bytes, str] = {}
+        self._prefill_events: dict[str, asyncio.Event] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._events_received = 0
+        self._drop_next: dict[str, int] = {}
+        self._events_dropped = 0
 
-    async def register(self, instance_id: str, role: str) -> None:
-        """Add an instance (not ready until ``mark_ready``)."""
-        assert role in ("prefill", "decode"), role
-        self._roles[instance_id] = role
-        self._views[instance_id] = InstanceView(instance_id, ready=False)
-        if self._refresher is None:
-            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+    def events_endpoint(self) -> str:
+        """Where engines publish KV events (``KVEventsConfig.endpoint``)."""
+        return self._events_endpoint
+
+    def _start_tasks(self) -> None:
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._engine_events()), loop.create_task(self._store_events()),
+                           loop.create_task(self._refresh_forever())]
+
+    # ------------------------------------------------------------------ membership
+
+    async def register(self, instance_id: str, role: str, node_id: str, model_id: str,
+                       kv_layout: str, replay_endpoint: str = "") -> None:
+        """Add an instance (not ready until ``mark_ready``); re-registering resets its index."""
+        self._start_tasks()
+        self.state.register(instance_id, role, node_id, model_id, kv_layout)
+        if replay_endpoint:
+            self._replay_endpoints[instance_id] = replay_endpoint
+
+    async def add_store_node(self, node_id: str, events_endpoint: str, replay_endpoint: str = "") -> None:
+        """Subscribe to a store node's tier events (the node binds, the conductor connects)."""
+        self._start_tasks()
+        self._store_topics[f"baton.store.{node_id}".encode()] = node_id
+        if replay_endpoint:
+            self._replay_endpoints[node_id] = replay_endpoint
+        self._store_sub.connect(events_endpoint)
 
     async def mark_ready(self, instance_id: str) -> None:
-        view = self._views[instance_id]
-        self._views[instance_id] = InstanceView(
-            instance_id, view.num_running_reqs, view.num_waiting_reqs, ready=True
-        )
+        self.state.set_ready(instance_id, True)
+
+    async def remove(self, instance_id: str) -> None:
+        self.state.remove(instance_id)
 
     async def is_ready(self) -> bool:
         """True when at least one prefill and one decode instance can take work."""
-        ready_roles = {self._roles[i] for i, v in self._views.items() if v.ready}
-        return {"prefill", "decode"} <= ready_roles
+        return self.state.is_ready()
 
-    def snapshot(self) -> ClusterSnapshot:
-        def pool(role: str) -> tuple[InstanceView, ...]:
-            return tuple(v for i, v in sorted(self._views.items()) if self._roles[i] == role)
-
-        return ClusterSnapshot(pool("prefill"), pool("decode"), self._num_placed)
+    # ------------------------------------------------------------------ requests
 
     async def place(self, request: PlacementRequest) -> Placement:
-        """Placement for one request; raises ``NoWorkerReady`` when a pool has no ready instance."""
-        placement = self._policy(self.snapshot(), request, self._policy_config)
-        self._num_placed += 1
-        log.debug(
-            "placed %s: prefill=%s decode=%s policy=%s %s",
-            request.request_id, placement.prefill_instance, placement.decode_instance,
-            placement.policy, placement.reason,
-        )
-        return placement
+        """Placement for one request. Raises ``NoWorkerReady`` when a pool has no ready instance
+        and ``Overloaded`` (before any prefill work) when the request would miss its SLOs."""
+        if self._config.coalesce:
+            owner = self.state.coalesce_target(request, self._config.coalesce_min_blocks)
+            if owner is not None:
+                await self._wait_for(owner)
+        return self.state.place(request)
 
-    async def num_placed(self) -> int:
-        return self._num_placed
+    async def _wait_for(self, owner: str) -> None:
+        event = self._prefill_events.setdefault(owner, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), self._config.coalesce_max_wait_ms / 1000.0)
+            self.state.counters.coalesced += 1
+        except asyncio.TimeoutError:
+            log.info("coalescing: prefill %s did not finish within %.0f ms; placing without it",
+                     owner, self._config.coalesce_max_wait_ms)
+
+    async def prefill_done(self, request_id: str, num_cached_tokens: int | None) -> None:
+        """The router reports a finished (or failed: None) prefill."""
+        self.state.prefill_done(request_id, num_cached_tokens)
+        event = self._prefill_events.pop(request_id, None)
+        if event is not None:
+            event.set()
+
+    async def finished(self, request_id: str) -> None:
+        """The router reports the end of a request, however it ended."""
+        self.state.finished(request_id)
+        event = self._prefill_events.pop(request_id, None)
+        if event is not None:
+            event.set()
+
+    async def status(self) -> ConductorStatus:
+        index = self.state.index
+        prefills, decodes = self.state.num_in_flight()
+        return ConductorStatus(
+            self._config.policy, self.state.counters, index.num_blocks(), index.num_resyncs,
+            index.num_untranslatable_blocks, prefills, decodes, self._events_received,
+            self._events_dropped,
+        )
+
+    async def prefix_hits(self, block_keys: list[bytes]) -> dict:
+        """The index's view of one prompt (for operators and tests): instance → PrefixHit."""
+        return self.state.index.prefix_hits(block_keys)
+
+    async def drop_next_events(self, source: str, num_batches: int) -> None:
+        """Fault injection for tests and drills: discard the next batches from ``source``, as a
+        lossy network would, to exercise gap detection and repair."""
+        self._drop_next[source] = num_batches
+
+    # ------------------------------------------------------------------ event streams
+
+    async def _engine_events(self) -> None:
+        while True:
+            topic, seq_bytes, payload = await self._engine_sub.recv_multipart()
+            await self._ingest(topic.decode(), seq_bytes, payload, engine=True)
+
+    async def _store_events(self) -> None:
+        while True:
+            topic, seq_bytes, payload = await self._store_sub.recv_multipart()
+            node_id = self._store_topics.get(topic)
+            if node_id is not None:
+                await self._ingest(node_id, seq_bytes, payload, engine=False)
+
+    async def _ingest(self, source: str, seq_bytes: bytes, payload: bytes, engine: bool) -> None:
+        self._events_received += 1
+        if self._drop_next.get(source, 0) > 0:
+            self._drop_next[source] -= 1
+            self._events_dropped += 1
+            return
+        seq = int.from_bytes(seq_bytes, "big", signed=True)
+        index = self.state.index
+        ingest = index.ingest_engine if engine else index.ingest_store
+        try:
+            gap = ingest(source, seq, payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("undecodable KV event batch from %s (%s): resyncing it", source, exc)
+            self._clear(source, engine)
+            return
+        if gap is not None:
+            await self._repair(gap, engine)
+
+    def _clear(self, source: str, engine: bool) -> None:
+        if engine:
+            if source in self.state.index.instance_ids():
+                self.state.index.clear_instance(source)
+        else:
+            self.state.index.clear_node(source)
+
+    async def _repair(self, gap: StreamGap, engine: bool) -> None:
+        """Replay the missed batches from the source's buffer; if that fails, drop everything the
+        stream said (the index under-reports until the source re-announces, never over-reports)."""
+        index = self.state.index
+        ingest = index.ingest_engine if engine else index.ingest_store
+        endpoint = self._replay_endpoints.get(gap.source)
+        batches = await self._replay(endpoint, gap.expected_seq) if endpoint else None
+        if not batches or batches[0][0] != gap.expected_seq:
+            log.warning("KV events %d..%d from %s lost and not replayable: resyncing its index entries",
+                        gap.expected_seq, gap.got_seq - 1, gap.source)
+            self._clear(gap.source, engine)
+            return
+        for seq, payload in batches:
+            if ingest(gap.source, seq, payload) is not None:
+                self._clear(gap.source, engine)
+                return
+        index.num_resyncs += 1
+        log.info("replayed KV events %d..%d from %s", gap.expected_seq, batches[-1][0], gap.source)
+
+    async def _replay(self, endpoint: str, start_seq: int) -> list[tuple[int, bytes]] | None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        batches: list[tuple[int, bytes]] = []
+        try:
+            await sock.send_multipart((b"", start_seq.to_bytes(8, "big")))
+            deadline = time.monotonic() + REPLAY_TIMEOUT_S
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not await sock.poll(remaining * 1000):
+                    return None
+                _, seq_bytes, payload = await sock.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if seq == END_SEQ:
+                    return batches
+                batches.append((seq, payload))
+        finally:
+            sock.close()
+
+    # ------------------------------------------------------------------ worker load
 
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self._config.stats_interval_s)
-            for instance_id, view in list(self._views.items()):
-                if not view.ready:
-                    continue
+            for instance_id in self.state.instance_ids():
                 try:
                     handle = ray.get_actor(instance_id, namespace=self._namespace)
                     stats = await asyncio.wait_for(handle.stats.remote(), timeout=5)
-                    self._views[instance_id] = InstanceView(
-                        instance_id, stats.num_running_reqs, stats.num_waiting_reqs, stats.ready
-                    )
                 except Exception:
-                    log.warning("instance %s stopped answering; marking it not ready", instance_id)
-                    self._views[instance_id] = InstanceView(instance_id, ready=False)
+                    if self.state.is_instance_ready(instance_id):
+                        log.warning("instance %s stopped answering; marking it not ready", instance_id)
+                    self.state.set_ready(instance_id, False)
+                    continue
+                if not self.state.is_instance_ready(instance_id) and not self.state.was_ever_ready(
+                        instance_id):
+                    continue  # still starting: mark_ready says when
+                self.state.set_ready(instance_id, stats.ready)
+                self.state.update_load(instance_id, stats.num_waiting_reqs, stats.kv_usage_frac)

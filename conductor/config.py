@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from conductor.errors import ConfigError
+from conductor.policy import POLICIES, PolicyConfig
 from engine.config import EngineConfig
 from kvstore.config import KVStoreConfig
 
@@ -38,10 +39,6 @@ class HttpConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
 
 
-LIVE_POLICIES = ("round_robin", "least_loaded", "random")
-"""Policies the live conductor can feed today: they need only pool membership and load."""
-
-
 class AuthConfig(BaseModel):
     """Client authentication, shared by the gRPC gateway and the HTTP front."""
 
@@ -54,25 +51,40 @@ class AuthConfig(BaseModel):
 
 
 class ConductorConfig(BaseModel):
+    """Placement: the policy, its knobs and SLOs, the cost profile, coalescing."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    policy: str = Field("round_robin", description="Placement policy (see conductor.policy).")
+    policy: str = Field("baton", description="Placement policy (see conductor.policy).")
     stats_interval_s: float = Field(
         0.5, gt=0, description="Seconds between refreshes of worker load in the snapshot."
+    )
+    profile_path: str | None = Field(
+        None, description="Cost profile written by `baton profile` (prefill, decode and transfer "
+        "models); unset: the built-in placeholder figures for vLLM-CPU."
+    )
+    tuning: PolicyConfig = Field(
+        PolicyConfig(), description="Policy knobs and the TTFT/TBT SLOs (conductor.policy.PolicyConfig); "
+        "block size, KV bytes per token and the cost models are set from the model and the profile."
+    )
+    coalesce: bool = Field(
+        True, description="Requests sharing a prefix that is being prefilled right now wait for it "
+        "instead of computing it again."
+    )
+    coalesce_min_blocks: int = Field(
+        4, ge=1, description="Wait only when at least this many of the request's blocks are being "
+        "computed by one in-flight prefill (blocks)."
+    )
+    coalesce_max_wait_ms: float = Field(
+        10_000.0, gt=0, description="Longest a request waits for that prefill before placing "
+        "without it (ms)."
     )
 
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        from conductor.policy import POLICIES
-
         if value not in POLICIES:
             raise ValueError(f"unknown policy '{value}'; choose one of {sorted(POLICIES)}")
-        if value not in LIVE_POLICIES:
-            raise ValueError(
-                f"policy '{value}' prices KV-cache hits, which the live conductor cannot see yet "
-                f"(no KV-event index); serve with one of {list(LIVE_POLICIES)}"
-            )
         return value
 
 

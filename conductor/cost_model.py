@@ -135,3 +135,56 @@ class TransferModel(BaseModel):
             return 0.0
         link: LinkCost = getattr(self, path)
         return link.setup_ms + num_bytes / link.bytes_per_s * 1000.0
+
+
+class DecodeCostModel(BaseModel):
+    """Predicted time of one decode step of a continuous batch (the inter-token time, TBT).
+
+    ``t = step_ms_base + step_ms_per_seq·num_seqs + step_ms_per_kv_token·context_tokens``: a fixed
+    launch cost, the per-sequence work of the linear layers, and attention reading every cached
+    token of the batch.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    step_ms_base: float = Field(20.0, ge=0, description="Fixed cost of one decode step (ms).")
+    step_ms_per_seq: float = Field(2.0, ge=0, description="Cost per running sequence (ms).")
+    step_ms_per_kv_token: float = Field(
+        1e-4, ge=0, description="Cost per context token the batch attends over (ms/token)."
+    )
+
+    def t_step_ms(self, num_seqs: int, context_tokens: int) -> float:
+        return self.step_ms_base + self.step_ms_per_seq * num_seqs + self.step_ms_per_kv_token * context_tokens
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[int, int, float]]) -> DecodeCostModel:
+        """Non-negative least squares over (num_seqs, context_tokens, step_ms) samples."""
+        data = np.asarray(list(samples), dtype=np.float64)
+        if data.shape[0] < 3:
+            raise ValueError(f"need at least 3 decode samples, got {data.shape[0]}")
+        features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+        scale = np.abs(features).max(axis=0)
+        scale[scale == 0] = 1.0
+        coef, *_ = np.linalg.lstsq(features / scale, data[:, 2], rcond=None)
+        coef = np.clip(coef / scale, 0.0, None)
+        return cls(step_ms_base=float(coef[0]), step_ms_per_seq=float(coef[1]),
+                    step_ms_per_kv_token=float(coef[2]))
+
+
+class CostProfile(BaseModel):
+    """What ``baton profile`` measures and the conductor loads: one model on one kind of machine."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(description="Model the profile was measured with.")
+    device: str = Field(description="'cpu' or 'cuda', and what ran it.")
+    block_size_tokens: int = Field(gt=0, description="Tokens per KV block (tokens).")
+    kv_bytes_per_token: int = Field(gt=0, description="KV bytes one token occupies (bytes).")
+    prefill: PrefillCostModel
+    decode: DecodeCostModel
+    transfer: TransferModel
+    prefill_error_pct: dict[str, float] = Field(
+        default_factory=dict,
+        description="Prediction error on held-out prefills: 'median' and 'p90' absolute %.",
+    )
+    samples: list[PrefillSample] = Field(default_factory=list, description="The measured prefills.")

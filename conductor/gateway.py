@@ -178,6 +178,9 @@ class InferenceServicer:
                 "router ended the stream without a finish_reason"
             )
         except BatonError as e:
+            retry_after_s = getattr(e, "retry_after_s", None)
+            if retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after-ms", str(round(retry_after_s * 1000))),))
             return e.grpc_status, str(e)
         except Exception:
             logger.exception("request %s failed inside the gateway", request.request_id)
@@ -200,6 +203,11 @@ class InferenceServicer:
             decode=placed.placement.decode_instance,
             policy=placed.placement.policy,
             reason=placed.placement.reason,
+            transfer_ms=placed.placement.transfer_ms,
+            queue_ms=placed.placement.queue_ms,
+            prefill_ms=placed.placement.prefill_ms,
+            expected_cached_blocks=placed.placement.expected_cached_blocks,
+            pulled_from=placed.placement.pulled_from,
         )
         await context.write(
             pb.GenerateResponse(

@@ -96,6 +96,7 @@ class KvIndex:
         self.num_untranslatable_blocks = 0
         """Blocks announced with a parent the index never saw (their chain cannot be keyed)."""
         self.num_resyncs = 0
+        self.num_duplicates = 0
 
     # ------------------------------------------------------------------ membership
 
@@ -163,10 +164,21 @@ class KvIndex:
 
     # ------------------------------------------------------------------ ingestion
 
-    @staticmethod
-    def _check_seq(source: str, last_seq: int | None, seq: int) -> StreamGap | None:
+    def _check_seq(self, source: str, last_seq: int | None, seq: int) -> StreamGap | bool | None:
+        """None: apply; True: a duplicate (already applied, e.g. after a replay), skip it;
+        a ``StreamGap``: batches were lost. A stream that starts over at 0 is a restarted
+        publisher: what it said before is dropped and the batch applies."""
         if last_seq is None or seq == last_seq + 1:
             return None
+        if seq == 0:
+            if source in self._instances:
+                self.clear_instance(source)
+            else:
+                self.clear_node(source)
+            return None
+        if seq <= last_seq:
+            self.num_duplicates += 1
+            return True
         return StreamGap(source, last_seq + 1, seq)
 
     def ingest_engine(self, instance_id: str, seq: int, payload: bytes) -> StreamGap | None:
@@ -175,6 +187,8 @@ class KvIndex:
         if inst is None:
             return None  # an instance that left (or was never registered): nothing to trust
         gap = self._check_seq(instance_id, inst.last_seq, seq)
+        if gap is True:
+            return None
         if gap is not None:
             return gap
         inst.last_seq = seq
@@ -215,6 +229,8 @@ class KvIndex:
         """Apply one store-node batch; a gap is returned, not applied."""
         node = self._node(node_id)
         gap = self._check_seq(node_id, node.last_seq, seq)
+        if gap is True:
+            return None
         if gap is not None:
             return gap
         node.last_seq = seq

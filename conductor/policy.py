@@ -21,7 +21,7 @@ import grpc
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from conductor.cost_model import PrefillCostModel, TransferModel
+from conductor.cost_model import DecodeCostModel, PrefillCostModel, TransferModel
 from conductor.errors import BatonError, NoWorkerReady
 from engine.messages import Placement
 
@@ -82,11 +82,10 @@ class PrefixHit(msgspec.Struct, frozen=True):
         """Blocks of the run's ``[start, end)`` on (device, host, disk)."""
         host_start = self.num_blocks_device
         disk_start = host_start + self.num_blocks_host
-
-        def overlap(lo: int, hi: int) -> int:
-            return max(0, min(end, hi) - max(start, lo))
-
-        return overlap(0, host_start), overlap(host_start, disk_start), overlap(disk_start, self.num_blocks)
+        disk_end = disk_start + self.num_blocks_disk
+        return (max(0, min(end, host_start) - max(start, 0)),
+                max(0, min(end, disk_start) - max(start, host_start)),
+                max(0, min(end, disk_end) - max(start, disk_start)))
 
 
 NO_HIT = PrefixHit()
@@ -111,6 +110,8 @@ class PlacementRequest(msgspec.Struct, frozen=True):
     num_prompt_tokens: int
     block_keys: tuple[bytes, ...] = ()
     """The prompt's chain-hashed full-block keys, in order (what ``prefix_hits`` was matched on)."""
+    max_tokens: int = 0
+    """Most tokens the request may generate (sizes its decode KV for admission)."""
 
 
 class PolicyConfig(BaseModel):
@@ -160,6 +161,11 @@ class PolicyConfig(BaseModel):
         None, gt=0, description="Mooncake, baton: reject when the best predicted TTFT exceeds this "
         "(ms); unset: never reject."
     )
+    tbt_slo_ms: float | None = Field(
+        None, gt=0, description="Reject when the chosen decode instance's predicted inter-token time "
+        "with this request exceeds this (ms); unset: never reject."
+    )
+    decode_cost: DecodeCostModel = Field(DecodeCostModel(), description="Predicted decode step time.")
     min_retry_after_s: float = Field(1.0, ge=0, description="Least retry-after hint on rejection (s).")
 
 
@@ -336,7 +342,7 @@ def price(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
     local = snapshot.hit(view.instance_id)
     bytes_per_block = config.block_size_tokens * config.kv_bytes_per_token
     t = config.transfer
-    _, host, disk = local.tiers_in(0, local.num_blocks)
+    host, disk = local.num_blocks_host, local.num_blocks_disk
     transfer_ms = (t.t_transfer_ms(host * bytes_per_block, "same_node")
                    + t.t_transfer_ms(disk * bytes_per_block, "remote_disk"))
     num_cached_blocks, num_pulled = local.num_blocks, 0
@@ -371,6 +377,77 @@ def _admit(chosen: PrefillPrice, config: PolicyConfig) -> None:
         )
 
 
+def _placed(chosen: PrefillPrice, decode: InstanceView, policy: str, reason: str) -> Placement:
+    return Placement(
+        chosen.instance_id, decode.instance_id, policy, reason,
+        transfer_ms=chosen.transfer_ms, queue_ms=chosen.queue_ms, prefill_ms=chosen.prefill_ms,
+        expected_cached_blocks=chosen.num_cached_blocks, pulled_from=chosen.pulled_from,
+        priority=-chosen.num_cached_blocks,
+    )
+
+
+class _Scan:
+    """Prices a whole pool in one pass for the cost-aware policies.
+
+    Only instances with a prefix hit need a full ``price``; every other instance's T is its queue
+    plus one of two constants (recompute everything, or pull the best run over the same-node or
+    the remote path). Totals are computed in the same order as ``price`` so both agree to the
+    last bit; ``*_options`` remain the reference the tests compare against.
+    """
+
+    def __init__(self, snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
+                 best: InstanceView | None) -> None:
+        self.snapshot, self.request, self.config, self.best = snapshot, request, config, best
+        self.recompute_ms = config.prefill_cost.t_prefill_ms(request.num_prompt_tokens, 0)
+        self._pull: dict[bool, tuple[float, float]] = {}
+
+    def pull_terms(self, view: InstanceView) -> tuple[float, float]:
+        """(transfer, prefill) ms for a no-hit ``view`` pulling the best run."""
+        best = self.best
+        same_node = bool(best.node_id) and best.node_id == view.node_id
+        terms = self._pull.get(same_node)
+        if terms is None:
+            full = price(self.snapshot, self.request, self.config, view, best)
+            terms = self._pull[same_node] = (full.transfer_ms, full.prefill_ms)
+        return terms
+
+
+def _best_hit_source(snapshot: ClusterSnapshot, views: Sequence[InstanceView]) -> InstanceView | None:
+    """``_best_source`` over the instances with a hit (None when no instance has one)."""
+    hits = snapshot.prefix_hits
+    holders = [v for v in views if v.instance_id in hits and hits[v.instance_id].num_blocks]
+    return _best_source(snapshot, holders) if holders else None
+
+
+def _cheapest(prefill: Sequence[InstanceView], scan: _Scan,
+              option_for_hit: Callable[[InstanceView], PrefillPrice],
+              always_pull: bool) -> tuple[InstanceView, float, InstanceView | None, float]:
+    """(best view, its T, best view without a pull, its T), first listed on ties. An instance
+    without a hit pulls the best run when ``always_pull`` (Mooncake) or when that is faster."""
+    hits = scan.snapshot.prefix_hits
+    best_view, best_t, local_view, local_t = None, math.inf, None, math.inf
+    hit_options: dict[str, PrefillPrice] = {}
+    for view in prefill:
+        hit = hits.get(view.instance_id)
+        if hit is not None and hit.num_blocks:
+            option = option_for_hit(view)
+            hit_options[view.instance_id] = option
+            t, pulled = option.total_ms, bool(option.num_pulled_blocks)
+        else:
+            q = _queue_ms(view, scan.config)
+            t, pulled = 0.0 + q + scan.recompute_ms, False
+            if scan.best is not None:
+                transfer_ms, prefill_ms = scan.pull_terms(view)
+                t_pull = transfer_ms + q + prefill_ms
+                if always_pull or t_pull < t:
+                    t, pulled = t_pull, True
+        if t < best_t:
+            best_view, best_t = view, t
+        if not pulled and t < local_t:
+            local_view, local_t = view, t
+    return best_view, best_t, local_view, local_t
+
+
 def mooncake_options(snapshot: ClusterSnapshot, request: PlacementRequest,
                      config: PolicyConfig) -> list[PrefillPrice]:
     """Algorithm 1's price for each ready prefill instance, in pool order.
@@ -394,12 +471,23 @@ def mooncake_options(snapshot: ClusterSnapshot, request: PlacementRequest,
 def mooncake(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
     """Mooncake's FAST'25 Algorithm 1: the least T = transfer + queue + prefill; decode by load;
     ``Overloaded`` when even that misses ``ttft_slo_ms``."""
-    options = mooncake_options(snapshot, request, config)
+    prefill = _ready(snapshot.prefill, "prefill")
     d = _decode_by_load(snapshot)
-    chosen = min(options, key=lambda o: o.total_ms)
+    best = _best_hit_source(snapshot, prefill)
+    scan = _Scan(snapshot, request, config, best)
+    best_len = snapshot.hit(best.instance_id).num_blocks if best else 0
+    threshold = config.mooncake_kvcache_balancing_threshold
+
+    def option_for_hit(view: InstanceView) -> PrefillPrice:
+        local_len = snapshot.hit(view.instance_id).num_blocks
+        pull = best_len > local_len and best_len / local_len > threshold
+        return price(snapshot, request, config, view, best if pull else None)
+
+    view, _, _, _ = _cheapest(prefill, scan, option_for_hit, always_pull=True)
+    chosen = option_for_hit(view) if snapshot.hit(view.instance_id).num_blocks else price(
+        snapshot, request, config, view, best)
     _admit(chosen, config)
-    reason = f"{chosen.describe()}; {_decode_terms(d)}"
-    return Placement(chosen.instance_id, d.instance_id, "mooncake", reason)
+    return _placed(chosen, d, "mooncake", f"{chosen.describe()}; {_decode_terms(d)}")
 
 
 def baton_options(snapshot: ClusterSnapshot, request: PlacementRequest,
@@ -413,16 +501,18 @@ def baton_options(snapshot: ClusterSnapshot, request: PlacementRequest,
     """
     prefill = _ready(snapshot.prefill, "prefill")
     best = _best_source(snapshot, prefill + tuple(v for v in snapshot.decode if v.ready))
-    best_len = snapshot.hit(best.instance_id).num_blocks
-    options = []
-    for view in prefill:
-        local = price(snapshot, request, config, view)
-        if best_len > snapshot.hit(view.instance_id).num_blocks:
-            pulled = price(snapshot, request, config, view, best)
-            if pulled.total_ms < local.total_ms:
-                local = pulled
-        options.append(local)
-    return options
+    return [_baton_option(snapshot, request, config, view, best) for view in prefill]
+
+
+def _baton_option(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
+                  view: InstanceView, best: InstanceView | None) -> PrefillPrice:
+    """``view``'s local price, or the pulled one when it is strictly faster."""
+    local = price(snapshot, request, config, view)
+    if best is not None and snapshot.hit(best.instance_id).num_blocks > snapshot.hit(view.instance_id).num_blocks:
+        pulled = price(snapshot, request, config, view, best)
+        if pulled.total_ms < local.total_ms:
+            return pulled
+    return local
 
 
 def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
@@ -434,7 +524,7 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
     suffix on that decode instance (its own leading run) is shorter than ``short_prefill_tokens``,
     it prefills there too, saving the KV hand-off. Rejects with ``Overloaded`` past ``ttft_slo_ms``.
     """
-    options = baton_options(snapshot, request, config)
+    prefill = _ready(snapshot.prefill, "prefill")
     d = _decode_by_load(snapshot)
     cached_on_decode = min(snapshot.hit(d.instance_id).num_blocks * config.block_size_tokens,
                            request.num_prompt_tokens)
@@ -444,15 +534,64 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
         _admit(chosen, config)
         reason = (f"colocated: uncached suffix {suffix_tokens} tokens < short_prefill_tokens "
                   f"{config.short_prefill_tokens}; {chosen.describe()}; {_decode_terms(d)}")
-        return Placement(d.instance_id, d.instance_id, "baton", reason)
-    chosen = min(options, key=lambda o: o.total_ms)
-    local = [o for o in options if not o.num_pulled_blocks]
-    if chosen.num_pulled_blocks and local:
-        best_local = min(local, key=lambda o: o.total_ms)
-        if best_local.total_ms <= chosen.total_ms * (1 + config.baton_replication_margin_frac):
-            chosen = best_local
+        return _placed(chosen, d, "baton", reason)
+    best = _best_hit_source(snapshot, prefill + tuple(v for v in snapshot.decode if v.ready))
+    scan = _Scan(snapshot, request, config, best)
+
+    def option_for_hit(view: InstanceView) -> PrefillPrice:
+        return _baton_option(snapshot, request, config, view, best)
+
+    view, best_t, local_view, local_t = _cheapest(prefill, scan, option_for_hit, always_pull=False)
+    if local_view is not None and local_t <= best_t * (1 + config.baton_replication_margin_frac):
+        view = local_view
+    chosen = _baton_option(snapshot, request, config, view, best)
     _admit(chosen, config)
-    return Placement(chosen.instance_id, d.instance_id, "baton", f"{chosen.describe()}; {_decode_terms(d)}")
+    return _placed(chosen, d, "baton", f"{chosen.describe()}; {_decode_terms(d)}")
+
+
+def with_prices(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
+                placement: Placement) -> Placement:
+    """``placement`` with the priced terms of its prefill instance filled in, for the policies
+    that choose without pricing (so every decision can be explained in milliseconds)."""
+    if placement.policy in ("mooncake", "baton"):
+        return placement
+    views = {v.instance_id: v for v in snapshot.prefill + snapshot.decode}
+    chosen = price(snapshot, request, config, views[placement.prefill_instance])
+    return msgspec.structs.replace(
+        placement, transfer_ms=chosen.transfer_ms, queue_ms=chosen.queue_ms,
+        prefill_ms=chosen.prefill_ms, expected_cached_blocks=chosen.num_cached_blocks,
+        priority=-chosen.num_cached_blocks,
+    )
+
+
+def admit(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
+          placement: Placement) -> None:
+    """Admission control for every policy: raise ``Overloaded`` when the placement's priced TTFT
+    exceeds ``ttft_slo_ms`` or the decode instance's predicted step time, with this request added
+    to its batch, exceeds ``tbt_slo_ms``. Runs before any prefill work is spent."""
+    ttft_ms = placement.transfer_ms + placement.queue_ms + placement.prefill_ms
+    slo = config.ttft_slo_ms
+    if slo is not None and ttft_ms > slo:
+        retry_after_s = max(config.min_retry_after_s, (ttft_ms - slo) / 1000.0)
+        raise Overloaded(
+            f"predicted TTFT {ttft_ms:.1f} ms on {placement.prefill_instance} exceeds ttft_slo_ms "
+            f"{slo:g}; retry after {retry_after_s:.1f} s, add prefill instances, or raise ttft_slo_ms",
+            retry_after_s,
+        )
+    slo = config.tbt_slo_ms
+    if slo is None:
+        return
+    view = next(v for v in snapshot.decode + snapshot.prefill if v.instance_id == placement.decode_instance)
+    context_tokens = (view.num_active_decode_blocks * config.block_size_tokens
+                      + request.num_prompt_tokens + request.max_tokens)
+    tbt_ms = config.decode_cost.t_step_ms(_load(view) + 1, context_tokens)
+    if tbt_ms > slo:
+        raise Overloaded(
+            f"predicted inter-token time {tbt_ms:.1f} ms on {view.instance_id} ({_load(view)} "
+            f"sequences, {context_tokens} context tokens with this request) exceeds tbt_slo_ms "
+            f"{slo:g}; retry later, add decode instances, or raise tbt_slo_ms",
+            config.min_retry_after_s,
+        )
 
 
 POLICIES: dict[str, Policy] = {

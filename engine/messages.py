@@ -36,6 +36,18 @@ class Placement(msgspec.Struct, frozen=True):
     decode_instance: str
     policy: str
     reason: str = ""
+    transfer_ms: float = 0.0
+    """Priced KV transfer time for the chosen prefill instance (ms); see conductor.policy.price."""
+    queue_ms: float = 0.0
+    """Priced wait behind the prefills already queued there (ms)."""
+    prefill_ms: float = 0.0
+    """Priced prefill time of the uncached suffix (ms)."""
+    expected_cached_blocks: int = 0
+    """Prompt blocks the index says the prefill instance can reuse (local or pulled)."""
+    pulled_from: str = ""
+    """The instance whose prefix is pulled ('' when the local prefix is used)."""
+    priority: int = 0
+    """Queue position within the prefill instance: lower runs first (longest prefix first)."""
 
 
 class PrefillResult(msgspec.Struct, frozen=True):

@@ -33,7 +33,8 @@ def test_yaml_then_overrides(tmp_path):
         ("- just\n- a list\n", "mapping"),
         ("prefill: [unclosed\n", "not valid YAML"),
         ("name: Bad_Name\n", "name"),
-        ("conductor:\n  policy: mooncake\n", "cannot see yet"),
+        ("conductor:\n  tuning:\n    ttft_slo_ms: -5\n", "conductor.tuning.ttft_slo_ms"),
+        ("conductor:\n  coalesce_min_blocks: 0\n", "conductor.coalesce_min_blocks"),
         ("gateway:\n  enabled: false\nhttp:\n  enabled: false\n", "enable a front"),
     ],
 )

@@ -134,3 +134,13 @@ def test_vllm_encoded_batches_decode():
                        extra_keys=[("salt",), None])
     ix.ingest_engine("p0", 0, msgspec.msgpack.encode(VllmBatch(ts=1.0, events=[event])))
     assert ix.prefix_hits(keys(salt="salt")) == {"p0": PrefixHit(2, 0, 0)}
+
+
+def test_duplicates_are_skipped_and_a_restart_at_zero_starts_over(index):
+    index.ingest_engine("p0", 0, payload(stored([1], None, PROMPT[:4])))
+    index.ingest_engine("p0", 1, payload(stored([2], 1, PROMPT[4:8])))
+    assert index.ingest_engine("p0", 1, payload(BlockRemoved(block_hashes=[1], medium="GPU"))) is None
+    assert index.num_duplicates == 1
+    assert index.prefix_hits(keys()) == {"p0": PrefixHit(2, 0, 0)}  # the duplicate was not applied
+    index.ingest_engine("p0", 0, payload(stored([7], None, PROMPT[:4])))  # publisher restarted
+    assert index.prefix_hits(keys()) == {"p0": PrefixHit(1, 0, 0)}

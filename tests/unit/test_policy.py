@@ -26,6 +26,7 @@ from conductor.policy import (
     PrefixHit,
     baton,
     baton_options,
+    mooncake_options,
     dynamo_kv,
     least_loaded,
     mooncake,
@@ -438,3 +439,33 @@ def test_baton_never_picks_a_ttft_more_than_its_margin_above_the_best(scenario):
     for view in snapshot.prefill:
         if view.ready:
             assert options[view.instance_id].total_ms <= price(snapshot, request, config, view).total_ms
+
+
+def reference_choice(name, snapshot, request, config):
+    """The cost-aware choice computed the slow way: every instance fully priced, pool order."""
+    options = (baton_options if name == "baton" else mooncake_options)(snapshot, request, config)
+    chosen = min(options, key=lambda o: o.total_ms)
+    local = [o for o in options if not o.num_pulled_blocks]
+    if name == "baton" and chosen.num_pulled_blocks and local:
+        best_local = min(local, key=lambda o: o.total_ms)
+        if best_local.total_ms <= chosen.total_ms * (1 + config.baton_replication_margin_frac):
+            chosen = best_local
+    return chosen
+
+
+@pytest.mark.parametrize("name", ["baton", "mooncake"])
+@settings(max_examples=200, deadline=None)
+@given(scenario=scenarios())
+def test_the_one_pass_scan_chooses_exactly_what_full_pricing_chooses(name, scenario):
+    snapshot, request = scenario
+    config = PolicyConfig(short_prefill_tokens=0)
+    try:
+        placement = POLICIES[name](snapshot, request, config)
+    except NoWorkerReady:
+        return
+    chosen = reference_choice(name, snapshot, request, config)
+    assert placement.prefill_instance == chosen.instance_id
+    assert (placement.transfer_ms, placement.queue_ms, placement.prefill_ms) == (
+        chosen.transfer_ms, chosen.queue_ms, chosen.prefill_ms)
+    assert placement.expected_cached_blocks == chosen.num_cached_blocks
+    assert placement.pulled_from == chosen.pulled_from

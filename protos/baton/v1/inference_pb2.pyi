@@ -103,16 +103,26 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., loaded_tokens: _Optional[int] = ...) -> None: ...
 
 class PlacementInfo(_message.Message):
-    __slots__ = ("prefill", "decode", "policy", "reason")
+    __slots__ = ("prefill", "decode", "policy", "reason", "transfer_ms", "queue_ms", "prefill_ms", "expected_cached_blocks", "pulled_from")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FROM_FIELD_NUMBER: _ClassVar[int]
     prefill: str
     decode: str
     policy: str
     reason: str
-    def __init__(self, prefill: _Optional[str] = ..., decode: _Optional[str] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    transfer_ms: float
+    queue_ms: float
+    prefill_ms: float
+    expected_cached_blocks: int
+    pulled_from: str
+    def __init__(self, prefill: _Optional[str] = ..., decode: _Optional[str] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., expected_cached_blocks: _Optional[int] = ..., pulled_from: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "text", "token_ids", "chat")

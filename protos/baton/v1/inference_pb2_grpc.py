@@ -54,7 +54,10 @@ class InferenceServicer:
     def Generate(self, request, context):
         """Streams the completion of one prompt: zero or more `delta`s, then exactly one `final`.
         Errors are gRPC statuses: INVALID_ARGUMENT for a bad request (the message says what to
-        change), UNAVAILABLE when no worker can take it yet (retry), INTERNAL for Baton's own bugs.
+        change), UNAVAILABLE when no worker can take it yet (retry), RESOURCE_EXHAUSTED when the
+        conductor predicts the request would miss the cluster's TTFT or TBT SLO (rejected before any
+        prefill work; trailing metadata `retry-after-ms` says when to retry), INTERNAL for Baton's
+        own bugs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

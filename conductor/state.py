@@ -1,0 +1,291 @@
+"""The conductor's state and its decisions, without Ray or sockets: what the actor owns.
+
+``ConductorState`` keeps the pools (membership, readiness, load reported by the workers), the
+work the conductor itself sent and has not heard back about (prefills in flight per instance,
+decodes running per instance), and the KV index. ``place`` turns that into a ``ClusterSnapshot``,
+calls the policy (a pure function), prices the choice, applies admission, and books the work.
+The actor (``conductor.conductor``) only feeds it: events, worker stats, completions.
+
+The queue term Mooncake calls ``T_queue`` is the conductor's own book: the predicted time of the
+prefills it placed on an instance and that have not completed, less the time the instance has
+been working on them. It reacts to a burst at once, where polled worker stats would lag.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import msgspec
+
+from conductor.kv_index import KvIndex
+from conductor.policy import (
+    POLICIES,
+    ClusterSnapshot,
+    InstanceView,
+    Overloaded,
+    PlacementRequest,
+    PolicyConfig,
+    admit,
+    with_prices,
+)
+from engine.messages import Placement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Prefill:
+    request_id: str
+    instance_id: str
+    predicted_ms: float
+    num_uncached_tokens: int
+    block_keys: tuple[bytes, ...]
+    expected_cached_blocks: int
+    started_s: float
+
+
+@dataclass
+class _Instance:
+    role: str
+    node_id: str
+    ready: bool = False
+    was_ready: bool = False
+    num_waiting_reqs: int = 0
+    kv_usage_frac: float = 0.0
+    prefills: dict[str, _Prefill] = field(default_factory=dict)
+    decodes: dict[str, int] = field(default_factory=dict)
+    """request id → KV blocks it will hold (prompt + max_tokens) while decoding here."""
+
+
+class PlacementCounters(msgspec.Struct):
+    placed: int = 0
+    rejected: int = 0
+    coalesced: int = 0
+    colocated: int = 0
+    pulled: int = 0
+    index_corrections: int = 0
+    by_prefill_instance: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class ConductorState:
+    """Pools + in-flight books + KV index → placements. Single-threaded by contract."""
+
+    def __init__(self, policy: str, config: PolicyConfig, index: KvIndex | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._policy_name = policy
+        self._policy = POLICIES[policy]
+        self.config = config
+        self.index = index if index is not None else KvIndex()
+        self._clock = clock
+        self._instances: dict[str, _Instance] = {}
+        self._views: dict[str, InstanceView] = {}
+        self._pools: dict[str, tuple[InstanceView, ...] | None] = {"prefill": None, "decode": None}
+        self._prefills: dict[str, _Prefill] = {}
+        self._decodes: dict[str, str] = {}
+        self._inflight_keys: dict[bytes, str] = {}
+        """Block key → the in-flight prefill computing it (the first one placed)."""
+        self.counters = PlacementCounters()
+
+    # ------------------------------------------------------------------ membership and load
+
+    def register(self, instance_id: str, role: str, node_id: str, model_id: str, kv_layout: str) -> None:
+        assert role in ("prefill", "decode"), role
+        self._instances[instance_id] = _Instance(role, node_id)
+        self.index.add_instance(instance_id, node_id, model_id, kv_layout)
+        self._refresh_view(instance_id)
+
+    def remove(self, instance_id: str) -> None:
+        inst = self._instances.pop(instance_id, None)
+        if inst is None:
+            return
+        for request_id in list(inst.prefills):
+            self.prefill_done(request_id, None)
+        for request_id in list(inst.decodes):
+            self.finished(request_id)
+        self._views.pop(instance_id, None)
+        self._pools[inst.role] = None
+        self.index.remove_instance(instance_id)
+
+    def set_ready(self, instance_id: str, ready: bool) -> None:
+        inst = self._instances[instance_id]
+        inst.was_ready |= ready
+        if inst.ready != ready:
+            inst.ready = ready
+            if not ready:  # whatever its stream said can no longer be trusted
+                self.index.clear_instance(instance_id)
+            self._refresh_view(instance_id)
+
+    def update_load(self, instance_id: str, num_waiting_reqs: int, kv_usage_frac: float) -> None:
+        inst = self._instances.get(instance_id)
+        if inst is not None:
+            inst.num_waiting_reqs, inst.kv_usage_frac = num_waiting_reqs, kv_usage_frac
+            self._refresh_view(instance_id)
+
+    def is_instance_ready(self, instance_id: str) -> bool:
+        inst = self._instances.get(instance_id)
+        return inst is not None and inst.ready
+
+    def was_ever_ready(self, instance_id: str) -> bool:
+        inst = self._instances.get(instance_id)
+        return inst is not None and inst.was_ready
+
+    def is_ready(self) -> bool:
+        roles = {i.role for i in self._instances.values() if i.ready}
+        return {"prefill", "decode"} <= roles
+
+    def instance_ids(self, role: str | None = None) -> list[str]:
+        return sorted(i for i, inst in self._instances.items() if role in (None, inst.role))
+
+    def node_of(self, instance_id: str) -> str:
+        return self._instances[instance_id].node_id
+
+    # ------------------------------------------------------------------ snapshot
+
+    def _queued_ms(self, inst: _Instance, now: float) -> float:
+        if not inst.prefills:
+            return 0.0
+        total = sum(p.predicted_ms for p in inst.prefills.values())
+        busy_ms = (now - min(p.started_s for p in inst.prefills.values())) * 1000.0
+        return max(0.0, total - busy_ms)
+
+    def _refresh_view(self, instance_id: str, now: float | None = None) -> None:
+        inst = self._instances[instance_id]
+        bs = self.config.block_size_tokens
+        self._views[instance_id] = InstanceView(
+            instance_id,
+            num_running_reqs=len(inst.prefills) + len(inst.decodes),
+            num_waiting_reqs=inst.num_waiting_reqs,
+            ready=inst.ready,
+            num_queued_prefill_tokens=sum(p.num_uncached_tokens for p in inst.prefills.values()),
+            queued_prefill_ms=self._queued_ms(inst, self._clock() if now is None else now),
+            num_active_decode_blocks=sum(inst.decodes.values()) + sum(
+                -(-p.num_uncached_tokens // bs) for p in inst.prefills.values()),
+            kv_usage_frac=inst.kv_usage_frac,
+            num_cached_blocks=self.index.num_device_blocks(instance_id),
+            node_id=inst.node_id,
+        )
+        self._pools[inst.role] = None
+
+    def snapshot(self, prefix_hits: dict | None = None) -> ClusterSnapshot:
+        now = self._clock()
+        for instance_id, inst in self._instances.items():
+            if inst.prefills:  # their queue term decays with time
+                self._refresh_view(instance_id, now)
+        for role in ("prefill", "decode"):
+            if self._pools[role] is None:
+                self._pools[role] = tuple(self._views[i] for i in self.instance_ids(role))
+        return ClusterSnapshot(self._pools["prefill"], self._pools["decode"], self.counters.placed,
+                               prefix_hits or {})
+
+    # ------------------------------------------------------------------ decisions
+
+    def place(self, request: PlacementRequest) -> Placement:
+        """Choose, price, admit and book one request; ``Overloaded`` or ``NoWorkerReady`` if not."""
+        hits = self.index.prefix_hits(request.block_keys) if request.block_keys else {}
+        snapshot = self.snapshot(hits)
+        try:
+            placement = self._policy(snapshot, request, self.config)
+            placement = with_prices(snapshot, request, self.config, placement)
+            admit(snapshot, request, self.config, placement)
+        except Overloaded:
+            self.counters.rejected += 1
+            raise
+        self._book(request, placement)
+        log.debug("placed %s: prefill=%s decode=%s T=transfer %.1f + queue %.1f + prefill %.1f ms; %s",
+                  request.request_id, placement.prefill_instance, placement.decode_instance,
+                  placement.transfer_ms, placement.queue_ms, placement.prefill_ms, placement.reason)
+        return placement
+
+    def _book(self, request: PlacementRequest, placement: Placement) -> None:
+        c = self.counters
+        c.placed += 1
+        c.by_prefill_instance[placement.prefill_instance] = c.by_prefill_instance.get(
+            placement.prefill_instance, 0) + 1
+        c.colocated += placement.prefill_instance == placement.decode_instance
+        c.pulled += bool(placement.pulled_from)
+        bs = self.config.block_size_tokens
+        cached_tokens = min(placement.expected_cached_blocks * bs, request.num_prompt_tokens)
+        prefill = _Prefill(
+            request.request_id, placement.prefill_instance,
+            placement.transfer_ms + placement.prefill_ms, request.num_prompt_tokens - cached_tokens,
+            request.block_keys, placement.expected_cached_blocks, self._clock(),
+        )
+        self._instances[placement.prefill_instance].prefills[request.request_id] = prefill
+        self._prefills[request.request_id] = prefill
+        for key in request.block_keys[placement.expected_cached_blocks:]:
+            self._inflight_keys.setdefault(key, request.request_id)
+        decode = self._instances[placement.decode_instance]
+        decode.decodes[request.request_id] = -(-(request.num_prompt_tokens + request.max_tokens) // bs)
+        self._decodes[request.request_id] = placement.decode_instance
+        self._refresh_view(placement.prefill_instance)
+        self._refresh_view(placement.decode_instance)
+
+    def coalesce_target(self, request: PlacementRequest, min_blocks: int) -> str | None:
+        """The in-flight prefill computing at least ``min_blocks`` of this request's blocks right
+        past what the index already holds, if any: waiting for it beats computing them again."""
+        keys = request.block_keys
+        if not keys or not self._inflight_keys:
+            return None
+        hits = self.index.prefix_hits(keys)
+        start = max((h.num_blocks for h in hits.values()), default=0)
+        owner = self._inflight_keys.get(keys[start]) if start < len(keys) else None
+        if owner is None:
+            return None
+        run = 0
+        for key in keys[start:]:
+            if self._inflight_keys.get(key) != owner:
+                break
+            run += 1
+        return owner if run >= min_blocks else None
+
+    def prefill_done(self, request_id: str, num_cached_tokens: int | None) -> None:
+        """The prefill of ``request_id`` finished (``num_cached_tokens`` as the engine reported)
+        or failed (None). Its blocks now sit in the instance's device cache; where the index
+        promised more cached blocks than the engine found, the index was stale for that
+        instance and loses those entries."""
+        prefill = self._prefills.pop(request_id, None)
+        if prefill is None:
+            return
+        inst = self._instances.get(prefill.instance_id)
+        if inst is not None:
+            inst.prefills.pop(request_id, None)
+        for key in prefill.block_keys[prefill.expected_cached_blocks:]:
+            if self._inflight_keys.get(key) == request_id:
+                del self._inflight_keys[key]
+        if inst is None:
+            return
+        if num_cached_tokens is not None:
+            bs = self.config.block_size_tokens
+            found_blocks = num_cached_tokens // bs
+            # vLLM always recomputes the last prompt token, so a full hit reads one block short.
+            if found_blocks + 1 < prefill.expected_cached_blocks:
+                self.counters.index_corrections += 1
+                log.warning("index said %s holds %d blocks of %s; the engine found %d: dropping "
+                            "the stale entries", prefill.instance_id, prefill.expected_cached_blocks,
+                            request_id, found_blocks)
+                self.index.forget_device_blocks(
+                    prefill.instance_id, prefill.block_keys[found_blocks:prefill.expected_cached_blocks])
+            self.index.note_device_blocks(prefill.instance_id, prefill.block_keys)
+        self._refresh_view(prefill.instance_id)
+
+    def finished(self, request_id: str) -> None:
+        """The request is over (streamed to the end, failed, or cancelled)."""
+        self.prefill_done(request_id, None)
+        instance_id = self._decodes.pop(request_id, None)
+        inst = self._instances.get(instance_id) if instance_id else None
+        if inst is not None:
+            inst.decodes.pop(request_id, None)
+            self._refresh_view(instance_id)
+
+    def num_in_flight(self) -> tuple[int, int]:
+        """(prefills, decodes) the conductor has placed and not heard the end of."""
+        return len(self._prefills), len(self._decodes)
+
+
+def retry_after_hint_s(exc: Overloaded) -> int:
+    """Whole seconds for a Retry-After header (at least 1)."""
+    return max(1, math.ceil(exc.retry_after_s))
