@@ -1,0 +1,44 @@
+"""The simulated fleet's shape and the SLOs it is judged by."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from simulator.cache import UNLIMITED
+from simulator.profile import ANALYTIC_DEVICE_KV_BYTES
+
+GIB = 1 << 30
+
+
+class FleetConfig(BaseModel):
+    """Pools, node layout, KV capacities and SLOs of one simulated fleet.
+
+    Prefill and decode instances sit on separate nodes, ``instances_per_node`` to a node (the
+    pools scale independently). A capacity of ``None`` is unlimited.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_prefill_instances: int = Field(ge=1, description="Prefill instances.")
+    num_decode_instances: int = Field(ge=1, description="Decode instances.")
+    instances_per_node: int = Field(8, ge=1, description="Instances (GPUs) sharing one node's store.")
+    device_kv_bytes: float | None = Field(
+        ANALYTIC_DEVICE_KV_BYTES, gt=0, description="KV cache of one instance's device (bytes).")
+    host_kv_bytes_per_node: float | None = Field(
+        256 * GIB, ge=0, description="Host DRAM tier of one node's store (bytes).")
+    disk_kv_bytes_per_node: float | None = Field(
+        1024 * GIB, ge=0, description="Disk tier of one node's store (bytes).")
+    ttft_slo_ms: float = Field(5_000.0, gt=0, description="A request meets the TTFT SLO at or under this (ms).")
+    tbt_slo_ms: float = Field(
+        100.0, gt=0, description="A request meets the TBT SLO when its worst inter-token gap is at or "
+        "under this (ms).")
+    admission: bool = Field(
+        True, description="Give the policies the TTFT SLO, so those that admit (mooncake, baton) "
+        "reject requests predicted to miss it.")
+    policy_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Other PolicyConfig fields, by name (e.g. short_prefill_tokens).")
+
+    def capacity_blocks(self, num_bytes: float | None, block_bytes: int) -> int:
+        return UNLIMITED if num_bytes is None else int(num_bytes // block_bytes)
