@@ -19,7 +19,10 @@ from conductor.config import ClusterConfig
 from conductor.errors import ConfigError
 from conductor.conductor import Conductor
 from decode_worker.worker import DecodeWorker
+from conductor.cost_model import CostProfile, kv_bytes_per_token
+from conductor.policy import PolicyConfig
 from engine.builder import StoreWiring, dtype_bytes, effective_dtype, engine_env
+from engine.worker_base import ConductorWiring
 from engine.models import PreparedModel, prepare_model
 from kvstore.node import KVStoreNode
 from kvstore.redis_server import LocalRedis, start_local_redis
@@ -44,6 +47,48 @@ def block_size_for(device: str) -> int:
     return 128 if device == "cpu" else 16
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_profile(path: str) -> CostProfile:
+    """The cost profile ``baton profile`` wrote; ``ConfigError`` naming the file if unusable."""
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"conductor.profile_path: {p} does not exist; run `baton profile --out {p}`")
+    try:
+        return CostProfile.model_validate_json(p.read_text())
+    except ValidationError as exc:
+        raise ConfigError(f"conductor.profile_path: {p} is not a Baton cost profile: {exc}") from exc
+
+
+def policy_config_for(config: ClusterConfig, model: PreparedModel) -> PolicyConfig:
+    """The conductor's tuning with the facts filled in: block size and KV bytes per token from
+    the model and engine, cost models from the profile (when one is configured)."""
+    dtype = effective_dtype(config.engine, model)
+    updates: dict[str, object] = {
+        "block_size_tokens": block_size_for(config.engine.device),
+        "kv_bytes_per_token": kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
+                                                 dtype_bytes(dtype)),
+    }
+    if config.conductor.profile_path:
+        profile = load_profile(config.conductor.profile_path)
+        if profile.model != model.name:
+            log.warning("cost profile %s was measured with %s, serving %s",
+                        config.conductor.profile_path, profile.model, model.name)
+        updates.update(prefill_cost=profile.prefill, decode_cost=profile.decode,
+                       transfer=profile.transfer)
+    return config.conductor.tuning.model_copy(update=updates)
+
+
 def _omp_binds(config: ClusterConfig, num_engines: int) -> list[str]:
     if config.engine.omp_threads_bind != "auto":
         return [config.engine.omp_threads_bind] * num_engines
@@ -64,6 +109,7 @@ class LocalCluster:
     redis_url: str | None = None
     conductor: object = None
     store_actor_name: str = ""
+    conductor_name: str = ""
     prefill_ids: list[str] = field(default_factory=list)
     decode_ids: list[str] = field(default_factory=list)
     engine_start_s: dict[str, float] = field(default_factory=dict)
@@ -91,16 +137,18 @@ class LocalCluster:
             self.progress("starting local redis-server")
             self.redis = start_local_redis()
             self.redis_url = self.redis.url
+        policy_config = policy_config_for(cfg, self.model)
         self._start_ray()
-        self._start_store()
         self.progress("starting the conductor")
+        self.conductor_name = f"{cfg.name}-conductor"
         self.conductor = (
             ray.remote(Conductor)
-            .options(name=f"{cfg.name}-conductor", namespace=self.namespace, num_cpus=0,
+            .options(name=self.conductor_name, namespace=self.namespace, num_cpus=0,
                      max_concurrency=1000)
-            .remote(cfg.conductor, self.namespace)
+            .remote(cfg.conductor, self.namespace, policy_config)
         )
         self._actors.append(self.conductor)
+        self._start_store()
         self._start_workers()
         if wait_ready:
             self.wait_ready()
@@ -145,20 +193,30 @@ class LocalCluster:
         )
         self.store_actor_name = f"{self.config.name}-kvstore-node0"
         self.progress("starting the KV store node")
+        kv = self.config.kvstore
+        if kv.events_endpoint is None:  # the conductor's index needs the store's tier events
+            kv = kv.model_copy(update={
+                "events_endpoint": f"tcp://127.0.0.1:{_free_port()}",
+                "events_replay_endpoint": f"tcp://127.0.0.1:{_free_port()}",
+            })
         store = (
             ray.remote(KVStoreNode)
             .options(name=self.store_actor_name, namespace=self.namespace, num_cpus=0,
                      max_concurrency=1)
-            .remote("node0", self.config.name, self.config.kvstore, block_bytes, self.redis_url,
+            .remote("node0", self.config.name, kv, block_bytes, self.redis_url,
                     block_size_for(self.config.engine.device))
         )
         ray.get(store.arena_info.remote())
         self._actors.append(store)
         self._store = store
+        ray.get(self.conductor.add_store_node.remote("node0", kv.events_endpoint,
+                                                     kv.events_replay_endpoint or ""))
 
     def _start_workers(self) -> None:
         cfg = self.config
-        wiring = StoreWiring(self.store_actor_name, self.namespace)
+        wiring = StoreWiring(self.store_actor_name, self.namespace, "node0")
+        joins = ConductorWiring(self.conductor_name, self.namespace,
+                                ray.get(self.conductor.events_endpoint.remote()))
         plan = [("prefill", i) for i in range(cfg.prefill.num_instances)]
         plan += [("decode", i) for i in range(cfg.decode.num_instances)]
         binds = _omp_binds(cfg, len(plan))
@@ -177,11 +235,10 @@ class LocalCluster:
                     max_concurrency=1000,
                     runtime_env={"env_vars": engine_env(cfg.engine, bind)},
                 )
-                .remote(instance_id, cfg.engine, self.model, wiring)
+                .remote(instance_id, cfg.engine, self.model, wiring, joins)
             )
             self._actors.append(actor)
             (self.prefill_ids if role == "prefill" else self.decode_ids).append(instance_id)
-            ray.get(self.conductor.register.remote(instance_id, role))
             self._pending[instance_id] = actor.ready.remote()
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:

@@ -44,6 +44,14 @@ class ConductorStatus(msgspec.Struct, frozen=True):
     events_dropped_for_test: int
 
 
+class KeyScheme(msgspec.Struct, frozen=True):
+    """How the fronts must name a prompt's blocks so the index can match them."""
+
+    model_id: str
+    kv_layout: str
+    block_size_tokens: int
+
+
 class Conductor:
     """Owns the placement state and the event streams that keep its KV index current."""
 
@@ -69,6 +77,7 @@ class Conductor:
         self._events_received = 0
         self._drop_next: dict[str, int] = {}
         self._events_dropped = 0
+        self._key_scheme: KeyScheme | None = None
 
     def events_endpoint(self) -> str:
         """Where engines publish KV events (``KVEventsConfig.endpoint``)."""
@@ -87,6 +96,7 @@ class Conductor:
         """Add an instance (not ready until ``mark_ready``); re-registering resets its index."""
         self._start_tasks()
         self.state.register(instance_id, role, node_id, model_id, kv_layout)
+        self._key_scheme = KeyScheme(model_id, kv_layout, self.state.config.block_size_tokens)
         if replay_endpoint:
             self._replay_endpoints[instance_id] = replay_endpoint
 
@@ -97,6 +107,10 @@ class Conductor:
         if replay_endpoint:
             self._replay_endpoints[node_id] = replay_endpoint
         self._store_sub.connect(events_endpoint)
+
+    async def key_scheme(self) -> KeyScheme | None:
+        """Block-key parameters of the served engines (None until one has registered)."""
+        return self._key_scheme
 
     async def mark_ready(self, instance_id: str) -> None:
         self.state.set_ready(instance_id, True)

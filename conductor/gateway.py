@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from conductor.errors import BatonError, ConfigError
-from conductor.router import Placed, Router
+from conductor.router import Placed, Router, num_cached_tokens
 from conductor.tokenization import PromptTokenizer
 from conductor.validation import tokenize_prompt, validate_and_build
 from engine.messages import EngineRequest, TokenChunk
@@ -192,7 +192,7 @@ class InferenceServicer:
 
         usage = pb.Usage(
             prompt_tokens=len(request.prompt_token_ids),
-            cached_tokens=placed.prefill.num_cached_tokens,
+            cached_tokens=num_cached_tokens(placed, last_chunk),
             completion_tokens=num_completion_tokens,
             ttft_ms=ttft_ms,
             e2e_ms=_ms_since(received_at),

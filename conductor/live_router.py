@@ -16,7 +16,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from conductor.errors import InvalidRequest, WorkerFailed
 from conductor.policy import PlacementRequest
 from conductor.router import Placed, RouterEvent
-from engine.messages import EngineRequest, TokenChunk
+from engine.messages import EngineRequest, Placement, PrefillResult, TokenChunk
+from kvstore.keys import KeyExtras, block_keys
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class LiveRouter:
         self._handles: dict[str, ray.actor.ActorHandle] = {}
         self._interval_s = readiness_interval_s
         self._watcher: asyncio.Task | None = None
+        self._scheme = None
 
     def start(self) -> None:
         """Begin polling the conductor for readiness (call from the serving event loop)."""
@@ -61,21 +63,49 @@ class LiveRouter:
             self._handles[instance_id] = handle
         return handle
 
+    async def _placement_request(self, request: EngineRequest) -> PlacementRequest:
+        """The request as the conductor prices it: its full-block keys under the engines' key
+        scheme (fetched once), so the KV index can match them."""
+        if self._scheme is None:
+            self._scheme = await self._conductor.key_scheme.remote()
+        keys: tuple[bytes, ...] = ()
+        if self._scheme is not None:
+            extras = KeyExtras(self._scheme.model_id, request.cache_salt, "", self._scheme.kv_layout)
+            keys = tuple(block_keys(request.prompt_token_ids, self._scheme.block_size_tokens, extras))
+        return PlacementRequest(request.request_id, len(request.prompt_token_ids), keys,
+                                request.sampling.max_tokens)
+
     async def stream(self, request: EngineRequest) -> AsyncIterator[RouterEvent]:
         try:
-            placement = await self._conductor.place.remote(
-                PlacementRequest(request.request_id, len(request.prompt_token_ids))
-            )
+            placement: Placement = await self._conductor.place.remote(
+                await self._placement_request(request))
         except RayTaskError as exc:
             raise _unwrap(exc) from exc
         try:
-            prefill = await self._handle(placement.prefill_instance).prefill.remote(request)
+            async for event in self._serve(request, placement):
+                yield event
+        finally:  # however it ended, the conductor's books must close
+            self._conductor.finished.remote(request.request_id)
+
+    async def _prefill(self, request: EngineRequest, placement: Placement) -> PrefillResult:
+        if placement.prefill_instance == placement.decode_instance:
+            # Conditional disaggregation: the decode engine loads the cached prefix and computes
+            # the short suffix itself; what it reused is reported with the last token chunk.
+            return PrefillResult(request.request_id, placement.decode_instance,
+                                 len(request.prompt_token_ids), 0, 0, 0.0)
+        try:
+            result = await self._handle(placement.prefill_instance).prefill.remote(
+                request, placement.priority)
         except (RayActorError, ValueError) as exc:
             self._handles.pop(placement.prefill_instance, None)
             raise WorkerFailed(f"prefill instance {placement.prefill_instance} failed: {exc}") from exc
         except RayTaskError as exc:
             raise _unwrap(exc) from exc
-        yield Placed(placement, prefill)
+        self._conductor.prefill_done.remote(request.request_id, result.num_cached_tokens)
+        return result
+
+    async def _serve(self, request: EngineRequest, placement: Placement) -> AsyncIterator[RouterEvent]:
+        yield Placed(placement, await self._prefill(request, placement))
         try:
             decode = self._handle(placement.decode_instance)
         except ValueError as exc:  # the named actor is gone
@@ -104,6 +134,8 @@ def _unwrap(exc: RayTaskError) -> Exception:
     from conductor.errors import BatonError
     from engine.runner import EngineDead, EngineRejected
 
+    if isinstance(exc.cause, BatonError):  # the original exception, with its own attributes
+        return exc.cause
     cause = exc.as_instanceof_cause() if hasattr(exc, "as_instanceof_cause") else exc
     if isinstance(cause, BatonError):
         return cause

@@ -44,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conductor.errors import BatonError, ConfigError, InvalidRequest, NoWorkerReady, UnknownModel
 from conductor.gateway import NOT_READY_MESSAGE
-from conductor.router import Placed, Router
+from conductor.router import Placed, Router, num_cached_tokens
 from conductor.tokenization import CHAT_ROLES, PromptTokenizer
 from conductor.validation import (
     DEFAULT_MAX_TOKENS,
@@ -309,6 +309,7 @@ class _Progress:
     ttft_ms: float = 0.0
     finish_reason: str | None = None
     num_loaded_tokens: int = 0
+    num_cached_tokens: int = 0
 
     def add(self, event: Placed | TokenChunk) -> None:
         assert isinstance(event, TokenChunk), "router sent a second Placed event"
@@ -318,13 +319,14 @@ class _Progress:
         if event.finish_reason:
             self.finish_reason = event.finish_reason
             self.num_loaded_tokens = event.num_loaded_tokens
+            self.num_cached_tokens = num_cached_tokens(self.placed, event)
 
     def usage(self) -> dict:
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_completion_tokens,
             "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.placed.prefill.num_cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
         }
 
     def baton(self) -> dict:

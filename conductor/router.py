@@ -24,6 +24,14 @@ class Placed(msgspec.Struct, frozen=True):
 RouterEvent = Placed | TokenChunk
 
 
+def num_cached_tokens(placed: Placed, last_chunk: TokenChunk) -> int:
+    """Prompt tokens the request did not compute: what its prefill found, or, when it prefilled
+    on its decode instance (conditional disaggregation), what the decode engine found."""
+    if placed.placement.prefill_instance == placed.placement.decode_instance:
+        return last_chunk.num_cached_tokens
+    return placed.prefill.num_cached_tokens
+
+
 class Router(Protocol):
     """Serves tokenized, validated requests.
 

@@ -30,6 +30,7 @@ class DecodeWorker(EngineWorker):
                         text=completion.text,
                         finish_reason=completion.finish_reason or "stop",
                         num_loaded_tokens=loaded.get(request.request_id, 0),
+                        num_cached_tokens=output.num_cached_tokens or 0,
                     )
                 elif completion.token_ids or completion.text:
                     yield TokenChunk(token_ids=tuple(completion.token_ids), text=completion.text)

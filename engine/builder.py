@@ -11,7 +11,9 @@ from engine.models import PreparedModel
 
 Role = Literal["prefill", "decode", "plain"]
 
-_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+_KV_ROLE = {"prefill": "kv_both", "decode": "kv_consumer"}
+"""A prefill engine also loads: a prefix another instance computed is pulled from the store,
+not recomputed; a decode engine only loads."""
 
 
 class StoreWiring(msgspec.Struct, frozen=True):
@@ -19,6 +21,16 @@ class StoreWiring(msgspec.Struct, frozen=True):
 
     store_actor: str
     namespace: str
+    node_id: str = "node0"
+    """The store node's id: the instances on it share its host and disk tiers."""
+
+
+class EventsWiring(msgspec.Struct, frozen=True):
+    """Where an engine publishes its KV events (the conductor binds ``endpoint``)."""
+
+    endpoint: str
+    replay_endpoint: str
+    """Where this engine binds its replay socket, on its own host."""
 
 
 def cpu_has_native_bf16() -> bool:
@@ -65,10 +77,15 @@ def build_engine_args(
     role: Role,
     engine_id: str,
     store: StoreWiring | None,
+    events: EventsWiring | None = None,
 ):
-    """The ``vllm.EngineArgs`` for one instance. ``store`` is required unless role is plain."""
+    """The ``vllm.EngineArgs`` for one instance. ``store`` is required unless role is plain.
+
+    With ``events`` the engine publishes vLLM KV events (topic = ``engine_id``). A prefill engine
+    schedules by priority, so the conductor can run the longest matched prefix first.
+    """
     from vllm import EngineArgs
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     kv_transfer = None
     if role != "plain":
@@ -98,6 +115,13 @@ def build_engine_args(
         seed=0,
         dtype=effective_dtype(config, model),
     )
+    if events is not None:
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=events.endpoint,
+            replay_endpoint=events.replay_endpoint, topic=engine_id,
+        )
+    if role == "prefill":
+        kwargs["scheduling_policy"] = "priority"
     if config.device == "cuda":
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
     return EngineArgs(**kwargs)

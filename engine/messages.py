@@ -72,6 +72,8 @@ class TokenChunk(msgspec.Struct, frozen=True):
     text: str
     finish_reason: str | None = None
     num_loaded_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens the decode engine did not compute (its prefix cache plus loaded KV)."""
 
 
 class InstanceStats(msgspec.Struct, frozen=True):
@@ -83,3 +85,5 @@ class InstanceStats(msgspec.Struct, frozen=True):
     num_waiting_reqs: int
     num_finished_reqs: int
     ready: bool
+    kv_usage_frac: float = 0.0
+    """Fraction of the engine's KV cache in use, 0..1."""

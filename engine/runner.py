@@ -37,6 +37,7 @@ class _Add:
     max_tokens: int
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    priority: int = 0
 
 
 @dataclass
@@ -64,10 +65,12 @@ class EngineRunner:
 
     # ------------------------------------------------------------------ asyncio side
 
-    async def generate(self, request: EngineRequest, max_tokens: int | None = None) -> AsyncIterator:
+    async def generate(self, request: EngineRequest, max_tokens: int | None = None,
+                       priority: int = 0) -> AsyncIterator:
         """Yield vLLM ``RequestOutput`` deltas for ``request`` until it finishes.
 
-        Closing the iterator early (the caller was cancelled) aborts the request.
+        ``priority`` orders the waiting queue of an engine that schedules by priority (lower
+        first). Closing the iterator early (the caller was cancelled) aborts the request.
         """
         if self._dead is not None:
             raise EngineDead(f"engine stopped: {self._dead!r}")
@@ -80,7 +83,7 @@ class EngineRunner:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         budget = request.sampling.max_tokens if max_tokens is None else max_tokens
-        self._commands.put(_Add(request, budget, sink, loop))
+        self._commands.put(_Add(request, budget, sink, loop, priority))
         finished = False
         try:
             while True:
@@ -104,6 +107,18 @@ class EngineRunner:
         if scheduler is None:
             return len(self._sinks), 0
         return len(scheduler.running), len(scheduler.waiting)
+
+    def kv_usage_frac(self) -> float:
+        """Fraction of the engine's KV cache blocks in use (0 when it cannot be read)."""
+        scheduler = self._scheduler()
+        manager = getattr(scheduler, "kv_cache_manager", None)
+        usage = getattr(manager, "usage", 0.0)
+        return float(usage) if isinstance(usage, (int, float)) else 0.0
+
+    def kv_layout(self) -> tuple[str, int]:
+        """(dtype as vLLM names it, block size in tokens) of the engine's KV cache."""
+        cfg = self.engine.vllm_config
+        return str(cfg.model_config.dtype), cfg.cache_config.block_size
 
     def _scheduler(self):
         core = getattr(self.engine, "engine_core", None)
@@ -173,7 +188,7 @@ class EngineRunner:
             prompt["cache_salt"] = req.cache_salt
         self._sinks[req.request_id] = (command.sink, command.loop)
         try:
-            self.engine.add_request(req.request_id, prompt, params)
+            self.engine.add_request(req.request_id, prompt, params, priority=command.priority)
         except Exception as exc:  # rejected by vLLM's own validation
             self._sinks.pop(req.request_id, None)
             rejected = EngineRejected(str(exc))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
-from engine.builder import Role, StoreWiring, build_engine_args
+import msgspec
+
+from engine.builder import EventsWiring, Role, StoreWiring, build_engine_args
 from engine.config import EngineConfig
 from engine.messages import InstanceStats
 from engine.models import PreparedModel
@@ -14,11 +17,27 @@ from engine.runner import EngineRunner
 log = logging.getLogger(__name__)
 
 
+class ConductorWiring(msgspec.Struct, frozen=True):
+    """How a worker joins the conductor: its actor name and where engines publish KV events."""
+
+    actor_name: str
+    namespace: str
+    events_endpoint: str
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class EngineWorker:
     """Base of the worker actors: one vLLM engine for one role, plus its connector's stats.
 
     Ray actor classes subclass this; the constructor runs in the actor's own process, where the
     engine environment (``engine.builder.engine_env``) was set through the actor's runtime env.
+    With a ``conductor`` the engine publishes KV events to it, and the worker registers itself
+    (role, node, KV key layout, replay endpoint) once the engine is up.
     """
 
     role: Role = "plain"
@@ -29,15 +48,37 @@ class EngineWorker:
         config: EngineConfig,
         model: PreparedModel,
         store: StoreWiring | None,
+        conductor: ConductorWiring | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         self.instance_id = instance_id
         self.model = model
         started = time.perf_counter()
-        args = build_engine_args(config, model, self.role, instance_id, store)
+        events = None
+        if conductor is not None:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+            events = EventsWiring(conductor.events_endpoint, f"tcp://{host}:{_free_port(host)}")
+        args = build_engine_args(config, model, self.role, instance_id, store, events)
         self.runner = EngineRunner(args)
         self.engine_start_s = time.perf_counter() - started
+        if conductor is not None:
+            self._register(conductor, store, events)
         log.info("%s %s ready in %.1f s", self.role, instance_id, self.engine_start_s)
+
+    def _register(self, conductor: ConductorWiring, store: StoreWiring | None,
+                  events: EventsWiring) -> None:
+        import ray
+
+        from kvstore.connector import kv_layout_tag
+
+        dtype, block_size = self.runner.kv_layout()
+        handle = ray.get_actor(conductor.actor_name, namespace=conductor.namespace)
+        ray.get(handle.register.remote(
+            self.instance_id, self.role, store.node_id if store else "", self.model.name,
+            kv_layout_tag(dtype, block_size), events.replay_endpoint,
+        ))
 
     def ready(self) -> float:
         """Seconds the engine took to start; returning at all means the engine is up."""
@@ -52,6 +93,7 @@ class EngineWorker:
             num_waiting_reqs=waiting,
             num_finished_reqs=self.runner.num_finished_reqs,
             ready=self.runner.alive,
+            kv_usage_frac=self.runner.kv_usage_frac(),
         )
 
     def connector_counters(self) -> dict[str, int]:

@@ -15,15 +15,18 @@ from engine.worker_base import EngineWorker
 class PrefillWorker(EngineWorker):
     role = "prefill"
 
-    async def prefill(self, request: EngineRequest) -> PrefillResult:
-        """Compute ``request``'s prompt KV and store it; returns once the blocks are committed."""
+    async def prefill(self, request: EngineRequest, priority: int = 0) -> PrefillResult:
+        """Compute ``request``'s prompt KV and store it; returns once the blocks are committed.
+
+        ``priority``: lower runs first among waiting prefills (the conductor passes minus the
+        matched prefix length, so the cheapest-to-finish requests go first)."""
         started = time.perf_counter()
         num_cached_tokens = 0
         from kvstore.connector import connector_stats
 
         saved = connector_stats(self.instance_id).saved_blocks_by_request
         try:
-            async for output in self.runner.generate(request, max_tokens=1):
+            async for output in self.runner.generate(request, max_tokens=1, priority=priority):
                 if output.num_cached_tokens is not None:
                     num_cached_tokens = output.num_cached_tokens
         finally:  # an aborted prefill must not leave its counter behind

@@ -149,8 +149,11 @@ async def test_request_while_no_worker_is_ready_is_unavailable(server):
     from conductor.live_router import LiveRouter
     from conductor.tokenization import PromptTokenizer
 
-    empty = ray.remote(Conductor).options(num_cpus=0).remote(ConductorConfig(), server.cluster.namespace)
-    await empty.register.remote("not-started-prefill", "prefill")
+    from conductor.policy import PolicyConfig
+
+    empty = ray.remote(Conductor).options(num_cpus=0).remote(
+        ConductorConfig(), server.cluster.namespace, PolicyConfig())
+    await empty.register.remote("not-started-prefill", "prefill", "node0", "m", "float32:128")
     router = LiveRouter(empty, server.cluster.namespace, readiness_interval_s=0.05)
     router.start()
     model = server.cluster.model

@@ -32,6 +32,11 @@ PLACEMENT = Placement(
     decode_instance="decode-1",
     policy="kv-aware",
     reason="cost = 1.0 x 2 prefill blocks + 3 decode blocks = 5.0",
+    transfer_ms=1.5,
+    queue_ms=20.0,
+    prefill_ms=12.25,
+    expected_cached_blocks=1,
+    pulled_from="prefill-1",
 )
 SCRIPTED_CHUNKS = (
     TokenChunk(token_ids=(5, 6), text="ab"),
@@ -148,7 +153,9 @@ async def test_stream_has_deltas_then_final_with_usage_and_placement(
     ) == (2, 16, 4, 12)
     assert 0 < final.usage.ttft_ms <= final.usage.e2e_ms
     assert final.placement == pb.PlacementInfo(
-        prefill="prefill-0", decode="decode-1", policy="kv-aware", reason=PLACEMENT.reason
+        prefill="prefill-0", decode="decode-1", policy="kv-aware", reason=PLACEMENT.reason,
+        transfer_ms=1.5, queue_ms=20.0, prefill_ms=12.25, expected_cached_blocks=1,
+        pulled_from="prefill-1",
     )
     [engine_request] = router.requests
     assert engine_request.prompt_token_ids == tuple(tokenizer.encode_text("Hello world"))
@@ -368,6 +375,11 @@ async def test_client_generate_returns_the_result_dict(gateway, router, tokenize
             "decode": "decode-1",
             "policy": "kv-aware",
             "reason": PLACEMENT.reason,
+            "transfer_ms": 1.5,
+            "queue_ms": 20.0,
+            "prefill_ms": 12.25,
+            "expected_cached_blocks": 1,
+            "pulled_from": "prefill-1",
         },
         "request_id": "req-3",
     }

@@ -35,6 +35,11 @@ EXPECTED_BATON = {
         "decode": "decode-1",
         "policy": "kv-aware",
         "reason": PLACEMENT.reason,
+        "transfer_ms": PLACEMENT.transfer_ms,
+        "queue_ms": PLACEMENT.queue_ms,
+        "prefill_ms": PLACEMENT.prefill_ms,
+        "expected_cached_blocks": PLACEMENT.expected_cached_blocks,
+        "pulled_from": PLACEMENT.pulled_from,
     },
     "loaded_tokens": 12,
 }
