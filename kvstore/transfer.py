@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import socket
 import time
 from collections.abc import Sequence
@@ -64,6 +65,8 @@ from kvstore.transfer_wire import (
     this_host_id,
     transfer_loop,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BlockServer", "PathStats", "PeerAddress", "PeerRefused", "PeerUnavailable", "ReadResult",
@@ -206,6 +209,11 @@ class TransferClient:
         self._totals: dict[tuple[str, str], _PathTotals] = {}
         self._same_host: dict[str, bool] = {}
         self._request_ids = itertools.count(1)
+        if config.backend == "ucx":
+            run_sync(self._start_ucx())  # UCX's set-up is slow: not inside the first read
+
+    async def _start_ucx(self) -> None:
+        ensure_ucx(self._config)
 
     # -- the API -----------------------------------------------------------------------------
 
@@ -344,9 +352,11 @@ class TransferClient:
             raise TransferConfigError(f"node {peer.node_id} serves no UCX listener (its "
                                       "kvstore.transfer.backend is not 'ucx')")
         ucxx = ensure_ucx(self._config)
+        started = time.perf_counter()
         endpoint = await ucxx.create_endpoint(
             peer.host, peer.ucx_port, connect_timeout=self._config.connect_timeout_s
         )
+        log.debug("UCX endpoint to %s in %.1f ms", peer.node_id, 1e3 * (time.perf_counter() - started))
         try:
             challenge = expect(decode(await endpoint.recv_obj()), Challenge)
             hello = Hello(self._node_id, proof(self._secret, challenge.nonce))
