@@ -156,15 +156,39 @@ class DeviceCache:
         self.num_private_blocks += num_private_blocks
         assert len(pins) + self.num_private_blocks <= self.capacity_blocks, "acquire without can_acquire"
         overflow = len(pins) + len(unpinned) + self.num_private_blocks - self.capacity_blocks
-        for _ in range(overflow):
+        if overflow > 0:
+            self._evict(overflow)
+
+    def insert(self, keys: Sequence[int]) -> None:
+        """Hold ``keys`` (a whole chain, root first) unpinned and most recent, leaf first, evicting
+        the least recent unpinned blocks to make room. For an instance that runs one request at a
+        time (a prefill instance), which has nothing to pin its blocks against."""
+        pins, unpinned, device, owner = self._pin_counts, self._unpinned, self._index.device, self._owner
+        assert len(keys) + len(pins) + self.num_private_blocks <= self.capacity_blocks
+        for key in reversed(keys):
+            if key in unpinned:
+                unpinned.move_to_end(key)
+            elif key not in pins:
+                unpinned[key] = None
+                holders = device.get(key)
+                if holders is None:
+                    device[key] = {owner}
+                else:
+                    holders.add(owner)
+        overflow = len(pins) + len(unpinned) + self.num_private_blocks - self.capacity_blocks
+        if overflow > 0:
+            self._evict(overflow)
+
+    def _evict(self, num_blocks: int) -> None:
+        unpinned, device, owner = self._unpinned, self._index.device, self._owner
+        for _ in range(num_blocks):
             key, _ = unpinned.popitem(last=False)
             holders = device[key]
             if len(holders) == 1:
                 del device[key]
             else:
                 holders.remove(owner)
-        if overflow > 0:
-            self.num_evicted_blocks += overflow
+        self.num_evicted_blocks += num_blocks
 
     def release(self, keys: Sequence[int], num_private_blocks: int) -> None:
         """Unpin, leaf first, so the root ends most recent."""

@@ -96,8 +96,9 @@ class Instance:
 
 
 class PrefillInstance(Instance):
-    """Prefills its queue first come first served, one at a time. When one ends, its blocks go
-    to the node's store and the KV is handed to the request's decode instance."""
+    """Prefills its queue one at a time, in priority order. A prefill's blocks enter the device
+    cache as it starts; when it ends they go to the node's store and the KV is handed to the
+    request's decode instance."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -105,7 +106,8 @@ class PrefillInstance(Instance):
         self.current: Job | None = None
 
     def load(self) -> tuple[int, float]:
-        return len(self.queue), self.cache.num_used_blocks / self.cache.capacity_blocks
+        num_used_blocks = len(self.sim.keys[self.current.req]) if self.current is not None else 0
+        return len(self.queue), num_used_blocks / self.cache.capacity_blocks
 
     def enqueue(self, job: Job, now_ms: float) -> None:
         self.queue.push(job)
@@ -119,14 +121,13 @@ class PrefillInstance(Instance):
             return
         job = self.queue.pop()
         duration_ms = self.sim.begin_prefill(self, job, now_ms)
-        self.cache.acquire(self.sim.keys[job.req], 0)
+        self.cache.insert(self.sim.keys[job.req])  # one prefill at a time: nothing to pin against
         self.current = job
         self.sim.schedule(now_ms + duration_ms, self.on_prefill_done, None)
 
     def on_prefill_done(self, now_ms: float, _arg: object) -> None:
         job = self.current
         assert job is not None
-        self.cache.release(self.sim.keys[job.req], 0)
         self.sim.end_prefill(self, job, now_ms)
         self.sim.hand_off(self, job, now_ms)
         self._start_next(now_ms)

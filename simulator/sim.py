@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 from typing import Any, Callable
 
@@ -205,6 +206,16 @@ class Simulation:
 
     def run(self) -> Simulation:
         """Replay every arrival and run until the last request has finished."""
+        conductor_log = logging.getLogger("conductor.state")
+        level = conductor_log.level
+        conductor_log.setLevel(logging.ERROR)  # its per-request warnings would flood a replay
+        try:
+            self._run()
+        finally:
+            conductor_log.setLevel(level)
+        return self
+
+    def _run(self) -> None:
         arrivals = [t / self.rate_scale for t in self.workload.arrival_ms]
         heap, pop = self._heap, heapq.heappop
         i, n = 0, len(arrivals)
@@ -217,7 +228,6 @@ class Simulation:
                 self.now_ms = arrivals[i]
                 self._arrive(i, arrivals[i])
                 i += 1
-        return self
 
     # -- placement --------------------------------------------------------------------------------
 

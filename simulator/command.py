@@ -1,0 +1,76 @@
+"""What ``baton bench replay`` does once typer has parsed it: check the inputs, run with a
+progress bar, write the results, print the table."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from conductor.errors import BatonError
+from simulator.fleet import GIB, FleetConfig
+from simulator.profile import load_profile
+from simulator.replay import estimated_sims, parse_policies, replay, write_results
+from simulator.sim import Workload
+from simulator.trace import load_trace
+
+
+def replay_command(trace: Path, num_prefill: int, num_decode: int, policy: str, out: Path,
+                   rate_scale: float, profile_spec: str, ttft_slo_ms: float, tbt_slo_ms: float,
+                   goodput: bool, jobs: int, instances_per_node: int, device_kv_gib: float | None,
+                   host_gib_per_node: float | None, disk_gib_per_node: float | None,
+                   admission: bool, console: Console) -> None:
+    """Raises ``typer.Exit(2)`` with a message for anything the user can fix."""
+    try:
+        policies = parse_policies(policy)
+        profile = load_profile(profile_spec)
+        if rate_scale <= 0:
+            raise BatonError(f"--rate-scale must be positive, got {rate_scale:g}")
+        overrides: dict = {}
+        if device_kv_gib is not None:
+            overrides["device_kv_bytes"] = device_kv_gib * GIB
+        if host_gib_per_node is not None:
+            overrides["host_kv_bytes_per_node"] = host_gib_per_node * GIB
+        if disk_gib_per_node is not None:
+            overrides["disk_kv_bytes_per_node"] = disk_gib_per_node * GIB
+        fleet = FleetConfig(num_prefill_instances=num_prefill, num_decode_instances=num_decode,
+                            instances_per_node=instances_per_node, ttft_slo_ms=ttft_slo_ms,
+                            tbt_slo_ms=tbt_slo_ms, admission=admission, **overrides)
+        workload = Workload(load_trace(trace), trace.name)
+    except ValidationError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from e
+    except BatonError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from e
+    started = time.perf_counter()
+    columns = (TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("simulations"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        tasks = {p: progress.add_task(p, total=estimated_sims(goodput)) for p in policies}
+
+        def on_sim(p: str) -> None:
+            task = progress.tasks[tasks[p]]
+            if task.completed + 1 > (task.total or 0):
+                progress.update(tasks[p], total=task.completed + 1)
+            progress.advance(tasks[p])
+
+        runs = replay(trace, fleet, profile, profile_spec, policies, rate_scale, goodput, jobs, on_sim)
+        for p, task_id in tasks.items():
+            progress.update(task_id, total=progress.tasks[task_id].completed)
+    wall_s = time.perf_counter() - started
+    meta = {
+        "trace": str(trace), "trace_name": trace.name, "num_requests": len(workload),
+        "ceiling_hit_ratio": workload.ceiling_hit_ratio, "rate_scale": rate_scale,
+        "simulated": True, "profile_name": profile_spec, "profile": profile.model_dump(exclude={"samples"}),
+        "fleet": fleet.model_dump(), "policies": policies, "wall_s": wall_s, "jobs": jobs,
+        "per_policy_wall_s": {p: run.wall_s for p, run in runs.items()},
+    }
+    written = write_results(out, runs, meta)
+    print((out / "results.md").read_text())
+    console.print(f"[dim]{len(policies)} policies in {wall_s:.1f} s; wrote "
+                  f"{', '.join(str(p) for p in written)}[/dim]")
