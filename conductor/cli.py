@@ -126,6 +126,35 @@ def generate(
     )
 
 
+@bench_app.command("replay")
+def bench_replay(
+    trace: Path = typer.Option(..., help="Mooncake-format trace (.jsonl)."),
+    prefill: int = typer.Option(16, help="Simulated prefill instances."),
+    decode: int = typer.Option(16, help="Simulated decode instances."),
+    policy: str = typer.Option("all", help="'all' or policy names, comma-separated."),
+    out: Path = typer.Option(Path("bench-out/replay"), help="Folder for results.json, results.md, plots."),
+    rate_scale: float = typer.Option(1.0, help="Arrival-rate multiplier of the main run."),
+    profile: str = typer.Option("analytic", help="'analytic' or a 'baton profile' JSON file."),
+    ttft_slo_ms: float = typer.Option(5000.0, help="TTFT SLO (ms)."),
+    tbt_slo_ms: float = typer.Option(100.0, help="TBT SLO: worst inter-token gap (ms)."),
+    goodput: bool = typer.Option(True, help="Sweep the rate scale for each policy's goodput."),
+    jobs: int = typer.Option(0, help="Processes running policies side by side (0: up to 2 by CPUs)."),
+    instances_per_node: int = typer.Option(8, help="Instances sharing one node's host/disk store."),
+    device_kv_gib: Optional[float] = typer.Option(None, help="Device KV per instance (GiB; default 37.3)."),
+    host_gib: Optional[float] = typer.Option(None, help="Host KV tier per node (GiB; default 256)."),
+    disk_gib: Optional[float] = typer.Option(None, help="Disk KV tier per node (GiB; default 1024)."),
+    admission: bool = typer.Option(True, help="Let the conductor reject requests predicted to miss SLOs."),
+) -> None:
+    """SIMULATE a fleet replaying a trace under each placement policy (the conductor's own code):
+    hit ratio, TTFT, TBT, SLO attainment and goodput per policy."""
+    from simulator.command import replay_command
+    from simulator.replay import default_jobs
+
+    replay_command(trace, prefill, decode, policy, out, rate_scale, profile, ttft_slo_ms, tbt_slo_ms,
+                   goodput, jobs or default_jobs(), instances_per_node, device_kv_gib, host_gib,
+                   disk_gib, admission, err)
+
+
 @model_app.command("prepare")
 def model_prepare(
     name: str = typer.Argument("smollm2", help="'smollm2' or 'tiny'."),
