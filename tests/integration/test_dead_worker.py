@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 async def server(tiny_model):
     async with running_server({"engine.model": "tiny", "http.enabled": False, "name": "deadtest",
                                "kvstore.host_capacity_bytes": 64 << 20,
-                               "conductor.stats_interval_s": 0.2}) as srv:
+                               "conductor.stats_interval_s": 0.2,
+                               "conductor.tuning.short_prefill_tokens": 0}) as srv:
         yield srv
 
 

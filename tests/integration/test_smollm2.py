@@ -20,7 +20,8 @@ LONG_CONTEXT = (
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(smollm2_model):
-    async with running_server({"engine.model": "smollm2", "kvstore.host_capacity_bytes": 512 << 20}) as srv:
+    async with running_server({"engine.model": "smollm2", "kvstore.host_capacity_bytes": 512 << 20,
+                               "conductor.tuning.short_prefill_tokens": 0}) as srv:
         yield srv
 
 
