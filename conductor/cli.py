@@ -155,6 +155,24 @@ def bench_replay(
                    disk_gib, admission, err)
 
 
+@bench_app.command("kvstore")
+def bench_kvstore(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    block_bytes: int = typer.Option(368_640, help="Bytes per KV block (SmolLM2, 16 tokens: "
+                                    "368,640 in bf16, 737,280 in float32)."),
+    blocks: int = typer.Option(32, help="Blocks per batch."),
+    rounds: int = typer.Option(15, help="Measured rounds (after one warm-up)."),
+    disk_dir: Optional[Path] = typer.Option(None, help="Folder for the disk tier runs "
+                                            "(default: the system temp folder)."),
+    paths: str = typer.Option("shm,tcp,ucx,disk", help="Comma-separated: shm, tcp, ucx, disk."),
+) -> None:
+    """Each KV store data path (shared memory, tcp, ucx, disk tier) against its raw baseline."""
+    from kvstore.bench import main as run_kvstore_bench
+
+    run_kvstore_bench(str(json_path) if json_path else None, block_bytes, blocks, rounds,
+                      str(disk_dir) if disk_dir else None, tuple(paths.split(",")))
+
+
 @model_app.command("prepare")
 def model_prepare(
     name: str = typer.Argument("smollm2", help="'smollm2' or 'tiny'."),

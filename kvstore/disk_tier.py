@@ -4,15 +4,15 @@ A block lives in ``<directory>/<hh>/<key hex>``, where ``hh`` is the first two h
 key (256 subfolders keep directories small). Each file is a fixed header followed by the payload::
 
     magic "BATONKV\\0" | version u16 | flags u16 | key 16B | parent 16B | payload_len u64
-    | payload_crc32 u32 | header_crc32 u32
+    | payload_xxh3 u64 | header_crc32 u32
 
 All integers are little-endian. ``flags`` bit 0 says the parent field is meaningful (the block is
 not the first of its chain). ``header_crc32`` covers every header byte before it, so start-up can
 trust a header (the parent link decides eviction order) without reading the payload;
-``payload_crc32`` covers the payload, checked on every read. A flipped bit anywhere in the file
-is caught. CRC-32 (``zlib.crc32``) was chosen over
-BLAKE2b-64 because it is about 4x faster (3 MB payload on the build machine: 1.40 ms vs 5.51 ms);
-it guards against bit rot and torn writes, not against an adversary who can write the directory.
+``payload_xxh3`` (XXH3-64 of the payload) is checked on every read. A flipped bit anywhere in the
+file is caught. XXH3 replaced CRC-32 (format version 1) because a page-cache read runs at
+~7.5 GB/s here and CRC-32 at ~3.6 GB/s would halve it; XXH3 runs at ~39 GB/s (368 KB block). It
+guards against bit rot and torn writes, not against an adversary who can write the directory.
 
 Writes are atomic: the file is written under a temporary name in the same subfolder and renamed
 into place with ``os.replace``, so a reader (or a restart) sees either the whole block or nothing.
@@ -47,15 +47,16 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import xxhash
 
 from kvstore.keys import KEY_SIZE_BYTES, BlockKey, key_from_hex, key_hex
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"BATONKV\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _FLAG_HAS_PARENT = 1
-_HEADER = struct.Struct("<8sHH16s16sQII")
+_HEADER = struct.Struct("<8sHH16s16sQQI")
 HEADER_BYTES = _HEADER.size
 _CHECKED_HEADER_BYTES = HEADER_BYTES - 4  # every header byte before the header checksum
 _TEMP_SUFFIX = ".tmp"
@@ -169,28 +170,36 @@ class DiskTier:
     # -- reads -----------------------------------------------------------------------------------
 
     def get(self, key: BlockKey) -> bytes | None:
-        """The payload of ``key``, verified, or None on a miss. Counts a hit or a miss.
+        """The payload of ``key``, verified, or None on a miss (see ``get_into``)."""
+        payload = bytearray(self.block_bytes)
+        return bytes(payload) if self.get_into(key, payload) else None
+
+    def get_into(self, key: BlockKey, out: Any) -> bool:
+        """Read the payload of ``key`` into ``out`` (a writable buffer or uint8 tensor of
+        ``block_bytes``), verified; False on a miss. Counts a hit or a miss.
 
         A block whose magic, version, key, length or checksum is wrong (or whose file vanished)
-        is deleted, counted in ``corrupt_blocks`` and returned as a miss. A hit makes the block
-        the most recently used.
+        is deleted, counted in ``corrupt_blocks`` and returned as a miss; ``out`` then holds
+        undefined bytes. A hit makes the block the most recently used.
         """
+        view = _as_byte_view(out)
+        if len(view) != self.block_bytes or view.readonly:
+            raise ValueError(f"get_into needs a writable buffer of {self.block_bytes} bytes")
         entry = self._entries.get(key)
         if entry is None:
             self._misses += 1
-            return None
-        payload = self._read_verified(key)
-        if payload is None:
+            return False
+        if not self._read_verified_into(key, view):
             self._corrupt += 1
             self._misses += 1
             logger.warning("disk tier block %s failed verification; dropped", key_hex(key))
             self._drop(entry)
-            return None
+            return False
         self._hits += 1
         entry.last_access_tick = self._next_tick()
         self._evictable.pop(key, None)  # its priority changed: file it afresh
         self._refile(key)
-        return payload
+        return True
 
     def contains(self, key: BlockKey) -> bool:
         return key in self._entries
@@ -424,34 +433,39 @@ class DiskTier:
             return None
         return key, BlockKey(parent) if flags & _FLAG_HAS_PARENT else None
 
-    def _read_verified(self, key: BlockKey) -> bytes | None:
+    def _read_verified_into(self, key: BlockKey, out: memoryview) -> bool:
+        """One ``preadv`` reads the header, the payload into ``out`` and probes for a trailing
+        byte (a file of the wrong size fails), then both checksums are verified."""
+        header = bytearray(HEADER_BYTES)
         try:
-            with open(self._path(key), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                raw = f.read(HEADER_BYTES)
-                if self._parse_header(raw, key, size) is None:
-                    return None
-                payload = f.read(self.block_bytes)
+            fd = os.open(self._path(key), os.O_RDONLY)
         except OSError:
-            return None
-        if len(payload) != self.block_bytes:
-            return None
-        (payload_crc,) = struct.unpack_from("<I", raw, _CHECKED_HEADER_BYTES - 4)
-        if zlib.crc32(payload) != payload_crc:
-            return None
-        return payload
+            return False
+        try:
+            num_read = os.preadv(fd, [header, out, bytearray(1)], 0)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        if self._parse_header(header, key, num_read) is None:
+            return False
+        (payload_xxh3,) = struct.unpack_from("<Q", header, _CHECKED_HEADER_BYTES - 8)
+        return xxhash.xxh3_64_intdigest(out) == payload_xxh3
 
 
 def _pack_header(key: BlockKey, parent: BlockKey | None, payload: memoryview) -> bytes:
     flags = _FLAG_HAS_PARENT if parent is not None else 0
     fields = (MAGIC, FORMAT_VERSION, flags, key, parent or _NO_PARENT, len(payload))
-    prefix = _HEADER.pack(*fields, zlib.crc32(payload), 0)[:_CHECKED_HEADER_BYTES]
+    prefix = _HEADER.pack(*fields, xxhash.xxh3_64_intdigest(payload), 0)[:_CHECKED_HEADER_BYTES]
     return prefix + struct.pack("<I", zlib.crc32(prefix))
 
 
 def _as_byte_view(payload: Any) -> memoryview:
-    """A flat byte view of bytes-like data or a uint8 tensor (on the CPU), without copying."""
+    """A flat byte view of bytes-like data (numpy arrays included) or a uint8 tensor (on the
+    CPU), without copying."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
+        if type(payload).__module__ == "numpy":
+            return memoryview(payload).cast("B")
         import torch  # only callers that pass tensors pay for the import
 
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:

@@ -18,8 +18,6 @@ from typing import Callable, Sequence, TypeVar
 
 import msgspec
 
-import torch
-
 from kvstore.block_store import BlockStore, StoreStats
 from kvstore.config import KVStoreConfig
 from kvstore.disk_tier import DiskTier
@@ -202,11 +200,10 @@ class KVStoreNode:
             slot = result.slots[0]
             if slot is None:
                 break  # host memory is full of pinned blocks: serve what is there
-            payload = self.disk.get(key)
-            if payload is None:  # failed its checksum: counted and deleted by the disk tier
+            if not self.disk.get_into(key, self.arena.slot(slot)):
+                # failed its checksum: counted and deleted by the disk tier
                 self.store.abort([key])
                 break
-            self.arena.slot(slot).copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             self.store.commit([key])
             self.promoted_blocks += 1
             self._record(stored_host=[key])
