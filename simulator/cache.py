@@ -263,7 +263,11 @@ class NodeStore:
                 continue
             if key in disk:
                 del disk[key]
-                _discard(disk_index, key, node)
+                holders = disk_index[key]
+                if len(holders) == 1:
+                    del disk_index[key]
+                else:
+                    holders.remove(node)
             elif not insert_absent:
                 continue
             host[key] = None
@@ -274,7 +278,11 @@ class NodeStore:
                 holders.add(node)
         while len(host) > self.host_capacity_blocks:
             key, _ = host.popitem(last=False)
-            _discard(host_index, key, node)
+            holders = host_index[key]
+            if len(holders) == 1:
+                del host_index[key]
+            else:
+                holders.remove(node)
             if self.disk_capacity_blocks > 0:
                 disk[key] = None
                 holders = disk_index.get(key)

@@ -145,6 +145,10 @@ class Simulation:
         self.num_computed_tokens = np.zeros(n, dtype=np.int64)
         self.prefill_ms = np.zeros(n)
         self.transfer_ms = np.zeros(n)
+        self.predicted_ttft_ms = np.full(n, np.nan)
+        """The conductor's priced T = transfer + queue + prefill at placement (ms)."""
+        self.queue_wait_ms = np.full(n, np.nan)
+        """Arrival to the start of the prefill (ms)."""
         self.served = np.zeros(n, dtype=bool)
         self.rejected = np.zeros(n, dtype=bool)
         self.unservable = np.zeros(n, dtype=bool)
@@ -252,6 +256,7 @@ class Simulation:
                 f"policy {self.policy_name} placed prefill on {prefill_inst.instance_id} and decode on "
                 f"{decode_inst.instance_id}; decode must be a decode instance, and a decode instance "
                 "prefills only requests it decodes itself")
+        self.predicted_ttft_ms[i] = placement.transfer_ms + placement.queue_ms + placement.prefill_ms
         source = self.by_id[placement.pulled_from] if placement.pulled_from else None
         job = Job(i, source, decode_inst, placement.priority)
         self.served[i] = True
@@ -290,6 +295,7 @@ class Simulation:
         self.num_computed_tokens[i] = request.num_prompt_tokens - cached_tokens
         self.prefill_ms[i] = cost.prefill_ms
         self.transfer_ms[i] = cost.transfer_ms
+        self.queue_wait_ms[i] = now_ms - self.workload.arrival_ms[i] / self.rate_scale
         return cost.transfer_ms + cost.prefill_ms
 
     def end_prefill(self, inst: Instance, job: Job, now_ms: float) -> None:
