@@ -26,6 +26,7 @@ from kvstore.metadata import BlockDirectory
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
 from kvstore.transfer_server import BlockServer, PeerAddress, PinnedRun
+from kvstore.transfer_wire import block_checksum
 
 log = logging.getLogger(__name__)
 _F = TypeVar("_F", bound=Callable)
@@ -105,6 +106,7 @@ class KVStoreNode:
         self._block_size_tokens = block_size_tokens
         self.store = BlockStore(num_slots, on_evict=self._demote)
         self.promoted_blocks = 0
+        self._checksums: dict[BlockKey, int] = {}  # of served blocks, until evicted
         self.demoted_blocks = 0
         self._directory: BlockDirectory | None = None
         self._stop_heartbeat = threading.Event()
@@ -178,11 +180,21 @@ class KVStoreNode:
         """``acquire`` for the block server, saying which blocks came up from the disk tier."""
         num_in_host = self.store.match_prefix(keys)
         slots = self.acquire(keys)
+        served = list(keys[: len(slots)])
+        checksums = []
+        for key, slot in zip(served, slots):
+            # a READY block's bytes never change until it is evicted (which drops this entry),
+            # so it is hashed once, at its first serve, not on every send
+            checksum = self._checksums.get(key)
+            if checksum is None:
+                checksum = self._checksums[key] = block_checksum(self.arena.slot(slot).numpy())
+            checksums.append(checksum)
         from_disk = [i >= num_in_host for i in range(len(slots))]
-        return PinnedRun(keys=list(keys[: len(slots)]), slots=slots, from_disk=from_disk)
+        return PinnedRun(keys=served, slots=slots, from_disk=from_disk, checksums=checksums)
 
     def _demote(self, key: BlockKey, parent: BlockKey | None, slot: int) -> None:
         """BlockStore eviction hook: the slot still holds the block; copy it to disk first."""
+        self._checksums.pop(key, None)
         if self.disk is not None and self.disk.put(key, parent, self.arena.slot(slot)):
             self.demoted_blocks += 1
             self._record(removed_host=[key], stored_disk=[(key, parent)])

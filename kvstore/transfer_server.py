@@ -35,7 +35,6 @@ from kvstore.transfer_wire import (
     Release,
     TransferConfigError,
     Welcome,
-    block_checksum,
     decode,
     encode,
     ensure_ucx,
@@ -53,11 +52,13 @@ log = logging.getLogger(__name__)
 
 
 class PinnedRun(msgspec.Struct, frozen=True):
-    """The leading run of requested keys a source pinned: ``slots[i]`` holds ``keys[i]``."""
+    """The leading run of requested keys a source pinned: ``slots[i]`` holds ``keys[i]``, whose
+    bytes hash to ``checksums[i]`` (``block_checksum``)."""
 
     keys: list[BlockKey]
     slots: list[int]
     from_disk: list[bool]
+    checksums: list[int]
 
 
 class BlockSource(Protocol):
@@ -207,7 +208,7 @@ class BlockServer:
                 run = self._pin(request.keys)
                 try:
                     views = [self._slot_views[slot] for slot in run.slots]
-                    await send_frame(sock, self._reply(request, run, views))
+                    await send_frame(sock, self._reply(request, run))
                     if request.mode == "stream":
                         for view in views:
                             await loop.sock_sendall(sock, view)
@@ -243,7 +244,7 @@ class BlockServer:
                 run = self._pin(request.keys)
                 try:
                     views = [self._slot_views[slot] for slot in run.slots]
-                    await endpoint.send_obj(encode(self._reply(request, run, views)))
+                    await endpoint.send_obj(encode(self._reply(request, run)))
                     if request.mode == "stream":
                         await asyncio.gather(*(endpoint.send(view) for view in views))
                     else:
@@ -279,10 +280,10 @@ class BlockServer:
     def _pin(self, keys: list[bytes]) -> PinnedRun:
         return self._source.pin_for_transfer([BlockKey(k) for k in keys])
 
-    def _reply(self, request: ReadRequest, run: PinnedRun, views) -> ReadReply:
+    def _reply(self, request: ReadRequest, run: PinnedRun) -> ReadReply:
         return ReadReply(
             request_id=request.request_id,
-            checksums=[block_checksum(view) for view in views],
+            checksums=run.checksums,
             from_disk=run.from_disk,
             slots=run.slots if request.mode == "shm" else [],
         )
