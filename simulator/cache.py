@@ -1,7 +1,7 @@
 """The simulated KV caches: each instance's device cache, each node's host and disk tiers, and the
 index of which instance and node holds which block (the conductor's KV index, always current).
 
-Block keys are the trace's hash ids. Eviction is LRU over leaves: a request's keys are touched
+Block keys are the trace's hash ids (as bytes). Eviction is LRU over leaves: a request's keys are touched
 leaf first and root last, so an ancestor is always at least as recent as its descendants and goes
 only after all of them (the store's rule; the shared trunk outlives the twigs). Blocks in use by a
 running prefill or decode are pinned and never evicted.
@@ -10,7 +10,10 @@ running prefill or decode are pinned and never evicted.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Hashable, Sequence
+
+BlockKey = Hashable
+"""A block key: the simulation uses the trace's hash ids as 8 bytes; tests use strings."""
 
 UNLIMITED = 1 << 62
 """A capacity no trace reaches (blocks)."""
@@ -18,7 +21,7 @@ UNLIMITED = 1 << 62
 _EMPTY: frozenset[int] = frozenset()
 
 
-def _discard(tier: dict[int, set[int]], key: int, holder: int) -> None:
+def _discard(tier: dict[BlockKey, set[int]], key: BlockKey, holder: int) -> None:
     holders = tier[key]
     if len(holders) == 1:
         del tier[key]
@@ -32,14 +35,14 @@ class BlockIndex:
     ``leading_runs`` answers the question the conductor's index answers for ``prefix_hits``.
     """
 
-    def __init__(self, node_of_instance: Sequence[int], instances_of_node: Sequence[Sequence[int]]) -> None:
-        self.device: dict[int, set[int]] = {}
-        self.host: dict[int, set[int]] = {}
-        self.disk: dict[int, set[int]] = {}
+    def __init__(self, node_of_instance: Sequence[BlockKey], instances_of_node: Sequence[Sequence[BlockKey]]) -> None:
+        self.device: dict[BlockKey, set[int]] = {}
+        self.host: dict[BlockKey, set[int]] = {}
+        self.disk: dict[BlockKey, set[int]] = {}
         self._node_of = node_of_instance
         self._instances_of = instances_of_node
 
-    def leading_runs(self, keys: Sequence[int]) -> dict[int, list[int]]:
+    def leading_runs(self, keys: Sequence[BlockKey]) -> dict[int, list[int]]:
         """For every instance holding ``keys[0]`` in some tier: [device, host, disk] block counts of
         its leading run (each block counted in the fastest tier that instance reaches it in:
         its own device cache, else its node's host tier, else its node's disk tier).
@@ -86,7 +89,7 @@ class BlockIndex:
                 runs[i] = [device_len, num_host, len(tail) - num_host]
         return runs
 
-    def leading_run(self, instance: int, keys: Sequence[int]) -> tuple[int, int, int]:
+    def leading_run(self, instance: int, keys: Sequence[BlockKey]) -> tuple[int, int, int]:
         """(device, host, disk) blocks of one instance's leading run of ``keys``."""
         node = self._node_of[instance]
         num_device = num_host = num_disk = 0
@@ -115,12 +118,12 @@ class DeviceCache:
         self.capacity_blocks = capacity_blocks
         self._owner = owner
         self._index = index
-        self._unpinned: OrderedDict[int, None] = OrderedDict()
-        self._pin_counts: dict[int, int] = {}
+        self._unpinned: OrderedDict[BlockKey, None] = OrderedDict()
+        self._pin_counts: dict[BlockKey, int] = {}
         self.num_private_blocks = 0
         self.num_evicted_blocks = 0
 
-    def __contains__(self, key: int) -> bool:
+    def __contains__(self, key: BlockKey) -> bool:
         return key in self._pin_counts or key in self._unpinned
 
     @property
@@ -132,12 +135,12 @@ class DeviceCache:
         """Blocks in use: pinned plus private (vLLM's KV usage)."""
         return len(self._pin_counts) + self.num_private_blocks
 
-    def can_acquire(self, keys: Sequence[int], num_private_blocks: int) -> bool:
+    def can_acquire(self, keys: Sequence[BlockKey], num_private_blocks: int) -> bool:
         pins = self._pin_counts
         num_new_pins = sum(1 for key in keys if key not in pins)
         return len(pins) + num_new_pins + self.num_private_blocks + num_private_blocks <= self.capacity_blocks
 
-    def acquire(self, keys: Sequence[int], num_private_blocks: int) -> None:
+    def acquire(self, keys: Sequence[BlockKey], num_private_blocks: int) -> None:
         pins, unpinned, device, owner = self._pin_counts, self._unpinned, self._index.device, self._owner
         for key in keys:
             count = pins.get(key)
@@ -159,7 +162,7 @@ class DeviceCache:
         if overflow > 0:
             self._evict(overflow)
 
-    def insert(self, keys: Sequence[int]) -> None:
+    def insert(self, keys: Sequence[BlockKey]) -> None:
         """Hold ``keys`` (a whole chain, root first) unpinned and most recent, leaf first, evicting
         the least recent unpinned blocks to make room. For an instance that runs one request at a
         time (a prefill instance), which has nothing to pin its blocks against."""
@@ -190,7 +193,7 @@ class DeviceCache:
                 holders.remove(owner)
         self.num_evicted_blocks += num_blocks
 
-    def release(self, keys: Sequence[int], num_private_blocks: int) -> None:
+    def release(self, keys: Sequence[BlockKey], num_private_blocks: int) -> None:
         """Unpin, leaf first, so the root ends most recent."""
         pins, unpinned = self._pin_counts, self._unpinned
         for key in reversed(keys):
@@ -203,14 +206,14 @@ class DeviceCache:
         self.num_private_blocks -= num_private_blocks
         assert self.num_private_blocks >= 0
 
-    def touch(self, keys: Sequence[int]) -> None:
+    def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark unpinned ``keys`` (a whole chain, root first) as just used, leaf first."""
         unpinned = self._unpinned
         for key in reversed(keys):
             if key in unpinned:
                 unpinned.move_to_end(key)
 
-    def leading_run(self, keys: Sequence[int]) -> int:
+    def leading_run(self, keys: Sequence[BlockKey]) -> int:
         n = 0
         for key in keys:
             if key not in self:
@@ -225,7 +228,7 @@ class DeviceCache:
         for key in list(self._pin_counts) + list(self._unpinned):
             assert self._owner in self._index.device[key]
 
-    def lru_order(self) -> list[int]:
+    def lru_order(self) -> list[BlockKey]:
         """Unpinned keys, next to be evicted first (for tests)."""
         return list(self._unpinned)
 
@@ -243,15 +246,15 @@ class NodeStore:
         self.host_capacity_blocks = host_capacity_blocks
         self.disk_capacity_blocks = disk_capacity_blocks
         self._index = index
-        self._host: OrderedDict[int, None] = OrderedDict()
-        self._disk: OrderedDict[int, None] = OrderedDict()
+        self._host: OrderedDict[BlockKey, None] = OrderedDict()
+        self._disk: OrderedDict[BlockKey, None] = OrderedDict()
         self.num_dropped_blocks = 0
 
     @property
     def num_blocks(self) -> int:
         return len(self._host) + len(self._disk)
 
-    def put(self, keys: Sequence[int], insert_absent: bool = True) -> None:
+    def put(self, keys: Sequence[BlockKey], insert_absent: bool = True) -> None:
         """Touch (leaf first) every key held here, promoting disk blocks to host, and with
         ``insert_absent`` write the others to host; then evict down to capacity. ``keys`` is a
         whole chain from its root (touching a chain's tail alone would break leaf-first order)."""
@@ -297,10 +300,10 @@ class NodeStore:
             _discard(disk_index, key, node)
             self.num_dropped_blocks += 1
 
-    def host_order(self) -> list[int]:
+    def host_order(self) -> list[BlockKey]:
         return list(self._host)
 
-    def disk_order(self) -> list[int]:
+    def disk_order(self) -> list[BlockKey]:
         return list(self._disk)
 
     def check_invariants(self) -> None:

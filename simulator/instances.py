@@ -63,7 +63,7 @@ class Seq:
     __slots__ = ("req", "keys", "num_context_tokens", "num_remaining_tokens", "num_emitted_tokens",
                  "last_token_ms", "num_private_blocks", "max_gap_ms")
 
-    def __init__(self, req: int, keys: tuple[int, ...], num_prompt_tokens: int, num_output_tokens: int,
+    def __init__(self, req: int, keys: tuple[bytes, ...], num_prompt_tokens: int, num_output_tokens: int,
                  num_private_blocks: int) -> None:
         self.req = req
         self.keys = keys
