@@ -34,6 +34,9 @@ class FleetConfig(BaseModel):
     tbt_slo_ms: float = Field(
         100.0, gt=0, description="A request meets the TBT SLO when its worst inter-token gap is at or "
         "under this (ms).")
+    stats_interval_ms: float = Field(
+        500.0, ge=0, description="Worker stats (waiting requests, KV use) reach the conductor this "
+        "often, as its poll does (conductor stats_interval_s); 0: the moment they change (ms).")
     admission: bool = Field(
         True, description="Give the policies the TTFT SLO, so those that admit (mooncake, baton) "
         "reject requests predicted to miss it.")

@@ -3,7 +3,7 @@
 Placement is the live conductor's own code: a ``ConductorState`` (its in-flight books, the
 snapshot it builds, ``POLICIES[name]``, ``with_prices``, ``admit``) reading a KV index that the
 simulated caches keep exact (``SimKvIndex``), on a clock the simulation sets. Worker stats
-(waiting requests, KV use) reach it as soon as they change, where the live conductor polls them.
+(waiting requests, KV use) reach it every ``stats_interval_ms``, as the live conductor polls them.
 The placement is then carried out by the simulated mechanism: the prefill instance loads its
 local prefix (own device, then its node's host and disk tiers), pulls the rest of the prefix from
 ``placement.pulled_from``, computes the remainder, writes every block to its node's store, and
@@ -194,7 +194,8 @@ class Simulation:
             self.instances.append(inst)
         self.by_id = {inst.instance_id: inst for inst in self.instances}
         self.dirty: set[Instance] = set()
-        """Instances whose worker stats changed since the conductor last heard them."""
+        """Instances whose worker stats changed since the conductor last polled them."""
+        self._next_poll_ms = 0.0
         self._max_blocks = device_blocks
         self.conductor = ConductorState(self.policy_name, self.config, SimKvIndex(self.index, self.instances),
                                         clock=lambda: self.now_ms / 1000.0)
@@ -240,9 +241,11 @@ class Simulation:
         if len(keys) + self.num_private_blocks[i] > self._max_blocks:
             self.unservable[i] = True  # larger than any device: no placement can serve it
             return
-        for inst in self.dirty:
-            self.conductor.update_load(inst.instance_id, *inst.load())
-        self.dirty.clear()
+        if self.dirty and now_ms >= self._next_poll_ms:
+            for inst in self.dirty:
+                self.conductor.update_load(inst.instance_id, *inst.load())
+            self.dirty.clear()
+            self._next_poll_ms = now_ms + self.fleet.stats_interval_ms
         try:
             placement = self.conductor.place(self.workload.placement_requests[i])
         except Overloaded:
