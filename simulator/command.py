@@ -69,8 +69,12 @@ def replay_command(trace: Path, num_prefill: int, num_decode: int, policy: str, 
         "simulated": True, "profile_name": profile_spec, "profile": profile.model_dump(exclude={"samples"}),
         "fleet": fleet.model_dump(), "policies": policies, "wall_s": wall_s, "jobs": jobs,
         "per_policy_wall_s": {p: run.wall_s for p, run in runs.items()},
+        "per_policy_cpu_s": {p: run.cpu_s for p, run in runs.items()},
+        "num_simulations": sum(len({p.rate_scale for p in run.sweep} | {rate_scale}) for run in runs.values()),
     }
     written = write_results(out, runs, meta)
     print((out / "results.md").read_text())
-    console.print(f"[dim]{len(policies)} policies in {wall_s:.1f} s; wrote "
+    cpu_s = sum(run.cpu_s for run in runs.values())
+    console.print(f"[dim]{len(policies)} policies, {meta['num_simulations']} simulations in {wall_s:.1f} s "
+                  f"({cpu_s:.1f} CPU-s); wrote "
                   f"{', '.join(str(p) for p in written)}[/dim]")

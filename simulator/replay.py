@@ -96,6 +96,8 @@ class PolicyRun(msgspec.Struct):
     """Per served request at the main rate scale (for the CDF)."""
     sweep: list[SweepPoint]
     wall_s: float
+    cpu_s: float
+    """CPU time of this policy's simulations (its process's, so independent of other load)."""
 
 
 _worker_workload: Workload | None = None
@@ -112,7 +114,7 @@ def run_policy(workload: Workload, fleet: FleetConfig, profile: CostProfile, pro
                policy: str, rate_scale: float, sweep: bool,
                on_sim: Callable[[str], None] = lambda _: None) -> PolicyRun:
     """One policy: the main run at ``rate_scale``, then (with ``sweep``) its goodput."""
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     by_scale: dict[float, PolicyResult] = {}
 
     def simulate(scale: float) -> Simulation:
@@ -133,7 +135,8 @@ def run_policy(workload: Workload, fleet: FleetConfig, profile: CostProfile, pro
         goodput, points = find_goodput(attainment_at)
         result.goodput_rate_scale = goodput
     ttft_ms = [float(t) for t in main.ttft_ms[main.served]]
-    return PolicyRun(result, ttft_ms, points, time.perf_counter() - started)
+    return PolicyRun(result, ttft_ms, points, time.perf_counter() - started,
+                     time.process_time() - started_cpu)
 
 
 def _run_in_worker(fleet: FleetConfig, profile: CostProfile, profile_name: str, policy: str,
