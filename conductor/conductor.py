@@ -42,6 +42,10 @@ class ConductorStatus(msgspec.Struct, frozen=True):
     num_in_flight_decodes: int
     events_received: int
     events_dropped_for_test: int
+    num_replayed_batches: int
+    """Lost event batches recovered from their source's replay buffer."""
+    last_seq_by_source: dict[str, int]
+    """The last event batch applied from each stream (-1: none yet)."""
 
 
 class KeyScheme(msgspec.Struct, frozen=True):
@@ -77,6 +81,7 @@ class Conductor:
         self._events_received = 0
         self._drop_next: dict[str, int] = {}
         self._events_dropped = 0
+        self._replayed = 0
         self._key_scheme: KeyScheme | None = None
 
     def events_endpoint(self) -> str:
@@ -104,6 +109,7 @@ class Conductor:
         """Subscribe to a store node's tier events (the node binds, the conductor connects)."""
         self._start_tasks()
         self._store_topics[f"baton.store.{node_id}".encode()] = node_id
+        self.state.index.add_node(node_id)
         if replay_endpoint:
             self._replay_endpoints[node_id] = replay_endpoint
         self._store_sub.connect(events_endpoint)
@@ -162,12 +168,21 @@ class Conductor:
         return ConductorStatus(
             self._config.policy, self.state.counters, index.num_blocks(), index.num_resyncs,
             index.num_untranslatable_blocks, prefills, decodes, self._events_received,
-            self._events_dropped,
+            self._events_dropped, self._replayed, index.last_seqs(),
         )
 
     async def prefix_hits(self, block_keys: list[bytes]) -> dict:
         """The index's view of one prompt (for operators and tests): instance → PrefixHit."""
         return self.state.index.prefix_hits(block_keys)
+
+    async def set_admission(self, ttft_slo_ms: float | None, tbt_slo_ms: float | None) -> None:
+        """Change the SLOs admission enforces, live (None: no limit)."""
+        self.state.config = self.state.config.model_copy(
+            update={"ttft_slo_ms": ttft_slo_ms, "tbt_slo_ms": tbt_slo_ms})
+
+    async def set_coalesce(self, enabled: bool) -> None:
+        """Turn fan-out coalescing on or off, live."""
+        self._config = self._config.model_copy(update={"coalesce": enabled})
 
     async def drop_next_events(self, source: str, num_batches: int) -> None:
         """Fault injection for tests and drills: discard the next batches from ``source``, as a
@@ -179,14 +194,22 @@ class Conductor:
     async def _engine_events(self) -> None:
         while True:
             topic, seq_bytes, payload = await self._engine_sub.recv_multipart()
-            await self._ingest(topic.decode(), seq_bytes, payload, engine=True)
+            await self._ingest_guarded(topic.decode(), seq_bytes, payload, engine=True)
 
     async def _store_events(self) -> None:
         while True:
             topic, seq_bytes, payload = await self._store_sub.recv_multipart()
             node_id = self._store_topics.get(topic)
             if node_id is not None:
-                await self._ingest(node_id, seq_bytes, payload, engine=False)
+                await self._ingest_guarded(node_id, seq_bytes, payload, engine=False)
+
+    async def _ingest_guarded(self, source: str, seq_bytes: bytes, payload: bytes, engine: bool) -> None:
+        """One bad batch must not stop the stream: it is logged and its source resynced."""
+        try:
+            await self._ingest(source, seq_bytes, payload, engine)
+        except Exception:
+            log.exception("failed to apply a KV event batch from %s; resyncing it", source)
+            self._clear(source, engine)
 
     async def _ingest(self, source: str, seq_bytes: bytes, payload: bytes, engine: bool) -> None:
         self._events_received += 1
@@ -230,6 +253,7 @@ class Conductor:
                 self._clear(gap.source, engine)
                 return
         index.num_resyncs += 1
+        self._replayed += len(batches)
         log.info("replayed KV events %d..%d from %s", gap.expected_seq, batches[-1][0], gap.source)
 
     async def _replay(self, endpoint: str, start_seq: int) -> list[tuple[int, bytes]] | None:
@@ -244,7 +268,7 @@ class Conductor:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not await sock.poll(remaining * 1000):
                     return None
-                _, seq_bytes, payload = await sock.recv_multipart()
+                _, _topic, seq_bytes, payload = await sock.recv_multipart()  # vLLM's framing
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq == END_SEQ:
                     return batches

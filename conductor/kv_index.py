@@ -106,7 +106,8 @@ class KvIndex:
             self.remove_instance(instance_id)
         used = {i.bit for i in self._instances.values()}
         bit = next(b for b in range(len(used) + 1) if b not in used)
-        self._instances[instance_id] = _Instance(bit, node_id, model_id, kv_layout)
+        # A new engine's stream starts at 0: even the loss of its first batch is a gap.
+        self._instances[instance_id] = _Instance(bit, node_id, model_id, kv_layout, last_seq=-1)
         self._instance_ids[bit] = instance_id
         node = self._node(node_id)
         self._node_members[node.bit] = self._node_members.get(node.bit, 0) | (1 << bit)
@@ -122,6 +123,10 @@ class KvIndex:
         self._node_members[node.bit] &= ~(1 << inst.bit)
         del self._instances[instance_id], self._instance_ids[inst.bit]
         self._members_of_mask.clear()
+
+    def add_node(self, node_id: str) -> None:
+        """Start tracking a store node whose stream starts now (at sequence 0)."""
+        self._node(node_id).last_seq = -1
 
     def _node(self, node_id: str) -> _Node:
         node = self._nodes.get(node_id)
@@ -338,6 +343,12 @@ class KvIndex:
         """Blocks the instance's stream says it holds (SGLang's tree size)."""
         inst = self._instances.get(instance_id)
         return len(inst.vllm_to_key) if inst else 0
+
+    def last_seqs(self) -> dict[str, int]:
+        """Per stream (instance or node), the sequence number of the last batch applied."""
+        seqs = {i: inst.last_seq for i, inst in self._instances.items()}
+        seqs.update({n: node.last_seq for n, node in self._nodes.items()})
+        return {source: -1 if seq is None else seq for source, seq in seqs.items()}
 
     def instance_ids(self) -> list[str]:
         return list(self._instances)

@@ -35,6 +35,9 @@ class Overloaded(BatonError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
+    def __reduce__(self):  # crosses Ray as itself, hint included
+        return (Overloaded, (str(self), self.retry_after_s))
+
 
 class InstanceView(msgspec.Struct, frozen=True):
     """What a policy may know about one instance. Every field past ``ready`` defaults to idle."""

@@ -5,7 +5,7 @@ A subscriber that already reads vLLM's engine events (``KVEventBatch`` of ``Bloc
 payload``) reads the store's too: ``medium`` is ``CPU`` for the host tier and ``DISK`` for the SSD
 tier, and block hashes are Baton's 16-byte keys. A ROUTER socket serves missed batches: send
 ``[b"", start_seq (8 bytes big-endian)]`` and receive every buffered batch from ``start_seq`` on as
-``[b"", seq, payload]``, then ``[b"", -1, b""]``.
+``[b"", topic, seq, payload]``, then ``[b"", b"", -1, b""]`` (vLLM's replay framing).
 
 The structs mirror vLLM's (``vllm.distributed.kv_events``) field for field; they are declared here
 so the store node does not import vLLM (17 s and 0.5 GB here). A test decodes our bytes with vLLM's
@@ -113,8 +113,8 @@ class StoreEventPublisher:
                 with self._lock:
                     batches = [(s, p) for s, p in self._buffer if s >= start]
                 for seq, payload in batches:
-                    router.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-                router.send_multipart((client, b"", END_SEQ, b""))
+                    router.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+                router.send_multipart((client, b"", b"", END_SEQ, b""))
         finally:
             router.close()
 

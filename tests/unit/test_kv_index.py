@@ -144,3 +144,11 @@ def test_duplicates_are_skipped_and_a_restart_at_zero_starts_over(index):
     assert index.prefix_hits(keys()) == {"p0": PrefixHit(2, 0, 0)}  # the duplicate was not applied
     index.ingest_engine("p0", 0, payload(stored([7], None, PROMPT[:4])))  # publisher restarted
     assert index.prefix_hits(keys()) == {"p0": PrefixHit(1, 0, 0)}
+
+
+def test_losing_the_very_first_batch_of_a_new_stream_is_a_gap(index):
+    assert index.ingest_engine("p1", 1, payload(stored([1], None, PROMPT[:4]))) == StreamGap("p1", 0, 1)
+    index.add_node("node-c")
+    k = keys()
+    assert index.ingest_store("node-c", 2, payload(stored(k[:1], None, [], medium="CPU"))) == \
+        StreamGap("node-c", 0, 2)

@@ -88,9 +88,11 @@ def test_missed_batches_are_replayed_from_a_sequence_number(node_and_sub):
         dealer.send_multipart((b"", (1).to_bytes(8, "big")))
         replayed = []
         while True:
-            _, seq, payload = dealer.recv_multipart()
+            _, topic, seq, payload = dealer.recv_multipart()
             if seq == (-1).to_bytes(8, "big", signed=True):
+                assert topic == b""
                 break
+            assert topic.startswith(b"baton.store.")
             replayed.append(int.from_bytes(seq, "big"))
     finally:
         dealer.close(0)
