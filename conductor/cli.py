@@ -173,6 +173,22 @@ def bench_kvstore(
                       str(disk_dir) if disk_dir else None, tuple(paths.split(",")))
 
 
+@bench_app.command("conductor")
+def bench_conductor(
+    json_path: Optional[Path] = typer.Option(Path("bench-out/conductor.json"), "--json",
+                                             help="Where to write the figures as JSON."),
+    indexed_blocks: int = typer.Option(1_000_000, help="Blocks in the KV index while deciding."),
+    decisions: int = typer.Option(2_000, help="Placements timed per fleet size."),
+) -> None:
+    """Time the conductor's placement decision (index lookup, snapshot, `baton` policy, pricing,
+    admission) with 64, 256 and 1,024 prefill instances, and its KV-event ingestion rate."""
+    from conductor.bench import run
+
+    with err.status("filling the index and timing decisions") as status:
+        run(json_path, indexed_blocks, decisions, echo=lambda line: (status.update(line), print(line)))
+    err.print(f"[dim]wrote {json_path}[/dim]")
+
+
 @model_app.command("prepare")
 def model_prepare(
     name: str = typer.Argument("smollm2", help="'smollm2' or 'tiny'."),

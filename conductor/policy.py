@@ -428,20 +428,26 @@ def _cheapest(prefill: Sequence[InstanceView], scan: _Scan,
     """(best view, its T, best view without a pull, its T), first listed on ties. An instance
     without a hit pulls the best run when ``always_pull`` (Mooncake) or when that is faster."""
     hits = scan.snapshot.prefix_hits
+    config, recompute_ms, best = scan.config, scan.recompute_ms, scan.best
+    best_node = best.node_id if best is not None else ""
+    pull_by_node: dict[bool, tuple[float, float]] = {}
     best_view, best_t, local_view, local_t = None, math.inf, None, math.inf
-    hit_options: dict[str, PrefillPrice] = {}
-    for view in prefill:
+    for view in prefill:  # the hot loop of placement at scale: kept flat on purpose
         hit = hits.get(view.instance_id)
         if hit is not None and hit.num_blocks:
             option = option_for_hit(view)
-            hit_options[view.instance_id] = option
             t, pulled = option.total_ms, bool(option.num_pulled_blocks)
         else:
-            q = _queue_ms(view, scan.config)
-            t, pulled = 0.0 + q + scan.recompute_ms, False
-            if scan.best is not None:
-                transfer_ms, prefill_ms = scan.pull_terms(view)
-                t_pull = transfer_ms + q + prefill_ms
+            q = view.queued_prefill_ms
+            if q <= 0 and view.num_queued_prefill_tokens > 0:
+                q = _queue_ms(view, config)
+            t, pulled = 0.0 + q + recompute_ms, False
+            if best is not None:
+                same_node = bool(best_node) and view.node_id == best_node
+                terms = pull_by_node.get(same_node)
+                if terms is None:
+                    terms = pull_by_node[same_node] = scan.pull_terms(view)
+                t_pull = terms[0] + q + terms[1]
                 if always_pull or t_pull < t:
                     t, pulled = t_pull, True
         if t < best_t:

@@ -36,6 +36,9 @@ from engine.messages import Placement
 
 log = logging.getLogger(__name__)
 
+QUEUE_REFRESH_S = 0.005
+"""How stale the decaying queue term of a busy instance may get before it is recomputed (s)."""
+
 
 @dataclass
 class _Prefill:
@@ -57,8 +60,32 @@ class _Instance:
     num_waiting_reqs: int = 0
     kv_usage_frac: float = 0.0
     prefills: dict[str, _Prefill] = field(default_factory=dict)
+    """In placement order, so the first is the oldest."""
     decodes: dict[str, int] = field(default_factory=dict)
     """request id → KV blocks it will hold (prompt + max_tokens) while decoding here."""
+    queued_ms: float = 0.0
+    """Sum of ``predicted_ms`` over ``prefills``."""
+    queued_tokens: int = 0
+    queued_blocks: int = 0
+    decode_blocks: int = 0
+    view_at_s: float = 0.0
+
+    def add_prefill(self, prefill: _Prefill, block_size: int) -> None:
+        self.prefills[prefill.request_id] = prefill
+        self.queued_ms += prefill.predicted_ms
+        self.queued_tokens += prefill.num_uncached_tokens
+        self.queued_blocks += -(-prefill.num_uncached_tokens // block_size)
+
+    def pop_prefill(self, request_id: str, block_size: int) -> None:
+        prefill = self.prefills.pop(request_id, None)
+        if prefill is None:
+            return
+        if not self.prefills:  # no drift from repeated float subtraction
+            self.queued_ms, self.queued_tokens, self.queued_blocks = 0.0, 0, 0
+            return
+        self.queued_ms -= prefill.predicted_ms
+        self.queued_tokens -= prefill.num_uncached_tokens
+        self.queued_blocks -= -(-prefill.num_uncached_tokens // block_size)
 
 
 class PlacementCounters(msgspec.Struct):
@@ -86,6 +113,10 @@ class ConductorState:
         self._pools: dict[str, tuple[InstanceView, ...] | None] = {"prefill": None, "decode": None}
         self._prefills: dict[str, _Prefill] = {}
         self._decodes: dict[str, str] = {}
+        self._pool_ids: dict[str, list[str]] = {}
+        """Each pool's instance ids in order (rebuilt when membership changes)."""
+        self._busy: set[str] = set()
+        """Instances with prefills in flight."""
         self._inflight_keys: dict[bytes, str] = {}
         """Block key → the in-flight prefill computing it (the first one placed)."""
         self.counters = PlacementCounters()
@@ -95,6 +126,7 @@ class ConductorState:
     def register(self, instance_id: str, role: str, node_id: str, model_id: str, kv_layout: str) -> None:
         assert role in ("prefill", "decode"), role
         self._instances[instance_id] = _Instance(role, node_id)
+        self._pool_ids.clear()
         self.index.add_instance(instance_id, node_id, model_id, kv_layout)
         self._refresh_view(instance_id)
 
@@ -107,6 +139,8 @@ class ConductorState:
         for request_id in list(inst.decodes):
             self.finished(request_id)
         self._views.pop(instance_id, None)
+        self._busy.discard(instance_id)
+        self._pool_ids.clear()
         self._pools[inst.role] = None
         self.index.remove_instance(instance_id)
 
@@ -145,25 +179,26 @@ class ConductorState:
 
     # ------------------------------------------------------------------ snapshot
 
-    def _queued_ms(self, inst: _Instance, now: float) -> float:
+    @staticmethod
+    def _queued_ms(inst: _Instance, now: float) -> float:
+        """Predicted work queued, less what the instance has done since the oldest started."""
         if not inst.prefills:
             return 0.0
-        total = sum(p.predicted_ms for p in inst.prefills.values())
-        busy_ms = (now - min(p.started_s for p in inst.prefills.values())) * 1000.0
-        return max(0.0, total - busy_ms)
+        oldest = next(iter(inst.prefills.values()))
+        return max(0.0, inst.queued_ms - (now - oldest.started_s) * 1000.0)
 
     def _refresh_view(self, instance_id: str, now: float | None = None) -> None:
         inst = self._instances[instance_id]
-        bs = self.config.block_size_tokens
+        now = self._clock() if now is None else now
+        inst.view_at_s = now
         self._views[instance_id] = InstanceView(
             instance_id,
             num_running_reqs=len(inst.prefills) + len(inst.decodes),
             num_waiting_reqs=inst.num_waiting_reqs,
             ready=inst.ready,
-            num_queued_prefill_tokens=sum(p.num_uncached_tokens for p in inst.prefills.values()),
-            queued_prefill_ms=self._queued_ms(inst, self._clock() if now is None else now),
-            num_active_decode_blocks=sum(inst.decodes.values()) + sum(
-                -(-p.num_uncached_tokens // bs) for p in inst.prefills.values()),
+            num_queued_prefill_tokens=inst.queued_tokens,
+            queued_prefill_ms=self._queued_ms(inst, now),
+            num_active_decode_blocks=inst.decode_blocks + inst.queued_blocks,
             kv_usage_frac=inst.kv_usage_frac,
             num_cached_blocks=self.index.num_device_blocks(instance_id),
             node_id=inst.node_id,
@@ -172,12 +207,17 @@ class ConductorState:
 
     def snapshot(self, prefix_hits: dict | None = None) -> ClusterSnapshot:
         now = self._clock()
-        for instance_id, inst in self._instances.items():
-            if inst.prefills:  # their queue term decays with time
+        stale_before = now - QUEUE_REFRESH_S
+        for instance_id in self._busy:  # their queue term decays with time
+            if self._instances[instance_id].view_at_s < stale_before:
                 self._refresh_view(instance_id, now)
         for role in ("prefill", "decode"):
             if self._pools[role] is None:
-                self._pools[role] = tuple(self._views[i] for i in self.instance_ids(role))
+                ids = self._pool_ids.get(role)
+                if ids is None:
+                    ids = self._pool_ids[role] = self.instance_ids(role)
+                views = self._views
+                self._pools[role] = tuple([views[i] for i in ids])
         return ClusterSnapshot(self._pools["prefill"], self._pools["decode"], self.counters.placed,
                                prefix_hits or {})
 
@@ -214,12 +254,15 @@ class ConductorState:
             placement.transfer_ms + placement.prefill_ms, request.num_prompt_tokens - cached_tokens,
             request.block_keys, placement.expected_cached_blocks, self._clock(),
         )
-        self._instances[placement.prefill_instance].prefills[request.request_id] = prefill
+        self._instances[placement.prefill_instance].add_prefill(prefill, bs)
+        self._busy.add(placement.prefill_instance)
         self._prefills[request.request_id] = prefill
         for key in request.block_keys[placement.expected_cached_blocks:]:
             self._inflight_keys.setdefault(key, request.request_id)
         decode = self._instances[placement.decode_instance]
-        decode.decodes[request.request_id] = -(-(request.num_prompt_tokens + request.max_tokens) // bs)
+        num_blocks = -(-(request.num_prompt_tokens + request.max_tokens) // bs)
+        decode.decodes[request.request_id] = num_blocks
+        decode.decode_blocks += num_blocks
         self._decodes[request.request_id] = placement.decode_instance
         self._refresh_view(placement.prefill_instance)
         self._refresh_view(placement.decode_instance)
@@ -252,7 +295,9 @@ class ConductorState:
             return
         inst = self._instances.get(prefill.instance_id)
         if inst is not None:
-            inst.prefills.pop(request_id, None)
+            inst.pop_prefill(request_id, self.config.block_size_tokens)
+            if not inst.prefills:
+                self._busy.discard(prefill.instance_id)
         for key in prefill.block_keys[prefill.expected_cached_blocks:]:
             if self._inflight_keys.get(key) == request_id:
                 del self._inflight_keys[key]
@@ -278,7 +323,7 @@ class ConductorState:
         instance_id = self._decodes.pop(request_id, None)
         inst = self._instances.get(instance_id) if instance_id else None
         if inst is not None:
-            inst.decodes.pop(request_id, None)
+            inst.decode_blocks -= inst.decodes.pop(request_id, 0)
             self._refresh_view(instance_id)
 
     def num_in_flight(self) -> tuple[int, int]:

@@ -1,0 +1,126 @@
+"""``baton bench conductor``: how fast the conductor decides and how fast its index ingests.
+
+Builds the conductor's real state (``ConductorState`` + ``KvIndex``) without Ray: N prefill
+instances (and N/4 decode instances) on nodes of 8, an index filled through the engine-event path
+(msgpack ``KVEventBatch``es of ``BlockStored``, exactly as vLLM publishes them) until it holds the
+target number of blocks, plus host-tier store events for a quarter of the chains. Then it times
+``place`` for requests of 64 blocks (half extend an indexed chain, half are new), the whole
+decision: block-key lookup in the index, snapshot, policy, pricing, admission, booking.
+
+The ingest rate is measured on that fill. Figures are wall time on this machine, single thread.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from conductor.kv_index import KvIndex
+from conductor.policy import PlacementRequest, PolicyConfig
+from conductor.state import ConductorState
+from kvstore.events import BlockStored, KVEventBatch
+from kvstore.keys import KeyExtras, block_keys
+
+MODEL, LAYOUT = "bench-model", "bfloat16:16"
+BLOCK_TOKENS = 16
+CHAIN_BLOCKS = 64
+INSTANCES_PER_NODE = 8
+
+
+def _fill(index: KvIndex, prefill_ids: list[str], num_blocks: int, rng: random.Random,
+          progress=None) -> tuple[list[list[int]], float]:
+    """Publish chains of ``CHAIN_BLOCKS`` blocks to random instances until ``num_blocks`` blocks
+    are indexed; returns the chains' token lists and the ingest rate (blocks/s)."""
+    encoder = msgspec.msgpack.Encoder()
+    chains: list[list[int]] = []
+    seqs = {i: 0 for i in prefill_ids}
+    batches: list[tuple[str, int, bytes]] = []
+    num_chains = -(-num_blocks // CHAIN_BLOCKS)
+    for c in range(num_chains):
+        tokens = rng.choices(range(50_000), k=CHAIN_BLOCKS * BLOCK_TOKENS)
+        chains.append(tokens)
+        holder = prefill_ids[c % len(prefill_ids)]
+        base = c * CHAIN_BLOCKS
+        # one event per 16 blocks, chained by vLLM-style hashes (ints here, as vLLM may send)
+        events = []
+        for start in range(0, CHAIN_BLOCKS, 16):
+            events.append(BlockStored(
+                block_hashes=list(range(base + start + 1, base + start + 17)),
+                parent_block_hash=None if start == 0 else base + start,
+                token_ids=tokens[start * BLOCK_TOKENS:(start + 16) * BLOCK_TOKENS],
+                block_size=BLOCK_TOKENS, lora_id=None, medium="GPU", lora_name=None))
+        batches.append((holder, seqs[holder], encoder.encode(KVEventBatch(ts=0.0, events=events))))
+        seqs[holder] += 1
+    started = time.perf_counter()
+    for n, (holder, seq, payload) in enumerate(batches):
+        assert index.ingest_engine(holder, seq, payload) is None
+        if progress and n % 1000 == 0:
+            progress(n * CHAIN_BLOCKS)
+    rate = num_chains * CHAIN_BLOCKS / (time.perf_counter() - started)
+    return chains, rate
+
+
+def bench_decisions(num_prefill: int, num_blocks: int, num_decisions: int, seed: int = 0,
+                    progress=None) -> dict:
+    rng = random.Random(seed)
+    config = PolicyConfig(block_size_tokens=BLOCK_TOKENS, kv_bytes_per_token=160 * 1024)
+    state = ConductorState("baton", config)
+    prefill_ids = [f"prefill-{i}" for i in range(num_prefill)]
+    decode_ids = [f"decode-{i}" for i in range(max(1, num_prefill // 4))]
+    for n, instance_id in enumerate(prefill_ids + decode_ids):
+        state.register(instance_id, "prefill" if instance_id in prefill_ids else "decode",
+                       f"node-{n // INSTANCES_PER_NODE}", MODEL, LAYOUT)
+        state.set_ready(instance_id, True)
+    chains, ingest_rate = _fill(state.index, prefill_ids, num_blocks, rng, progress)
+    extras = KeyExtras(MODEL, "", "", LAYOUT)
+    requests = []
+    for i in range(num_decisions):
+        if i % 2 == 0:  # extends an indexed chain by a random amount
+            shared = rng.randrange(1, CHAIN_BLOCKS) * BLOCK_TOKENS
+            tokens = rng.choice(chains)[:shared] + rng.choices(range(50_000), k=CHAIN_BLOCKS * BLOCK_TOKENS - shared)
+        else:
+            tokens = rng.choices(range(50_000), k=CHAIN_BLOCKS * BLOCK_TOKENS)
+        keys = tuple(block_keys(tokens, BLOCK_TOKENS, extras))
+        requests.append(PlacementRequest(f"r{i}", len(tokens), keys, 128))
+    latencies_us = []
+    in_flight: list[str] = []
+    for request in requests:
+        started = time.perf_counter()
+        state.place(request)
+        latencies_us.append((time.perf_counter() - started) * 1e6)
+        in_flight.append(request.request_id)
+        if len(in_flight) > num_prefill:  # keep a realistic number of requests in the books
+            state.finished(in_flight.pop(0))
+    lat = np.asarray(latencies_us)
+    return {
+        "p50": round(float(np.percentile(lat, 50)), 1),
+        "p99": round(float(np.percentile(lat, 99)), 1),
+        "num_decode_instances": len(decode_ids),
+        "indexed_blocks": state.index.num_blocks()["device"],
+        "ingest_blocks_per_s": round(ingest_rate),
+    }
+
+
+def run(json_path: Path | None, num_blocks: int = 1_000_000, num_decisions: int = 2_000,
+        sizes: tuple[int, ...] = (64, 256, 1024), echo=print) -> dict:
+    results: dict = {"decision_us": {}, "ingest_blocks_per_s": 0, "policy": "baton",
+                     "request_blocks": CHAIN_BLOCKS, "indexed_blocks": num_blocks}
+    rates = []
+    for size in sizes:
+        r = bench_decisions(size, num_blocks, num_decisions)
+        results["decision_us"][str(size)] = {"p50": r["p50"], "p99": r["p99"],
+                                             "num_decode_instances": r["num_decode_instances"]}
+        rates.append(r["ingest_blocks_per_s"])
+        echo(f"{size:5d} prefill instances ({r['num_decode_instances']} decode), "
+             f"{r['indexed_blocks']:,} blocks indexed: decision p50 {r['p50']:.0f} us, "
+             f"p99 {r['p99']:.0f} us; ingest {r['ingest_blocks_per_s']:,} blocks/s")
+    results["ingest_blocks_per_s"] = round(float(np.median(rates)))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(results, indent=2) + "\n")
+    return results
