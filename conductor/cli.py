@@ -189,6 +189,51 @@ def bench_conductor(
     err.print(f"[dim]wrote {json_path}[/dim]")
 
 
+@app.command()
+def profile(
+    out: Path = typer.Option(Path("bench-out/profile.json"), help="Where to save the profile."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Cluster config YAML."),
+    model: Optional[str] = typer.Option(None, help="'smollm2', 'tiny' or a model folder."),
+    transfer: bool = typer.Option(True, help="Also measure the KV transfer paths."),
+) -> None:
+    """Measure prefill time over (uncached, cached) tokens, decode step time over batch sizes and
+    KV transfer bandwidth per path on this machine; fit the conductor's cost model, report its
+    error on held-out prefills, and save it. Serve with it: --set conductor.profile_path=OUT."""
+    from conductor.cluster import block_size_for
+    from conductor.config import load_config
+    from conductor.errors import ConfigError
+    from conductor.profile import profile as run_profile
+    from engine.builder import engine_env
+    from engine.models import ModelPrepError, prepare_model
+
+    import os
+
+    try:
+        cfg = load_config(config, {"engine.model": model} if model else {})
+        prepared = prepare_model(cfg.engine.model)
+    except (ConfigError, ModelPrepError) as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    os.environ.update(engine_env(cfg.engine, "0"))
+    with err.status("profiling") as status:
+        result = run_profile(cfg.engine, prepared, block_size_for(cfg.engine.device),
+                             progress=status.update, with_transfer=transfer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(result.model_dump_json(indent=2) + "\n")
+    p = result.prefill
+    print(f"prefill ms = {p.intercept_ms:.2f} + {p.per_token_ms:.4f}*u + {p.per_token_sq_ms:.2e}*u^2 "
+          f"+ {p.per_token_cached_ms:.2e}*u*c")
+    print(f"held-out prediction error: median {result.prefill_error_pct['median']:.1f}%, "
+          f"p90 {result.prefill_error_pct['p90']:.1f}% ({len(result.samples) // 2} prefills)")
+    d = result.decode
+    print(f"decode step ms = {d.step_ms_base:.2f} + {d.step_ms_per_seq:.3f}*seqs + "
+          f"{d.step_ms_per_kv_token:.2e}*context_tokens")
+    t = result.transfer
+    print(f"transfer GB/s: same_node {t.same_node.bytes_per_s / 1e9:.2f}, remote_host "
+          f"{t.remote_host.bytes_per_s / 1e9:.2f}, remote_disk {t.remote_disk.bytes_per_s / 1e9:.2f}")
+    err.print(f"[dim]saved {out}[/dim]")
+
+
 @model_app.command("prepare")
 def model_prepare(
     name: str = typer.Argument("smollm2", help="'smollm2' or 'tiny'."),
