@@ -51,6 +51,8 @@ class _Instance:
     last_seq: int | None = None
     vllm_to_key: dict = field(default_factory=dict)
     """vLLM block hash → Baton key, for every block the instance's stream said it holds."""
+    noted: set = field(default_factory=set)
+    """Keys recorded by ``note_device_blocks`` (known held, not yet from the stream)."""
 
 
 @dataclass
@@ -142,7 +144,10 @@ class KvIndex:
         keep = ~(1 << inst.bit)
         for key in inst.vllm_to_key.values():
             self._drop(self._device, key, keep)
+        for key in inst.noted:
+            self._drop(self._device, key, keep)
         inst.vllm_to_key.clear()
+        inst.noted.clear()
         inst.last_seq = None
         self.num_resyncs += 1
 
@@ -264,15 +269,16 @@ class KvIndex:
 
     def note_device_blocks(self, instance_id: str, keys: Sequence[BlockKey]) -> None:
         """Record blocks an instance is known to hold right now (it just computed them), ahead
-        of its events. The event that follows is idempotent; a later ``BlockRemoved`` cannot
-        remove these (their vLLM hashes are unknown), so they live until ``forget_device_blocks``
-        or a stream reset."""
+        of its events. The event that follows is idempotent. A ``BlockRemoved`` names vLLM hashes,
+        so it removes a noted block only once the stream has announced it; until then a noted
+        block lives until ``forget_device_blocks`` or a reset of the instance."""
         inst = self._instances.get(instance_id)
         if inst is None:
             return
         bit = 1 << inst.bit
         for key in keys:
             self._device[key] = self._device.get(key, 0) | bit
+        inst.noted.update(keys)
 
     def forget_device_blocks(self, instance_id: str, keys: Sequence[BlockKey]) -> None:
         """The instance turned out not to hold these (it computed what the index said it held)."""
@@ -283,6 +289,7 @@ class KvIndex:
         gone = set(keys)
         for key in gone:
             self._drop(self._device, key, keep)
+        inst.noted -= gone
         for vllm_hash in [h for h, k in inst.vllm_to_key.items() if k in gone]:
             del inst.vllm_to_key[vllm_hash]
 

@@ -1,0 +1,147 @@
+"""ConductorState: the queue book, coalescing targets, index feedback, admission, profiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from conductor.cost_model import CostProfile, DecodeCostModel, PrefillCostModel, TransferModel
+from conductor.errors import NoWorkerReady
+from conductor.policy import Overloaded, PlacementRequest, PolicyConfig, PrefixHit
+from conductor.state import ConductorState
+from kvstore.keys import KeyExtras, block_keys
+
+BS = 16
+COST = PrefillCostModel(intercept_ms=0.0, per_token_ms=1.0, per_token_sq_ms=0.0, per_token_cached_ms=0.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(policy="baton", **tuning) -> tuple[ConductorState, Clock]:
+    clock = Clock()
+    config = PolicyConfig(block_size_tokens=BS, prefill_cost=COST, short_prefill_tokens=0, **tuning)
+    state = ConductorState(policy, config, clock=clock)
+    for instance_id, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+        state.register(instance_id, role, "n0", "m", "L")
+        state.set_ready(instance_id, True)
+    return state, clock
+
+
+def request(request_id: str, tokens: list[int], max_tokens: int = 8) -> PlacementRequest:
+    keys = tuple(block_keys(tokens, BS, KeyExtras("m", "", "", "L")))
+    return PlacementRequest(request_id, len(tokens), keys, max_tokens)
+
+
+PROMPT = list(range(1000, 1000 + 8 * BS))  # 8 blocks
+
+
+def test_the_queue_book_prices_booked_work_and_decays_with_time():
+    state, clock = make()
+    first = state.place(request("a", PROMPT))
+    assert (first.prefill_instance, first.queue_ms, first.prefill_ms) == ("p0", 0.0, 128.0)
+    # p0 now has 128 ms of predicted work queued, so an unrelated request goes to p1
+    second = state.place(request("b", list(range(5000, 5000 + 8 * BS))))
+    assert (second.prefill_instance, second.queue_ms) == ("p1", 0.0)
+    clock.now += 0.1  # p0 has worked 100 ms on it: 28 ms left
+    view = state.snapshot().prefill[0]
+    assert view.queued_prefill_ms == pytest.approx(28.0)
+    assert view.num_queued_prefill_tokens == 128
+    state.prefill_done("a", 0)
+    assert state.snapshot().prefill[0].queued_prefill_ms == 0.0
+    assert state.num_in_flight() == (1, 2)
+    state.finished("a")
+    state.finished("b")
+    assert state.num_in_flight() == (0, 0)
+    assert state.snapshot().decode[0].num_active_decode_blocks == 0
+
+
+def test_a_completed_prefill_is_indexed_on_its_instance_and_followed():
+    state, _ = make()
+    state.place(request("a", PROMPT))
+    state.prefill_done("a", 0)
+    state.finished("a")
+    again = state.place(request("b", PROMPT + list(range(7, 7 + BS))))
+    assert again.prefill_instance == "p0"
+    assert again.expected_cached_blocks == 8
+    assert again.prefill_ms == pytest.approx(16.0)  # only the new block is computed
+    assert again.priority == -8  # longest matched prefix first in p0's queue
+
+
+def test_a_stale_index_entry_is_dropped_when_the_engine_found_less():
+    state, _ = make()
+    keys = request("x", PROMPT).block_keys
+    state.index.note_device_blocks("p1", keys)
+    placed = state.place(request("a", PROMPT))
+    assert (placed.prefill_instance, placed.expected_cached_blocks) == ("p1", 8)
+    state.prefill_done("a", 2 * BS)  # the engine had only 2 blocks
+    assert state.counters.index_corrections == 1
+    # what the engine computed is now held: the whole prompt, once more
+    assert state.index.prefix_hits(keys)["p1"] == PrefixHit(8, 0, 0)
+
+
+def test_coalescing_targets_the_prefill_computing_the_same_blocks():
+    state, _ = make()
+    state.place(request("a", PROMPT))
+    follower = request("b", PROMPT + list(range(3, 3 + BS)))
+    assert state.coalesce_target(follower, min_blocks=4) == "a"
+    assert state.coalesce_target(follower, min_blocks=9) is None  # only 8 blocks are shared
+    assert state.coalesce_target(request("c", list(range(9000, 9000 + 8 * BS))), 1) is None
+    state.prefill_done("a", 0)
+    assert state.coalesce_target(follower, min_blocks=1) is None  # its blocks are indexed now
+
+
+def test_admission_rejects_before_booking_anything():
+    state, _ = make(ttft_slo_ms=100.0)
+    with pytest.raises(Overloaded) as info:
+        state.place(request("a", PROMPT))  # 128 ms predicted
+    assert info.value.retry_after_s == 1.0
+    assert state.counters.rejected == 1 and state.counters.placed == 0
+    assert state.num_in_flight() == (0, 0)
+
+
+def test_tbt_admission_uses_the_decode_model_with_the_request_added():
+    state, _ = make(tbt_slo_ms=10.0, decode_cost=DecodeCostModel(step_ms_base=4.0, step_ms_per_seq=2.0,
+                                                                  step_ms_per_kv_token=0.0))
+    state.place(request("a", PROMPT))  # 4 + 2*1 = 6 ms
+    state.place(request("b", PROMPT))  # 4 + 2*2 = 8 ms
+    state.place(request("c", PROMPT))  # 10 ms: at the SLO, admitted
+    with pytest.raises(Overloaded, match="inter-token time 12.0 ms"):
+        state.place(request("d", PROMPT))
+
+
+def test_every_policy_runs_on_the_live_state_and_reports_priced_terms():
+    for name in ("random", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv", "mooncake"):
+        state, _ = make(name)
+        placed = state.place(request("a", PROMPT))
+        assert placed.prefill_ms == pytest.approx(128.0), name
+
+
+def test_an_instance_that_stops_answering_leaves_the_pool_and_its_entries_go():
+    state, _ = make()
+    state.index.note_device_blocks("p0", request("x", PROMPT).block_keys)
+    state.set_ready("p0", False)
+    assert state.index.prefix_hits(request("x", PROMPT).block_keys) == {}
+    assert state.place(request("a", PROMPT)).prefill_instance == "p1"
+    state.set_ready("p1", False)
+    with pytest.raises(NoWorkerReady):
+        state.place(request("b", PROMPT))
+
+
+def test_a_profile_round_trips_through_json():
+    profile = CostProfile(model="m", device="cpu", block_size_tokens=BS, kv_bytes_per_token=1024,
+                          prefill=COST, decode=DecodeCostModel(), transfer=TransferModel(),
+                          prefill_error_pct={"median": 3.0, "p90": 9.0})
+    assert CostProfile.model_validate_json(profile.model_dump_json()) == profile
+
+
+def test_decode_cost_model_fit_recovers_known_coefficients():
+    truth = DecodeCostModel(step_ms_base=5.0, step_ms_per_seq=0.5, step_ms_per_kv_token=1e-3)
+    samples = [(b, c, truth.t_step_ms(b, c)) for b, c in ((1, 300), (4, 1000), (8, 2600), (16, 4000))]
+    fitted = DecodeCostModel.fit(samples)
+    for b, c, t in samples:
+        assert fitted.t_step_ms(b, c) == pytest.approx(t, rel=1e-6)
