@@ -69,6 +69,8 @@ class _Instance:
     queued_blocks: int = 0
     decode_blocks: int = 0
     view_at_s: float = 0.0
+    last_done_s: float = 0.0
+    """When the instance last finished a prefill: work before it was on other requests."""
 
     def add_prefill(self, prefill: _Prefill, block_size: int) -> None:
         self.prefills[prefill.request_id] = prefill
@@ -181,11 +183,14 @@ class ConductorState:
 
     @staticmethod
     def _queued_ms(inst: _Instance, now: float) -> float:
-        """Predicted work queued, less what the instance has done since the oldest started."""
+        """Predicted work queued, less what the instance has done on it: since the oldest of
+        it was placed, or since its last completion if later (before that it was busy with
+        requests that are gone from the book)."""
         if not inst.prefills:
             return 0.0
         oldest = next(iter(inst.prefills.values()))
-        return max(0.0, inst.queued_ms - (now - oldest.started_s) * 1000.0)
+        busy_since = max(oldest.started_s, inst.last_done_s)
+        return max(0.0, inst.queued_ms - (now - busy_since) * 1000.0)
 
     def _refresh_view(self, instance_id: str, now: float | None = None) -> None:
         inst = self._instances[instance_id]
@@ -296,6 +301,7 @@ class ConductorState:
         inst = self._instances.get(prefill.instance_id)
         if inst is not None:
             inst.pop_prefill(request_id, self.config.block_size_tokens)
+            inst.last_done_s = self._clock()
             if not inst.prefills:
                 self._busy.discard(prefill.instance_id)
         for key in prefill.block_keys[prefill.expected_cached_blocks:]:

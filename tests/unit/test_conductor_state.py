@@ -145,3 +145,16 @@ def test_decode_cost_model_fit_recovers_known_coefficients():
     fitted = DecodeCostModel.fit(samples)
     for b, c, t in samples:
         assert fitted.t_step_ms(b, c) == pytest.approx(t, rel=1e-6)
+
+
+def test_work_done_before_the_last_completion_does_not_shrink_the_queue():
+    state, clock = make("round_robin")
+    assert state.place(request("a", PROMPT)).prefill_instance == "p0"            # 128 ms
+    assert state.place(request("b", PROMPT)).prefill_instance == "p1"
+    clock.now += 0.05
+    assert state.place(request("c", list(range(7000, 7000 + 4 * BS)))).prefill_instance == "p0"  # 64 ms
+    clock.now += 0.2
+    state.prefill_done("a", 0)  # p0 worked on "a" until now, not on "c"
+    assert state.snapshot().prefill[0].queued_prefill_ms == pytest.approx(64.0)
+    clock.now += 0.016
+    assert state.snapshot().prefill[0].queued_prefill_ms == pytest.approx(48.0)
