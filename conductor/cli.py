@@ -195,6 +195,8 @@ def profile(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="Cluster config YAML."),
     model: Optional[str] = typer.Option(None, help="'smollm2', 'tiny' or a model folder."),
     transfer: bool = typer.Option(True, help="Also measure the KV transfer paths."),
+    max_prompt_tokens: int = typer.Option(
+        4096, help="Largest prompt (cached + uncached tokens) in the prefill grid; smaller is faster."),
 ) -> None:
     """Measure prefill time over (uncached, cached) tokens, decode step time over batch sizes and
     KV transfer bandwidth per path on this machine; fit the conductor's cost model, report its
@@ -216,8 +218,13 @@ def profile(
         raise typer.Exit(2) from exc
     os.environ.update(engine_env(cfg.engine, "0"))
     with err.status("profiling") as status:
+        def progress(message: str) -> None:
+            status.update(f"profiling {prepared.name}: {message}")
+            if not err.is_terminal:
+                err.print(message)
+
         result = run_profile(cfg.engine, prepared, block_size_for(cfg.engine.device),
-                             progress=status.update, with_transfer=transfer)
+                             progress=progress, with_transfer=transfer, max_tokens=max_prompt_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(result.model_dump_json(indent=2) + "\n")
     p = result.prefill

@@ -54,12 +54,14 @@ async def _first_token_ms(runner: EngineRunner, request_id: str, tokens: list[in
 
 
 async def measure_prefill(runner: EngineRunner, max_len: int, block_size: int, seed: int,
-                          progress: Callable[[str], None]) -> list[list[PrefillSample]]:
-    """Two rounds of samples over the grid (the second is held out)."""
+                          progress: Callable[[str], None], max_tokens: int) -> list[list[PrefillSample]]:
+    """Two rounds of samples over the grid (the second is held out); points whose prompt
+    exceeds ``max_tokens`` (or the context window) are skipped."""
     rng = random.Random(seed)
     await _first_token_ms(runner, "warmup", _prompt(rng, 256))
     rounds: list[list[PrefillSample]] = [[], []]
-    points = [(u, c) for c in CACHED_GRID for u in UNCACHED_GRID if u + c + 1 < max_len]
+    points = [(u, c) for c in CACHED_GRID for u in UNCACHED_GRID
+              if u + c + 1 < max_len and u + c <= max_tokens]
     for r in range(2):
         for n, (uncached, cached) in enumerate(points):
             progress(f"prefill round {r + 1}/2, point {n + 1}/{len(points)}: "
@@ -116,13 +118,15 @@ def measure_transfer(block_bytes: int, progress: Callable[[str], None]) -> Trans
 
 
 def profile(engine: EngineConfig, model: PreparedModel, block_size: int, seed: int = 0,
-            progress: Callable[[str], None] = print, with_transfer: bool = True) -> CostProfile:
+            progress: Callable[[str], None] = print, with_transfer: bool = True,
+            max_tokens: int = 4096) -> CostProfile:
     """Run every measurement and fit; returns the profile (the caller saves it)."""
     progress("starting the engine")
     runner = EngineRunner(build_engine_args(engine, model, "plain", "profile", None))
     try:
         max_len = min(engine.max_model_len_tokens or model.max_model_len, model.max_model_len)
-        fit_round, held_out = asyncio.run(measure_prefill(runner, max_len, block_size, seed, progress))
+        fit_round, held_out = asyncio.run(
+            measure_prefill(runner, max_len, block_size, seed, progress, max_tokens))
         decode_samples = asyncio.run(measure_decode(runner, seed, progress))
     finally:
         runner.shutdown()

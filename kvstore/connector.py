@@ -2,12 +2,12 @@
 
 Roles (``kv_transfer_config.kv_role``):
 
-- ``kv_producer`` (prefill): after each forward pass, every full prompt block that is not yet
-  in the store is written into a host-tier slot (two-phase: reserve, copy, commit).
+- ``kv_producer``: after each forward pass, every full prompt block that is not yet in the
+  store is written into a host-tier slot (two-phase: reserve, copy, commit).
 - ``kv_consumer`` (decode): before scheduling a new request, the longest run of its full prompt
   blocks that the store holds (beyond vLLM's own prefix cache) is pinned and copied into the
   engine's paged KV cache, so the engine computes only the rest.
-- ``kv_both``: both.
+- ``kv_both`` (prefill): both, so a prefix another instance computed is loaded, not recomputed.
 
 Blocks are named by Baton's chain-hashed keys (``kvstore.keys``), never by vLLM's own hashes,
 so a producer and a consumer in different processes agree on them. Only full blocks are stored.
