@@ -20,6 +20,7 @@ releases the pin. Pins of requests that never got to load are released by the sc
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,9 @@ class ConnectorStats:
     hits_blocks: int = 0
     loaded_blocks: int = 0
     saved_blocks: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    """Wall time spent copying loaded blocks into the engine's KV cache (s)."""
     loaded_tokens_by_request: dict[str, int] = field(default_factory=dict)
     saved_blocks_by_request: dict[str, int] = field(default_factory=dict)
 
@@ -338,6 +342,7 @@ class BatonConnector(KVConnectorBase_V1):
         if not meta.loads:
             return
         released: list[BlockKey] = []
+        started = time.perf_counter()
         for load in meta.loads:
             slots = torch.tensor(load.slots, dtype=torch.long)
             # the arena is host memory; on GPUs the engine's cache is device memory
@@ -345,7 +350,9 @@ class BatonConnector(KVConnectorBase_V1):
             for index, layer in enumerate(self._layers):
                 layer[block_ids] = self._arena_layers[slots, index].to(self._device)
             self.stats.loaded_blocks += len(load.slots)
+            self.stats.loaded_bytes += len(load.slots) * sum(layer[0].nbytes for layer in self._layers)
             released.extend(load.keys)
+        self.stats.load_seconds += time.perf_counter() - started
         self._store.release(released)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
