@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from conductor.errors import ConfigError
-from conductor.policy import POLICIES, PolicyConfig
+from conductor.policy import POLICIES, SERVES_WITHOUT_PREFILL_POOL, PolicyConfig
 from engine.config import EngineConfig
 from kvstore.config import KVStoreConfig
 
@@ -126,6 +126,12 @@ class ClusterConfig(BaseModel):
     def _some_front(self) -> "ClusterConfig":
         if not (self.gateway.enabled or self.http.enabled):
             raise ValueError("gateway.enabled and http.enabled are both false: enable a front")
+        if self.prefill.num_instances == 0 and self.conductor.policy not in SERVES_WITHOUT_PREFILL_POOL:
+            raise ValueError(
+                f"prefill.num_instances is 0 but conductor.policy '{self.conductor.policy}' needs a "
+                f"prefill instance; only {sorted(SERVES_WITHOUT_PREFILL_POOL)} serve co-located "
+                "(every prefill on its decode instance)"
+            )
         return self
 
 

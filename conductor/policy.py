@@ -175,7 +175,18 @@ class PolicyConfig(BaseModel):
 Policy = Callable[[ClusterSnapshot, PlacementRequest, PolicyConfig], Placement]
 
 
+SERVES_WITHOUT_PREFILL_POOL = frozenset({"baton"})
+"""Policies that can prefill every request on its decode instance, so a cluster with an empty
+prefill pool (``prefill.num_instances: 0``) serves fully co-located with them."""
+
+
 def _ready(pool: tuple[InstanceView, ...], role: str) -> tuple[InstanceView, ...]:
+    if not pool and role == "prefill":
+        raise NoWorkerReady(
+            "the prefill pool has no instances; only the policies "
+            f"{sorted(SERVES_WITHOUT_PREFILL_POOL)} serve co-located without one: set "
+            "prefill.num_instances >= 1 or conductor.policy=baton"
+        )
     ready = tuple(view for view in pool if view.ready)
     if not ready:
         raise NoWorkerReady(f"no {role} instance is ready; retry in a few seconds")
@@ -531,18 +542,21 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
     when it is within ``baton_replication_margin_frac`` of it: the chosen T never exceeds
     (1 + margin) × the least. The decode instance is chosen by load; when the prompt's uncached
     suffix on that decode instance (its own leading run) is shorter than ``short_prefill_tokens``,
-    it prefills there too, saving the KV hand-off. Rejects with ``Overloaded`` past ``ttft_slo_ms``.
+    it prefills there too, saving the KV hand-off. With an empty prefill pool every request
+    prefills on its decode instance (co-located serving). Rejects with ``Overloaded`` past
+    ``ttft_slo_ms``.
     """
-    prefill = _ready(snapshot.prefill, "prefill")
+    prefill = _ready(snapshot.prefill, "prefill") if snapshot.prefill else ()
     d = _decode_by_load(snapshot)
     cached_on_decode = min(snapshot.hit(d.instance_id).num_blocks * config.block_size_tokens,
                            request.num_prompt_tokens)
     suffix_tokens = request.num_prompt_tokens - cached_on_decode
-    if suffix_tokens < config.short_prefill_tokens:
+    if not prefill or suffix_tokens < config.short_prefill_tokens:
         chosen = price(snapshot, request, config, d)
         _admit(chosen, config)
-        reason = (f"colocated: uncached suffix {suffix_tokens} tokens < short_prefill_tokens "
-                  f"{config.short_prefill_tokens}; {chosen.describe()}; {_decode_terms(d)}")
+        why = ("no prefill pool" if not prefill else
+               f"uncached suffix {suffix_tokens} tokens < short_prefill_tokens {config.short_prefill_tokens}")
+        reason = f"colocated: {why}; {chosen.describe()}; {_decode_terms(d)}"
         return _placed(chosen, d, "baton", reason)
     best = _best_hit_source(snapshot, prefill + tuple(v for v in snapshot.decode if v.ready))
     scan = _Scan(snapshot, request, config, best)

@@ -24,6 +24,7 @@ import msgspec
 from conductor.kv_index import KvIndex
 from conductor.policy import (
     POLICIES,
+    SERVES_WITHOUT_PREFILL_POOL,
     ClusterSnapshot,
     InstanceView,
     Overloaded,
@@ -170,8 +171,14 @@ class ConductorState:
         return inst is not None and inst.was_ready
 
     def is_ready(self) -> bool:
+        """A decode instance is ready, and a prefill instance too unless the prefill pool is
+        empty and the policy prefills on decode instances (``SERVES_WITHOUT_PREFILL_POOL``)."""
         roles = {i.role for i in self._instances.values() if i.ready}
-        return {"prefill", "decode"} <= roles
+        if "decode" not in roles:
+            return False
+        return "prefill" in roles or (
+            self._policy_name in SERVES_WITHOUT_PREFILL_POOL
+            and all(i.role != "prefill" for i in self._instances.values()))
 
     def instance_ids(self, role: str | None = None) -> list[str]:
         return sorted(i for i, inst in self._instances.items() if role in (None, inst.role))

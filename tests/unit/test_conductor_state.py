@@ -158,3 +158,46 @@ def test_work_done_before_the_last_completion_does_not_shrink_the_queue():
     assert state.snapshot().prefill[0].queued_prefill_ms == pytest.approx(64.0)
     clock.now += 0.016
     assert state.snapshot().prefill[0].queued_prefill_ms == pytest.approx(48.0)
+
+
+@pytest.mark.parametrize("policy,prefill_ids,ready", [
+    ("baton", (), True),               # no prefill pool: baton serves co-located
+    ("round_robin", (), False),        # other policies need a prefill instance
+    ("baton", ("p0",), False),         # a prefill pool that is not ready yet: wait for it
+])
+def test_readiness_without_a_ready_prefill_instance(policy, prefill_ids, ready):
+    state = ConductorState(policy, PolicyConfig(block_size_tokens=BS, prefill_cost=COST))
+    for instance_id in prefill_ids:
+        state.register(instance_id, "prefill", "n0", "m", "L")
+    for instance_id in ("d0", "d1"):
+        state.register(instance_id, "decode", "n0", "m", "L")
+    assert not state.is_ready()  # no decode instance ready yet
+    for instance_id in ("d0", "d1"):
+        state.set_ready(instance_id, True)
+    assert state.is_ready() is ready
+
+
+def test_a_cluster_without_prefill_instances_places_every_request_on_a_decode_instance():
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=BS, prefill_cost=COST,
+                                                 short_prefill_tokens=0))
+    for instance_id in ("d0", "d1"):
+        state.register(instance_id, "decode", "n0", "m", "L")
+        state.set_ready(instance_id, True)
+    first = state.place(request("a", PROMPT))
+    second = state.place(request("b", list(range(5000, 5000 + 8 * BS))))
+    assert [(p.prefill_instance, p.decode_instance) for p in (first, second)] == [("d0", "d0"), ("d1", "d1")]
+    assert state.counters.colocated == 2
+    state.set_ready("d0", False)
+    state.set_ready("d1", False)
+    assert not state.is_ready()
+    with pytest.raises(NoWorkerReady, match="no decode instance is ready"):
+        state.place(request("c", PROMPT))
+
+
+def test_measured_load_bandwidth_moves_the_priced_same_node_link():
+    state, _ = make()
+    assert state.config.transfer.same_node.bytes_per_s == 3e9
+    state.observe_loads("d0", 1 << 19, 0.001)  # under 1 MiB: too little to judge
+    assert state.config.transfer.same_node.bytes_per_s == 3e9
+    state.observe_loads("d0", (1 << 19) + 10**9, 1.001)  # 1 GB more in 1 s
+    assert state.config.transfer.same_node.bytes_per_s == pytest.approx(0.7 * 3e9 + 0.3 * 1e9)

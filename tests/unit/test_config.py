@@ -36,6 +36,8 @@ def test_yaml_then_overrides(tmp_path):
         ("conductor:\n  tuning:\n    ttft_slo_ms: -5\n", "conductor.tuning.ttft_slo_ms"),
         ("conductor:\n  coalesce_min_blocks: 0\n", "conductor.coalesce_min_blocks"),
         ("gateway:\n  enabled: false\nhttp:\n  enabled: false\n", "enable a front"),
+        ("prefill:\n  num_instances: 0\nconductor:\n  policy: round_robin\n",
+         "prefill.num_instances is 0 but conductor.policy 'round_robin' needs a prefill instance"),
     ],
 )
 def test_invalid_config_names_the_problem(tmp_path, text, fragment):
@@ -76,3 +78,7 @@ def test_api_key_file_is_read_one_key_per_line(tmp_path):
         _read_api_keys(str(empty))
     with pytest.raises(ConfigError, match="cannot read"):
         _read_api_keys(str(tmp_path / "missing"))
+
+
+def test_an_empty_prefill_pool_is_valid_with_the_baton_policy():
+    assert load_config(None, {"prefill.num_instances": 0}).prefill.num_instances == 0

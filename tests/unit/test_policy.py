@@ -301,6 +301,23 @@ def test_baton_disaggregates_a_long_uncached_suffix_and_when_turned_off():
     assert baton(s, LONG, unit_config(short_prefill_tokens=0)).prefill_instance == "p0"
 
 
+def test_baton_without_a_prefill_pool_prefills_everything_on_the_least_loaded_decode_instance():
+    s = ClusterSnapshot((), (InstanceView("d0", 3, 0), InstanceView("d1", 1, 0)), 0, {"d0": PrefixHit(50)})
+    # 1,200 tokens, nothing cached on d1, short_prefill_tokens 0: still co-located, on d1.
+    placement = baton(s, PlacementRequest("r", 1200), unit_config(short_prefill_tokens=0))
+    assert (placement.prefill_instance, placement.decode_instance) == ("d1", "d1")
+    assert placement.reason.startswith("colocated: no prefill pool; "
+                                       "d1: T=transfer 0.0 + queue 0.0 + prefill 1200.0 = 1200.0 ms")
+
+
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"baton"}))
+def test_other_policies_say_an_empty_prefill_pool_needs_instances_or_baton(name):
+    s = snap([], [InstanceView("d0")])
+    with pytest.raises(NoWorkerReady, match=r"prefill pool has no instances.*"
+                       r"prefill.num_instances >= 1 or conductor.policy=baton"):
+        POLICIES[name](s, REQ, PolicyConfig())
+
+
 def test_price_loads_local_host_and_disk_blocks_and_pulls_only_past_the_local_run():
     s = ClusterSnapshot((InstanceView("p0"), InstanceView("p1")), (), 0,
                         {"p0": PrefixHit(2, 2, 1), "p1": PrefixHit(4, 4, 2)})
