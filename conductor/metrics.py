@@ -1,0 +1,165 @@
+"""Baton's Prometheus metrics: vLLM's meanings under the ``baton_`` prefix.
+
+Recorded where requests pass (the router, in the gateway's process) and, for pool gauges, from
+the conductor's ``pool_status`` polled by ``PoolGaugePoller``. Served by the HTTP front's
+``/metrics`` (prometheus-client's process registry). ``deploy/grafana/baton-dashboard.json``
+uses exactly the names in ``METRIC_NAMES``; a test keeps the two in step.
+
+Prefix-cache counters count tokens, as vLLM's do: a query is a prompt token looked up, a hit a
+prompt token not computed. ``tier`` says where the hit came from: ``device`` (the prefill
+engine's own cache) or ``host`` (loaded from the node's KV store; a block promoted from the disk
+tier counts here, since it is loaded from host memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from engine.messages import Placement, PrefillResult, TokenChunk
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                      7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                  1.0, 2.5, 5.0)
+
+TTFT = Histogram("baton_time_to_first_token_seconds",
+                 "Time from request arrival at the router to its first token (s).",
+                 buckets=_LATENCY_BUCKETS_S)
+ITL = Histogram("baton_inter_token_latency_seconds",
+                "Time between successive output tokens of a request (s).", buckets=_ITL_BUCKETS_S)
+E2E = Histogram("baton_e2e_request_latency_seconds",
+                "Time from request arrival to its last token (s).", buckets=_LATENCY_BUCKETS_S)
+REQUESTS_RUNNING = Gauge("baton_num_requests_running",
+                         "Requests running in the engines of a pool (worker stats).", ["pool"])
+REQUESTS_WAITING = Gauge("baton_num_requests_waiting",
+                         "Requests waiting in the engines of a pool (worker stats).", ["pool"])
+POOL_INSTANCES = Gauge("baton_pool_instances", "Instances in a pool by phase.", ["pool", "phase"])
+PREFIX_QUERIES = Counter("baton_prefix_cache_queries",
+                         "Prompt tokens looked up in the prefix caches (tokens).")
+PREFIX_HITS = Counter("baton_prefix_cache_hits",
+                      "Prompt tokens found cached instead of computed, by tier (tokens).", ["tier"])
+KV_TRANSFER_BYTES = Counter("baton_kv_transfer_bytes",
+                            "KV bytes loaded into an engine from the KV store, by path.", ["path"])
+PLACEMENTS = Counter("baton_placement_decisions",
+                     "Placements made, by policy and kind of decision.", ["policy", "reason"])
+REJECTIONS = Counter("baton_early_rejections",
+                     "Requests rejected before any prefill work, by cause.", ["reason"])
+REQUESTS_FINISHED = Counter("baton_request_success",
+                            "Requests that streamed to their end, by finish reason.",
+                            ["finished_reason"])
+
+METRIC_NAMES = (
+    "baton_time_to_first_token_seconds", "baton_inter_token_latency_seconds",
+    "baton_e2e_request_latency_seconds", "baton_num_requests_running", "baton_num_requests_waiting",
+    "baton_pool_instances", "baton_prefix_cache_queries_total", "baton_prefix_cache_hits_total",
+    "baton_kv_transfer_bytes_total", "baton_placement_decisions_total",
+    "baton_early_rejections_total", "baton_request_success_total",
+)
+"""The series names as exposed (counters gain ``_total``; histograms add ``_bucket`` etc.)."""
+
+TRANSFER_PATH_SHM = "host_shm"
+"""The live connector loads from its own node's host arena through shared memory."""
+
+
+def placement_reason(placement: Placement) -> str:
+    """A bounded label for a placement: ``colocated`` (prefill on the decode instance),
+    ``pulled`` (a remote prefix pulled), ``cached`` (a local prefix reused) or ``cold``."""
+    if placement.prefill_instance == placement.decode_instance:
+        return "colocated"
+    if placement.pulled_from:
+        return "pulled"
+    if placement.expected_cached_blocks > 0:
+        return "cached"
+    return "cold"
+
+
+def rejection_reason(message: str) -> str:
+    return "tbt_slo" if "TBT" in message or "inter-token" in message else "ttft_slo"
+
+
+class RequestTimer:
+    """Times one request through the router and records it when it ends."""
+
+    def __init__(self, received_s: float, kv_bytes_per_token: int = 0) -> None:
+        self._received_s = received_s
+        self._last_token_s: float | None = None
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self._placement: Placement | None = None
+        self._prefill: PrefillResult | None = None
+
+    def placed(self, placement: Placement, prefill: PrefillResult) -> None:
+        self._placement, self._prefill = placement, prefill
+        PLACEMENTS.labels(placement.policy, placement_reason(placement)).inc()
+
+    def chunk(self, chunk: TokenChunk, now_s: float) -> None:
+        num_tokens = len(chunk.token_ids)
+        if num_tokens:
+            if self._last_token_s is None:
+                TTFT.observe(now_s - self._received_s)
+            else:
+                gap_s = (now_s - self._last_token_s) / num_tokens
+                for _ in range(num_tokens):
+                    ITL.observe(gap_s)
+            self._last_token_s = now_s
+        if chunk.finish_reason is not None:
+            E2E.observe(now_s - self._received_s)
+            REQUESTS_FINISHED.labels(chunk.finish_reason).inc()
+            self._finish_cache(chunk)
+
+    def _finish_cache(self, last: TokenChunk) -> None:
+        placement, prefill = self._placement, self._prefill
+        if placement is None or prefill is None:
+            return
+        PREFIX_QUERIES.inc(prefill.num_prompt_tokens)
+        if placement.prefill_instance == placement.decode_instance:
+            cached, loaded = last.num_cached_tokens, last.num_loaded_tokens
+        else:
+            cached, loaded = prefill.num_cached_tokens, prefill.num_loaded_tokens
+            # the decode engine loading the whole prompt is the prefill→decode hand-off
+            KV_TRANSFER_BYTES.labels(TRANSFER_PATH_SHM).inc(
+                last.num_loaded_tokens * self.kv_bytes_per_token)
+        loaded = min(loaded, cached)
+        PREFIX_HITS.labels("device").inc(cached - loaded)
+        PREFIX_HITS.labels("host").inc(loaded)
+        if loaded:
+            KV_TRANSFER_BYTES.labels(TRANSFER_PATH_SHM).inc(loaded * self.kv_bytes_per_token)
+
+
+def set_pool_gauges(status) -> None:
+    """Copy a ``conductor.pools.PoolStatus`` into the pool gauges."""
+    for pool in ("prefill", "decode"):
+        rows = [r for r in status.instances if r.role == pool]
+        REQUESTS_RUNNING.labels(pool).set(sum(r.num_running_reqs for r in rows))
+        REQUESTS_WAITING.labels(pool).set(sum(r.num_waiting_reqs for r in rows))
+        for phase in ("starting", "ready", "draining", "not_ready"):
+            POOL_INSTANCES.labels(pool, phase).set(status.pool_sizes.get(pool, {}).get(phase, 0))
+
+
+class PoolGaugePoller:
+    """Refreshes the pool gauges from the conductor every ``interval_s`` (in the front's loop)."""
+
+    def __init__(self, conductor, interval_s: float = 1.0) -> None:
+        self._conductor = conductor
+        self._interval_s = interval_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                set_pool_gauges(await self._conductor.pool_status.remote())
+            except Exception as exc:  # the conductor restarting must not stop the front
+                log.debug("pool gauges not refreshed: %s", exc)
+            await asyncio.sleep(self._interval_s)

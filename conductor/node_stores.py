@@ -1,0 +1,102 @@
+"""One KV store node actor per Ray node, created by the first worker that lands there.
+
+On a Ray cluster (``baton up``) the scheduler, not Baton, decides which node a worker runs on:
+the pool's custom resource picks the node group, the autoscaler may add a node for it. So a
+worker resolves its store only once it is running: it looks for the store actor of its own Ray
+node and creates it (pinned to that node, detached) if it is not there yet. The first worker on
+a node wins the creation; every worker then asks the store itself where it publishes its tier
+events, so the conductor subscribes to the real sockets whoever created them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import msgspec
+
+from engine.builder import StoreWiring
+from kvstore.config import KVStoreConfig
+from kvstore.node import KVStoreNode
+
+log = logging.getLogger(__name__)
+
+STORE_PREFIX = "kvstore"
+
+
+class NodeStoreSpec(msgspec.Struct, frozen=True):
+    """Everything a worker needs to create its node's store if it is the first one there."""
+
+    cluster_name: str
+    namespace: str
+    config: KVStoreConfig
+    block_bytes: int
+    redis_url: str | None
+    block_size_tokens: int
+
+
+class StoreEndpoints(msgspec.Struct, frozen=True):
+    node_id: str
+    events_endpoint: str
+    replay_endpoint: str
+
+
+class NodeStore(KVStoreNode):
+    """A ``KVStoreNode`` that can say where its tier events are published."""
+
+    def __init__(self, node_id: str, cluster_name: str, config: KVStoreConfig, block_bytes: int,
+                 redis_url: str | None, block_size_tokens: int) -> None:
+        super().__init__(node_id, cluster_name, config, block_bytes, redis_url, block_size_tokens)
+        self._endpoints = StoreEndpoints(node_id, config.events_endpoint or "",
+                                         config.events_replay_endpoint or "")
+
+    def endpoints(self) -> StoreEndpoints:
+        return self._endpoints
+
+
+def store_node_id(ray_node_id: str) -> str:
+    """Baton's short name for a Ray node (its id's first 12 hex digits)."""
+    return f"n{ray_node_id[:12]}"
+
+
+def store_actor_name(cluster_name: str, node_id: str) -> str:
+    return f"{cluster_name}-{STORE_PREFIX}-{node_id}"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def ensure_node_store(spec: NodeStoreSpec, conductor_actor: str | None) -> StoreWiring:
+    """The store of the Ray node this process runs on (created if missing), subscribed to by
+    the conductor named ``conductor_actor``. Call from inside a Ray actor."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ray_node = ray.get_runtime_context().get_node_id()
+    node_id = store_node_id(ray_node)
+    name = store_actor_name(spec.cluster_name, node_id)
+    host = ray.util.get_node_ip_address()
+    kv = spec.config
+    if kv.events_endpoint is None:  # the conductor's index needs the store's tier events
+        kv = kv.model_copy(update={
+            "events_endpoint": f"tcp://{host}:{_free_port(host)}",
+            "events_replay_endpoint": f"tcp://{host}:{_free_port(host)}",
+        })
+    store = (
+        ray.remote(NodeStore)
+        .options(name=name, namespace=spec.namespace, lifetime="detached", get_if_exists=True,
+                 num_cpus=0, max_concurrency=1,
+                 scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node, soft=False))
+        .remote(node_id, spec.cluster_name, kv, spec.block_bytes, spec.redis_url,
+                spec.block_size_tokens)
+    )
+    endpoints: StoreEndpoints = ray.get(store.endpoints.remote())
+    if conductor_actor is not None:
+        conductor = ray.get_actor(conductor_actor, namespace=spec.namespace)
+        ray.get(conductor.add_store_node.remote(node_id, endpoints.events_endpoint,
+                                                endpoints.replay_endpoint, name))
+    log.info("using KV store %s on node %s", name, node_id)
+    return StoreWiring(name, spec.namespace, node_id)
