@@ -3,8 +3,9 @@
 Prefill: one in-process vLLM engine (the cluster's model and engine config, prefix caching on).
 For each point of a grid of (uncached tokens, cached tokens) it first runs the cached prefix
 (so the engine's prefix cache holds it), then times the prompt prefix + uncached suffix to its
-first token. Every point is measured twice with different prompts; the fit uses the first
-measurement of each point, and the error is reported on the second (held out, never fitted).
+first token (the median of three prompts). Every point is measured in two rounds with different
+prompts; the fit uses the first round, and the error is reported on the second (held out,
+never fitted).
 
 Decode: batches of 1..16 concurrent sequences generate 32 tokens each; the mean inter-token time
 per batch size and context is fitted to ``DecodeCostModel``.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 import time
 from typing import Callable
 
@@ -54,7 +56,8 @@ async def _first_token_ms(runner: EngineRunner, request_id: str, tokens: list[in
 
 
 async def measure_prefill(runner: EngineRunner, max_len: int, block_size: int, seed: int,
-                          progress: Callable[[str], None], max_tokens: int) -> list[list[PrefillSample]]:
+                          progress: Callable[[str], None], max_tokens: int,
+                          repeats: int = 3) -> list[list[PrefillSample]]:
     """Two rounds of samples over the grid (the second is held out); points whose prompt
     exceeds ``max_tokens`` (or the context window) are skipped."""
     rng = random.Random(seed)
@@ -66,13 +69,16 @@ async def measure_prefill(runner: EngineRunner, max_len: int, block_size: int, s
         for n, (uncached, cached) in enumerate(points):
             progress(f"prefill round {r + 1}/2, point {n + 1}/{len(points)}: "
                      f"{uncached} new over {cached} cached tokens")
-            prefix = _prompt(rng, cached)
-            if cached:
-                await _first_token_ms(runner, f"prefix-{r}-{n}", prefix)
-            ms, found = await _first_token_ms(runner, f"point-{r}-{n}", prefix + _prompt(rng, uncached))
-            found = min(found, cached)
+            times, found = [], cached
+            for k in range(repeats):  # the median of a few, so a noisy neighbour does not decide
+                prefix = _prompt(rng, cached)
+                if cached:
+                    await _first_token_ms(runner, f"prefix-{r}-{n}-{k}", prefix)
+                ms, hit = await _first_token_ms(runner, f"point-{r}-{n}-{k}", prefix + _prompt(rng, uncached))
+                times.append(ms)
+                found = min(found, hit)
             rounds[r].append(PrefillSample(uncached_tokens=uncached + cached - found,
-                                           cached_tokens=found, prefill_ms=ms))
+                                           cached_tokens=found, prefill_ms=statistics.median(times)))
     return rounds
 
 
