@@ -241,6 +241,49 @@ def profile(
     err.print(f"[dim]saved {out}[/dim]")
 
 
+@bench_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_serve(
+    ctx: typer.Context,
+    trace: Path = typer.Option(..., help="Mooncake-format trace (.jsonl)."),
+    target: str = typer.Option("127.0.0.1:50051", help="Gateway address host:port."),
+    token_scale: int = typer.Option(16, help="Divides the trace's 512 tokens per hash id and its prompt lengths."),
+    time_scale: float = typer.Option(1.0, help="Multiplies arrival times (0.5: twice the trace's rate)."),
+    max_requests: Optional[int] = typer.Option(None, help="Send only the trace's first N requests."),
+    top_sessions: Optional[int] = typer.Option(None, help="Keep only the K sessions (first hash id) with "
+                                               "the most requests, re-timed to start at 0."),
+    output_scale: float = typer.Option(1.0, help="Divides the trace's output lengths."),
+    min_output_tokens: int = typer.Option(1, help="Least tokens asked of a request (after scaling)."),
+    max_output_tokens: int = typer.Option(128, help="Most tokens asked of a request (after scaling)."),
+    max_input_tokens: Optional[int] = typer.Option(None, help="Cut longer prompts to this, keeping the prefix."),
+    max_concurrency: Optional[int] = typer.Option(None, help="Most requests in flight (default: no cap)."),
+    goodput: List[str] = typer.Option([], help="SLOs KEY:MS (ttft, tpot, e2el), e.g. --goodput ttft:2000 tpot:100."),
+    percentiles: str = typer.Option("99", "--metric-percentiles", help="Percentiles reported, e.g. '50,90,99'."),
+    seed: int = typer.Option(0, help="Seed mixed into every block's token ids."),
+    cache_salt: str = typer.Option("", help="Tenant salt sent with every request."),
+    timeout: float = typer.Option(600.0, help="Seconds before a request is given up (counted failed)."),
+    api_key: str = typer.Option("", envvar="BATON_API_KEY", show_default=False, help="API key, if required."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+) -> None:
+    """Replay a trace against a running gateway (live, not simulated) and report what `vllm bench
+    serve` reports: TTFT, TPOT, ITL, E2EL, throughput, goodput, plus the prefix-cache hit ratio."""
+    from conductor.bench_serve import ExpansionOptions, serve_command
+    from conductor.errors import BatonError
+
+    extra = [a for a in ctx.args if ":" in a and not a.startswith("-")]  # --goodput ttft:1 tpot:2
+    if len(extra) != len(ctx.args):
+        err.print(f"[red]error:[/red] unexpected arguments {[a for a in ctx.args if a not in extra]}")
+        raise typer.Exit(2)
+    try:
+        options = ExpansionOptions(token_scale=token_scale, time_scale=time_scale, output_scale=output_scale,
+                                   min_output_tokens=min_output_tokens, max_output_tokens=max_output_tokens,
+                                   max_input_tokens=max_input_tokens, seed=seed)
+        serve_command(trace, target, options, max_requests, top_sessions, max_concurrency, [*goodput, *extra], percentiles,
+                      timeout, cache_salt, api_key, json_path, lambda m: err.print(f"[dim]{m}[/dim]"))
+    except BatonError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+
+
 @model_app.command("prepare")
 def model_prepare(
     name: str = typer.Argument("smollm2", help="'smollm2' or 'tiny'."),
