@@ -31,7 +31,7 @@ import msgspec
 
 from conductor.policy import PrefixHit
 from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvstore.keys import BlockKey, KeyExtras, hash_block, root_key
+from kvstore.keys import BlockKey, KeyExtras, chain_keys, root_key
 
 
 class StreamGap(msgspec.Struct, frozen=True):
@@ -220,11 +220,10 @@ class KvIndex:
                     if parent is None:
                         self.num_untranslatable_blocks += len(event.block_hashes)
                         continue
-                size, tokens = event.block_size, event.token_ids
-                for i, vllm_hash in enumerate(event.block_hashes):
-                    parent = hash_block(parent, tokens[i * size:(i + 1) * size])
-                    mapping[vllm_hash] = parent
-                    device[parent] = device.get(parent, 0) | bit
+                keys = chain_keys(parent, event.token_ids, event.block_size)
+                for vllm_hash, key in zip(event.block_hashes, keys):
+                    mapping[vllm_hash] = key
+                    device[key] = device.get(key, 0) | bit
             elif isinstance(event, BlockRemoved):
                 keep = ~bit
                 for vllm_hash in event.block_hashes:

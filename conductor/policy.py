@@ -187,7 +187,8 @@ def _ready(pool: tuple[InstanceView, ...], role: str) -> tuple[InstanceView, ...
             f"{sorted(SERVES_WITHOUT_PREFILL_POOL)} serve co-located without one: set "
             "prefill.num_instances >= 1 or conductor.policy=baton"
         )
-    ready = tuple(view for view in pool if view.ready)
+    ready = [view for view in pool if view.ready]
+    ready = pool if len(ready) == len(pool) else tuple(ready)
     if not ready:
         raise NoWorkerReady(f"no {role} instance is ready; retry in a few seconds")
     return ready

@@ -98,6 +98,21 @@ def block_keys(token_ids: Sequence[int], block_size: int, extras: KeyExtras) -> 
     return keys
 
 
+def chain_keys(parent: BlockKey, token_ids: Sequence[int], block_size: int) -> list[BlockKey]:
+    """Keys of consecutive full blocks of ``token_ids`` chained after ``parent`` (the tokens are
+    packed once): ``chain_keys(root_key(e), t, b) == block_keys(t, b, e)``."""
+    num_blocks = len(token_ids) // block_size
+    if num_blocks == 0:
+        return []
+    packed = memoryview(_pack_tokens(token_ids[: num_blocks * block_size]))
+    block_bytes = 4 * block_size
+    keys: list[BlockKey] = []
+    for start in range(0, num_blocks * block_bytes, block_bytes):
+        parent = _hash_packed(parent, packed[start : start + block_bytes])
+        keys.append(parent)
+    return keys
+
+
 def key_hex(key: BlockKey) -> str:
     """The key as 32 lowercase hex digits, for logs and Redis."""
     return key.hex()

@@ -192,3 +192,14 @@ def test_hashing_a_long_prompt_is_cheap() -> None:
     runs_s = timeit.repeat(lambda: block_keys(prompt, 128, EXTRAS), number=50, repeat=3)
     per_call_s = min(runs_s) / 50
     assert per_call_s < 5e-3  # generous: the CI box is shared
+
+
+def test_chain_keys_continue_a_chain_exactly_like_block_keys():
+    from kvstore.keys import chain_keys, root_key
+
+    extras = KeyExtras(model_id="m", cache_salt="s")
+    tokens = list(range(10, 10 + 8 * 16 + 5))
+    whole = block_keys(tokens, 16, extras)
+    assert chain_keys(root_key(extras), tokens, 16) == whole
+    assert chain_keys(whole[2], tokens[3 * 16:], 16) == whole[3:]
+    assert chain_keys(root_key(extras), tokens[:15], 16) == []
