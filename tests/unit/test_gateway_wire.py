@@ -421,3 +421,20 @@ async def test_api_keys_are_required_when_configured(router, tokenizer):
             assert health.status == health_pb2.HealthCheckResponse.SERVING  # open without a key
     finally:
         await running.stop(None)
+
+
+@pytest.mark.asyncio
+async def test_an_early_rejection_is_resource_exhausted_with_a_retry_after_hint(channel, router):
+    from conductor.policy import Overloaded
+
+    router.error = Overloaded("predicted TTFT 900.0 ms exceeds ttft_slo_ms 500", retry_after_s=2.25)
+    router.chunks = ()
+    call = pb_grpc.InferenceStub(channel).Generate(_request(), timeout=10)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in call:
+            pass
+
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.details() == "predicted TTFT 900.0 ms exceeds ttft_slo_ms 500"
+    assert dict(info.value.trailing_metadata())["retry-after-ms"] == "2250"
