@@ -284,6 +284,204 @@ def bench_serve(
         raise typer.Exit(2) from exc
 
 
+# ---------------------------------------------------------------------- operating on a Ray cluster
+
+EXIT_CONFIG, EXIT_NO_CLUSTER, EXIT_UNKNOWN_INSTANCE, EXIT_FAILED = 2, 3, 4, 5
+
+_ADDRESS = typer.Option(None, "--address", envvar="RAY_ADDRESS",
+                        help="Ray cluster address (host:port or 'auto'); default $RAY_ADDRESS.")
+_NAME = typer.Option("baton", "--name", help="Baton cluster name (config `name`).")
+_NAMESPACE = typer.Option("baton", "--namespace", help="Ray namespace (config `ray.namespace`).")
+
+
+def _fail(exc: BaseException) -> None:
+    """Print an operator error and exit with its code."""
+    from ray.exceptions import RayTaskError
+
+    from conductor.deployment import NoRayCluster, NotUp
+    from conductor.errors import ConfigError
+    from conductor.pools import UnknownInstance
+
+    if isinstance(exc, RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    code = EXIT_FAILED
+    if isinstance(exc, ConfigError):
+        code = EXIT_CONFIG
+    elif isinstance(exc, (NoRayCluster, NotUp)):
+        code = EXIT_NO_CLUSTER
+    elif isinstance(exc, UnknownInstance):
+        code = EXIT_UNKNOWN_INSTANCE
+    err.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(code)
+
+
+def _connected(address: Optional[str], namespace: str) -> None:
+    from conductor.deployment import connect
+
+    try:
+        connect(address, namespace)
+    except Exception as exc:  # noqa: BLE001 - reported with its exit code
+        _fail(exc)
+
+
+def _print_scale(results) -> bool:
+    ok = True
+    for r in results:
+        line = f"{r.role}: {r.size_before} -> {r.size_after}"
+        if r.added:
+            line += f"; added {', '.join(r.added)}"
+        if r.removed:
+            line += f"; drained and removed {', '.join(r.removed)}"
+        print(line)
+        if r.pending:
+            err.print(f"[yellow]{r.role}: not ready yet (waiting for a node or its engine): "
+                      f"{', '.join(r.pending)}[/yellow]")
+        for failure in r.failed:
+            ok = False
+            err.print(f"[red]{r.role}: {failure}[/red]")
+    return ok
+
+
+@app.command()
+def up(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Cluster config YAML."),
+    address: Optional[str] = _ADDRESS,
+    set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
+    timeout: float = typer.Option(600.0, help="Seconds to wait for the first workers' engines."),
+) -> None:
+    """Start Baton on an existing Ray cluster as detached named actors (conductor, gateway with
+    the gRPC and HTTP fronts, prefill and decode pools, a KV store per node), then return.
+    Running it again when Baton is up changes nothing."""
+    from conductor.config import load_config
+    from conductor.deployment import up as run_up
+
+    try:
+        cfg = load_config(config, _parse_overrides(set_))
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    _connected(address, cfg.ray.namespace)
+    try:
+        result = run_up(cfg, lambda msg: err.print(f"[cyan]baton[/cyan] {msg}"), timeout)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    a = result.addresses
+    if result.already_up:
+        print(f"Baton '{cfg.name}' is already up; nothing changed")
+    ok = _print_scale(result.scale)
+    if a.grpc_port is not None:
+        print(f"gRPC  {a.host_ip}:{a.grpc_port}")
+    if a.http_port is not None:
+        print(f"HTTP  http://{a.host_ip}:{a.http_port}/v1   metrics: http://{a.host_ip}:{a.http_port}/metrics")
+    if not ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command()
+def down(address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE) -> None:
+    """Remove everything `baton up` started for this cluster (fronts first, then workers,
+    stores, conductor, Redis). Nothing up: nothing to do (exit 0)."""
+    from conductor.deployment import down as run_down
+
+    _connected(address, namespace)
+    removed = run_down(name, namespace, lambda msg: err.print(f"[cyan]baton[/cyan] {msg}"))
+    print(f"removed {len(removed)} actors" if removed else f"Baton '{name}' was not up; nothing to remove")
+
+
+def _fmt_ms(value) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+@app.command()
+def status(
+    address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
+) -> None:
+    """Pools and instances (node, state, queue depth, running sequences, KV use, prefix hits,
+    recent TTFT/ITL), KV store nodes, and the conductor's placement counters."""
+    import msgspec
+    from rich.table import Table
+
+    from conductor.deployment import status as run_status
+
+    _connected(address, namespace)
+    try:
+        pools, addresses = run_status(name, namespace)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    if as_json:
+        print(msgspec.json.encode({"status": pools, "fronts": addresses}).decode())
+        return
+    out = Console()
+    sizes = ", ".join(
+        f"{pool} {sum(p.values())} ({', '.join(f'{n} {k}' for k, n in sorted(p.items())) or 'none'})"
+        for pool, p in pools.pool_sizes.items())
+    out.print(f"[bold]Baton '{name}'[/bold]  policy {pools.policy}  pools: {sizes}")
+    if addresses is not None:
+        out.print(f"fronts on {addresses.host_ip}: gRPC {addresses.grpc_port}, HTTP {addresses.http_port}")
+    table = Table("instance", "pool", "node", "state", "waiting", "running", "booked", "KV used",
+                  "prefix hits", "TTFT ms", "ITL ms")
+    for r in pools.instances:
+        hits = (f"{r.num_cached_tokens / r.num_prompt_tokens:.0%} of {r.num_prompt_tokens:,}"
+                if r.num_prompt_tokens else "-")
+        table.add_row(r.instance_id, r.role, r.node_id or "-", r.phase, str(r.num_waiting_reqs),
+                      str(r.num_running_reqs), str(r.num_booked_reqs), f"{r.kv_usage_frac:.0%}",
+                      hits, _fmt_ms(r.recent_ttft_ms), _fmt_ms(r.recent_itl_ms))
+    out.print(table)
+    if pools.stores:
+        stores = Table("store node", "host blocks used", "pinned", "disk blocks", "evicted")
+        for s in pools.stores:
+            stores.add_row(s.node_id, f"{s.host_used_blocks}/{s.host_capacity_blocks}",
+                           str(s.host_pinned_blocks), str(s.disk_used_blocks), str(s.evicted_blocks))
+        out.print(stores)
+    c = pools.counters
+    out.print(f"placements: {c.placed} placed, {c.rejected} rejected early, {c.coalesced} coalesced, "
+              f"{c.colocated} colocated, {c.pulled} pulled, {c.index_corrections} index corrections")
+    for line in pools.recent_events[-5:]:
+        out.print(f"[dim]{line}[/dim]")
+
+
+@app.command()
+def scale(
+    prefill: Optional[int] = typer.Option(None, help="Prefill pool size."),
+    decode: Optional[int] = typer.Option(None, help="Decode pool size."),
+    address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+    timeout: float = typer.Option(600.0, help="Seconds to wait for new engines / for drains."),
+) -> None:
+    """Resize the prefill and/or decode pool while serving. Instances leaving are drained first
+    (no new work; in-flight requests finish), so no request fails because of a scale-down."""
+    from conductor.deployment import scale as run_scale
+
+    sizes = {role: n for role, n in (("prefill", prefill), ("decode", decode)) if n is not None}
+    if not sizes:
+        err.print("[red]error:[/red] give --prefill N and/or --decode M")
+        raise typer.Exit(EXIT_CONFIG)
+    _connected(address, namespace)
+    try:
+        results = run_scale(name, namespace, sizes, timeout)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    if not _print_scale(results):
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command()
+def drain(
+    instance: str = typer.Argument(..., help="Instance id, as `baton status` lists it."),
+    address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+    timeout: float = typer.Option(600.0, help="Seconds its in-flight requests may take."),
+) -> None:
+    """Stop placing on one instance, let its in-flight requests finish, then remove it."""
+    from conductor.deployment import drain as run_drain
+
+    _connected(address, namespace)
+    try:
+        result = run_drain(name, namespace, instance, timeout)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    print(f"{result.instance_id} drained in {result.drain_s:.1f} s "
+          f"({result.drained_requests} in-flight requests finished) and removed")
+
+
 @model_app.command("prepare")
 def model_prepare(
     name: str = typer.Argument("smollm2", help="'smollm2' or 'tiny'."),

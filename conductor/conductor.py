@@ -21,6 +21,15 @@ import zmq.asyncio
 from conductor.config import ConductorConfig
 from conductor.kv_index import StreamGap
 from conductor.policy import PlacementRequest, PolicyConfig
+from conductor.pools import (
+    DrainResult,
+    InstanceRow,
+    LaunchSpec,
+    PoolManager,
+    PoolStatus,
+    ScaleResult,
+    StoreRow,
+)
 from conductor.state import ConductorState, PlacementCounters
 from engine.messages import Placement
 
@@ -54,6 +63,7 @@ class KeyScheme(msgspec.Struct, frozen=True):
     model_id: str
     kv_layout: str
     block_size_tokens: int
+    kv_bytes_per_token: int = 0
 
 
 class Conductor:
@@ -65,6 +75,11 @@ class Conductor:
         self._config = config
         self._namespace = namespace
         self.state = ConductorState(config.policy, policy_config)
+        self.pools = PoolManager(self.state, namespace)
+        self._last_stats: dict = {}
+        self._store_actors: dict[str, str] = {}
+        if events_host == "auto":  # on a Ray cluster: this node's address, reachable from others
+            events_host = ray.util.get_node_ip_address()
         self._ctx = zmq.asyncio.Context()
         self._engine_sub = self._ctx.socket(zmq.SUB)
         self._engine_sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -101,13 +116,20 @@ class Conductor:
         """Add an instance (not ready until ``mark_ready``); re-registering resets its index."""
         self._start_tasks()
         self.state.register(instance_id, role, node_id, model_id, kv_layout)
-        self._key_scheme = KeyScheme(model_id, kv_layout, self.state.config.block_size_tokens)
+        self._key_scheme = KeyScheme(model_id, kv_layout, self.state.config.block_size_tokens,
+                                     self.state.config.kv_bytes_per_token)
         if replay_endpoint:
             self._replay_endpoints[instance_id] = replay_endpoint
 
-    async def add_store_node(self, node_id: str, events_endpoint: str, replay_endpoint: str = "") -> None:
-        """Subscribe to a store node's tier events (the node binds, the conductor connects)."""
+    async def add_store_node(self, node_id: str, events_endpoint: str, replay_endpoint: str = "",
+                             actor_name: str = "") -> None:
+        """Subscribe to a store node's tier events (the node binds, the conductor connects).
+        Adding a node already known does nothing (every worker on a node announces its store)."""
         self._start_tasks()
+        if actor_name:
+            self._store_actors[node_id] = actor_name
+        if f"baton.store.{node_id}".encode() in self._store_topics:
+            return
         self._store_topics[f"baton.store.{node_id}".encode()] = node_id
         self.state.index.add_node(node_id)
         if replay_endpoint:
@@ -170,6 +192,62 @@ class Conductor:
             index.num_untranslatable_blocks, prefills, decodes, self._events_received,
             self._events_dropped, self._replayed, index.last_seqs(),
         )
+
+    # ------------------------------------------------------------------ pools
+
+    async def set_launch_spec(self, spec: LaunchSpec) -> None:
+        """How to start workers (``baton up``); without it the pools cannot be resized."""
+        self.pools.spec = spec
+
+    async def scale(self, sizes: dict[str, int], timeout_s: float,
+                    reason: str = "operator request") -> list[ScaleResult]:
+        """Resize the pools named in ``sizes`` side by side (``baton scale``)."""
+        return list(await asyncio.gather(
+            *(self.pools.scale(role, size, timeout_s, reason) for role, size in sizes.items())))
+
+    async def drain(self, instance_id: str, timeout_s: float) -> DrainResult:
+        """Finish an instance's work, then remove it (``baton drain``)."""
+        return await self.pools.drain(instance_id, timeout_s)
+
+    async def pool_status(self) -> PoolStatus:
+        """Pools, instances, store nodes and placement counters (``baton status``)."""
+        rows = []
+        sizes: dict[str, dict[str, int]] = {"prefill": {}, "decode": {}}
+        ids = set(self.state.instance_ids()) | set(self.pools.member_ids())
+        for instance_id in sorted(ids):
+            stats = self._last_stats.get(instance_id)
+            phase = self.pools.phase(instance_id)
+            if instance_id in self.state.instance_ids():
+                role = self.state.role_of(instance_id)
+                if phase is None or phase == "ready":
+                    phase = "ready" if self.state.is_instance_ready(instance_id) else (
+                        "not_ready" if self.state.was_ever_ready(instance_id) else "starting")
+                node = self.state.node_of(instance_id)
+            else:
+                role, node = ("prefill" if "-prefill-" in instance_id else "decode"), ""
+            booked = len(self.state.requests_on(instance_id))
+            sizes[role][phase] = sizes[role].get(phase, 0) + 1
+            rows.append(InstanceRow(
+                instance_id, role, node, phase,
+                stats.num_waiting_reqs if stats else 0, stats.num_running_reqs if stats else 0,
+                booked, stats.kv_usage_frac if stats else 0.0,
+                stats.num_prompt_tokens if stats else 0, stats.num_cached_tokens if stats else 0,
+                stats.recent_ttft_ms if stats else None, stats.recent_itl_ms if stats else None))
+        return PoolStatus(self._config.policy, sizes, rows, await self._store_rows(),
+                          self.state.counters, self.pools.log[-20:])
+
+    async def _store_rows(self) -> list[StoreRow]:
+        rows = []
+        for node_id, name in sorted(self._store_actors.items()):
+            try:
+                store = ray.get_actor(name, namespace=self._namespace)
+                stats, tiers = await asyncio.wait_for(
+                    asyncio.gather(store.stats.remote(), store.tier_counters.remote()), timeout=5)
+            except Exception:
+                continue
+            rows.append(StoreRow(node_id, stats.capacity_blocks, stats.used_blocks,
+                                 stats.pinned_blocks, tiers.get("disk_blocks", 0), stats.evicted_blocks))
+        return rows
 
     async def prefix_hits(self, block_keys: list[bytes]) -> dict:
         """The index's view of one prompt (for operators and tests): instance → PrefixHit."""
@@ -281,17 +359,25 @@ class Conductor:
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self._config.stats_interval_s)
-            for instance_id in self.state.instance_ids():
+            instance_ids = self.state.instance_ids()
+            for gone in set(self._last_stats) - set(instance_ids):
+                del self._last_stats[gone]
+            for instance_id in instance_ids:
                 try:
                     handle = ray.get_actor(instance_id, namespace=self._namespace)
                     stats = await asyncio.wait_for(handle.stats.remote(), timeout=5)
                 except Exception:
+                    if self.state.role_of(instance_id) is None:
+                        continue  # removed (drained) while we asked
                     if self.state.is_instance_ready(instance_id):
                         log.warning("instance %s stopped answering; marking it not ready", instance_id)
                     self.state.set_ready(instance_id, False)
                     continue
+                if self.state.role_of(instance_id) is None:
+                    continue  # removed (drained) while we asked
                 if not self.state.is_instance_ready(instance_id) and not self.state.was_ever_ready(
                         instance_id):
                     continue  # still starting: mark_ready says when
+                self._last_stats[instance_id] = stats
                 self.state.set_ready(instance_id, stats.ready)
                 self.state.update_load(instance_id, stats.num_waiting_reqs, stats.kv_usage_frac)

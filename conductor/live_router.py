@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import AsyncIterator
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from conductor.errors import InvalidRequest, WorkerFailed
-from conductor.policy import PlacementRequest
+from conductor import metrics
+from conductor.errors import InvalidRequest, NoWorkerReady, WorkerFailed
+from conductor.policy import Overloaded, PlacementRequest
 from conductor.router import Placed, RouterEvent
 from engine.messages import EngineRequest, Placement, PrefillResult, TokenChunk
 from kvstore.keys import KeyExtras, block_keys
@@ -76,13 +78,24 @@ class LiveRouter:
                                 request.sampling.max_tokens)
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[RouterEvent]:
+        timer = metrics.RequestTimer(time.perf_counter())
         try:
-            placement: Placement = await self._conductor.place.remote(
-                await self._placement_request(request))
+            placement_request = await self._placement_request(request)
+            timer.kv_bytes_per_token = getattr(self._scheme, "kv_bytes_per_token", 0)
+            placement: Placement = await self._conductor.place.remote(placement_request)
         except RayTaskError as exc:
-            raise _unwrap(exc) from exc
+            error = _unwrap(exc)
+            if isinstance(error, Overloaded):
+                metrics.REJECTIONS.labels(metrics.rejection_reason(str(error))).inc()
+            elif isinstance(error, NoWorkerReady):
+                metrics.REJECTIONS.labels("no_worker_ready").inc()
+            raise error from exc
         try:
             async for event in self._serve(request, placement):
+                if isinstance(event, Placed):
+                    timer.placed(event.placement, event.prefill)
+                else:
+                    timer.chunk(event, time.perf_counter())
                 yield event
         finally:  # however it ended, the conductor's books must close
             self._conductor.finished.remote(request.request_id)

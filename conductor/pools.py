@@ -238,7 +238,7 @@ class PoolManager:
         started = time.monotonic()
         was_starting = member.phase == "starting"
         member.phase = "draining"
-        booked = sum(self._state.in_flight_on(instance_id))
+        booked = len(self._state.requests_on(instance_id))
         if not was_starting and instance_id in self._state.instance_ids():
             self._state.set_draining(instance_id)
             await self._wait_idle(instance_id, member, started + timeout_s)

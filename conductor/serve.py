@@ -16,6 +16,7 @@ from conductor.cluster import LocalCluster
 from conductor.config import ClusterConfig
 from conductor.gateway import InferenceServicer, RunningGateway, start_gateway
 from conductor.live_router import LiveRouter
+from conductor.metrics import PoolGaugePoller
 from conductor.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class BatonServer:
         self.http = None
         self.router: LiveRouter | None = None
         self.start_seconds: float | None = None
+        self.gauges: PoolGaugePoller | None = None
 
     @property
     def port(self) -> int:
@@ -75,6 +77,8 @@ class BatonServer:
                       model.max_model_len)
         self.router = LiveRouter(self.cluster.conductor, self.cluster.namespace)
         self.router.start()
+        self.gauges = PoolGaugePoller(self.cluster.conductor)
+        self.gauges.start()
         api_keys = _read_api_keys(self.config.auth.api_key_file)
         servicer = InferenceServicer(self.router, tokenizer, model.name, max_len,
                                      api_keys=api_keys)
@@ -113,6 +117,8 @@ class BatonServer:
             self.http = None
         if self.router is not None:
             self.router.stop()
+        if self.gauges is not None:
+            self.gauges.stop()
         await asyncio.to_thread(self.cluster.stop)
 
 

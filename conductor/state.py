@@ -58,6 +58,8 @@ class _Instance:
     node_id: str
     ready: bool = False
     was_ready: bool = False
+    draining: bool = False
+    """Leaving the pool: finishes what it has, gets no new work (not ready in the snapshot)."""
     num_waiting_reqs: int = 0
     kv_usage_frac: float = 0.0
     prefills: dict[str, _Prefill] = field(default_factory=dict)
@@ -162,6 +164,22 @@ class ConductorState:
             inst.num_waiting_reqs, inst.kv_usage_frac = num_waiting_reqs, kv_usage_frac
             self._refresh_view(instance_id)
 
+    def set_draining(self, instance_id: str) -> None:
+        """Place nothing more on ``instance_id``; what is booked there runs to its end."""
+        self._instances[instance_id].draining = True
+        self._refresh_view(instance_id)
+
+    def in_flight_on(self, instance_id: str) -> tuple[int, int]:
+        """(prefills, decodes) booked on ``instance_id`` and not yet reported done."""
+        inst = self._instances.get(instance_id)
+        return (len(inst.prefills), len(inst.decodes)) if inst is not None else (0, 0)
+
+    def requests_on(self, instance_id: str) -> set[str]:
+        """Requests with a prefill or a decode booked on ``instance_id`` (a colocated request
+        has both and counts once)."""
+        inst = self._instances.get(instance_id)
+        return set(inst.prefills) | set(inst.decodes) if inst is not None else set()
+
     def is_instance_ready(self, instance_id: str) -> bool:
         inst = self._instances.get(instance_id)
         return inst is not None and inst.ready
@@ -182,6 +200,11 @@ class ConductorState:
 
     def instance_ids(self, role: str | None = None) -> list[str]:
         return sorted(i for i, inst in self._instances.items() if role in (None, inst.role))
+
+    def role_of(self, instance_id: str) -> str | None:
+        """'prefill' or 'decode'; None for an instance not (or no longer) registered."""
+        inst = self._instances.get(instance_id)
+        return inst.role if inst is not None else None
 
     def node_of(self, instance_id: str) -> str:
         return self._instances[instance_id].node_id
@@ -207,7 +230,7 @@ class ConductorState:
             instance_id,
             num_running_reqs=len(inst.prefills) + len(inst.decodes),
             num_waiting_reqs=inst.num_waiting_reqs,
-            ready=inst.ready,
+            ready=inst.ready and not inst.draining,
             num_queued_prefill_tokens=inst.queued_tokens,
             queued_prefill_ms=self._queued_ms(inst, now),
             num_active_decode_blocks=inst.decode_blocks + inst.queued_blocks,

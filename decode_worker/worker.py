@@ -6,6 +6,7 @@ continuous batch, each streamed back through a Ray streaming generator.
 
 from __future__ import annotations
 
+import time
 from typing import AsyncIterator
 
 from engine.messages import EngineRequest, TokenChunk
@@ -21,10 +22,24 @@ class DecodeWorker(EngineWorker):
         from kvstore.connector import connector_stats
 
         loaded = connector_stats(self.instance_id).loaded_tokens_by_request
+        started = last = time.perf_counter()
+        first_token_ms: float | None = None
+        num_tokens = 0
         try:
             async for output in self.runner.generate(request):
                 completion = output.outputs[0]
+                now = time.perf_counter()
+                if completion.token_ids:
+                    if first_token_ms is None:
+                        first_token_ms = (now - started) * 1000.0
+                    num_tokens += len(completion.token_ids)
+                    last = now
                 if output.finished:
+                    first_ms = first_token_ms or 0.0
+                    itl_ms = ((last - started) * 1000.0 - first_ms) / (num_tokens - 1) if (
+                        num_tokens > 1) else None
+                    self._record_request(len(request.prompt_token_ids), output.num_cached_tokens or 0,
+                                         first_token_ms, itl_ms)
                     yield TokenChunk(
                         token_ids=tuple(completion.token_ids),
                         text=completion.text,

@@ -59,6 +59,9 @@ class PrefillResult(msgspec.Struct, frozen=True):
     num_cached_tokens: int
     num_stored_blocks: int
     prefill_ms: float
+    num_loaded_tokens: int = 0
+    """Of ``num_cached_tokens``, those loaded from the KV store (host tier) rather than found in
+    the engine's own device cache."""
 
 
 class TokenChunk(msgspec.Struct, frozen=True):
@@ -87,3 +90,13 @@ class InstanceStats(msgspec.Struct, frozen=True):
     ready: bool
     kv_usage_frac: float = 0.0
     """Fraction of the engine's KV cache in use, 0..1."""
+    node_id: str = ""
+    """The KV store node (machine) the instance runs on."""
+    num_prompt_tokens: int = 0
+    """Prompt tokens this instance has processed (prefix-cache queries, in tokens)."""
+    num_cached_tokens: int = 0
+    """Of those, tokens it did not compute (prefix-cache hits: device cache or store)."""
+    recent_ttft_ms: float | None = None
+    """Median time to first token over its recent requests, as the instance sees it (ms)."""
+    recent_itl_ms: float | None = None
+    """Median inter-token latency over its recent requests (decode instances; ms)."""

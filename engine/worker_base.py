@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import statistics
 import time
+from collections import deque
 
 import msgspec
 
@@ -31,6 +33,10 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+RECENT_WINDOW = 64
+"""Requests the recent TTFT / ITL medians in ``stats`` are taken over."""
+
+
 class EngineWorker:
     """Base of the worker actors: one vLLM engine for one role, plus its connector's stats.
 
@@ -53,7 +59,16 @@ class EngineWorker:
         logging.basicConfig(level=logging.INFO)
         self.instance_id = instance_id
         self.model = model
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+        self._recent_ttft_ms: deque[float] = deque(maxlen=RECENT_WINDOW)
+        self._recent_itl_ms: deque[float] = deque(maxlen=RECENT_WINDOW)
         started = time.perf_counter()
+        from conductor.node_stores import NodeStoreSpec, ensure_node_store
+
+        if isinstance(store, NodeStoreSpec):  # on a Ray cluster: the store of whichever node we got
+            store = ensure_node_store(store, conductor.actor_name if conductor else None)
+        self.node_id = store.node_id if store else ""
         events = None
         if conductor is not None:
             import ray
@@ -94,7 +109,22 @@ class EngineWorker:
             num_finished_reqs=self.runner.num_finished_reqs,
             ready=self.runner.alive,
             kv_usage_frac=self.runner.kv_usage_frac(),
+            node_id=self.node_id,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            recent_ttft_ms=statistics.median(self._recent_ttft_ms) if self._recent_ttft_ms else None,
+            recent_itl_ms=statistics.median(self._recent_itl_ms) if self._recent_itl_ms else None,
         )
+
+    def _record_request(self, num_prompt_tokens: int, num_cached_tokens: int,
+                        ttft_ms: float | None, itl_ms: float | None = None) -> None:
+        """Account one finished request for ``stats``."""
+        self.num_prompt_tokens += num_prompt_tokens
+        self.num_cached_tokens += num_cached_tokens
+        if ttft_ms is not None:
+            self._recent_ttft_ms.append(ttft_ms)
+        if itl_ms is not None:
+            self._recent_itl_ms.append(itl_ms)
 
     def connector_counters(self) -> dict[str, int]:
         """The KV connector's counters (blocks looked up, hit, loaded, saved)."""

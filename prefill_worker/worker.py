@@ -24,18 +24,23 @@ class PrefillWorker(EngineWorker):
         num_cached_tokens = 0
         from kvstore.connector import connector_stats
 
-        saved = connector_stats(self.instance_id).saved_blocks_by_request
+        stats = connector_stats(self.instance_id)
+        saved = stats.saved_blocks_by_request
         try:
             async for output in self.runner.generate(request, max_tokens=1, priority=priority):
                 if output.num_cached_tokens is not None:
                     num_cached_tokens = output.num_cached_tokens
-        finally:  # an aborted prefill must not leave its counter behind
+        finally:  # an aborted prefill must not leave its counters behind
             num_stored_blocks = saved.pop(request.request_id, 0)
+            num_loaded_tokens = stats.loaded_tokens_by_request.pop(request.request_id, 0)
+        prefill_ms = (time.perf_counter() - started) * 1000.0
+        self._record_request(len(request.prompt_token_ids), num_cached_tokens, prefill_ms)
         return PrefillResult(
             request_id=request.request_id,
             instance_id=self.instance_id,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=num_cached_tokens,
             num_stored_blocks=num_stored_blocks,
-            prefill_ms=(time.perf_counter() - started) * 1000.0,
+            prefill_ms=prefill_ms,
+            num_loaded_tokens=min(num_loaded_tokens, num_cached_tokens),
         )

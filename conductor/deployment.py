@@ -1,0 +1,210 @@
+"""Baton on an existing Ray cluster: ``baton up``, ``down``, ``status``, ``scale``, ``drain``.
+
+Everything ``baton up`` starts is a detached named actor in the config's Ray namespace, named
+after the cluster (``<name>-conductor``, ``<name>-gateway``, ``<name>-redis``,
+``<name>-kvstore-<node>``, ``<name>-prefill-<i>``, ``<name>-decode-<i>``), so any later command
+finds it by name and ``baton down`` removes exactly what belongs to the cluster. The conductor
+owns the pools (``conductor.pools``): it starts workers, drains them and removes them; the CLI
+only asks. Workers carry their pool's custom resource (``baton_prefill`` / ``baton_decode``),
+so a worker that no node can host stays pending, which is what asks the Ray autoscaler for a
+node of that group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import ray
+
+from conductor.config import ClusterConfig
+from conductor.errors import BatonError
+from conductor.pools import POOL_RESOURCES, LaunchSpec, PoolStatus, ScaleResult
+
+UP_SCALE_REASON = "baton up: initial pool size from the config"
+
+
+class NoRayCluster(BatonError):
+    """No Ray cluster to run on (no address given, or it does not answer)."""
+
+
+class NotUp(BatonError):
+    """Baton is not running on this Ray cluster (under that name and namespace)."""
+
+
+def actor_names(name: str) -> dict[str, str]:
+    return {"conductor": f"{name}-conductor", "gateway": f"{name}-gateway", "redis": f"{name}-redis"}
+
+
+class RedisHost:
+    """A Redis server owned by a detached actor (it dies with the actor): for clusters without
+    ``redis.url``. Production clusters should point ``redis.url`` at a managed Redis."""
+
+    def __init__(self) -> None:
+        from kvstore.redis_server import start_local_redis
+
+        self._redis = start_local_redis()
+
+    def url(self) -> str:
+        return self._redis.url
+
+    def stop(self) -> None:
+        self._redis.stop()
+
+
+def connect(address: str | None, namespace: str) -> None:
+    """Join the Ray cluster at ``address`` (or ``$RAY_ADDRESS``) as a driver."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise NoRayCluster("no Ray cluster given: pass --address HOST:PORT (or 'auto' on a node of "
+                           "the cluster) or set RAY_ADDRESS; for one machine use `baton serve`")
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False,
+                 logging_level="WARNING")
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise NoRayCluster(f"cannot reach a Ray cluster at '{address}': {exc}") from exc
+
+
+def _get(name: str, namespace: str):
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def _near_driver():
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+
+
+@dataclass
+class UpResult:
+    already_up: bool
+    addresses: object
+    scale: list[ScaleResult]
+
+
+def up(cfg: ClusterConfig, progress: Callable[[str], None], timeout_s: float) -> UpResult:
+    """Start Baton on the connected Ray cluster; if it is already up, start only what is missing
+    (the fronts) and change nothing else."""
+    from conductor.cluster import block_size_for, kv_block_bytes, policy_config_for
+    from conductor.conductor import Conductor
+    from conductor.gateway_actor import GatewayHost
+    from conductor.node_stores import NodeStoreSpec
+    from engine.builder import dtype_bytes, effective_dtype
+    from engine.models import prepare_model
+    from engine.worker_base import ConductorWiring
+
+    ns, names = cfg.ray.namespace, actor_names(cfg.name)
+    resources = ray.cluster_resources()
+    for role, resource in POOL_RESOURCES.items():
+        if resources.get(resource, 0) < 1:
+            progress(f"warning: no node advertises '{resource}' yet: {role} workers stay pending "
+                     "until the autoscaler (or you) adds one (see deploy/)")
+    progress(f"preparing model '{cfg.engine.model}'")
+    model = prepare_model(cfg.engine.model, progress=progress)
+    conductor = _get(names["conductor"], ns)
+    already_up = conductor is not None
+    scale_results: list[ScaleResult] = []
+    if not already_up:
+        redis_url = cfg.redis.url
+        if redis_url is None:
+            progress("starting redis-server (redis.url is unset)")
+            redis = (ray.remote(RedisHost)
+                     .options(name=names["redis"], namespace=ns, lifetime="detached", num_cpus=0,
+                              get_if_exists=True, scheduling_strategy=_near_driver())
+                     .remote())
+            redis_url = ray.get(redis.url.remote())
+        progress("starting the conductor")
+        conductor = (ray.remote(Conductor)
+                     .options(name=names["conductor"], namespace=ns, lifetime="detached", num_cpus=0,
+                              max_concurrency=1000, scheduling_strategy=_near_driver())
+                     .remote(cfg.conductor, ns, policy_config_for(cfg, model), "auto"))
+        events_endpoint = ray.get(conductor.events_endpoint.remote())
+        dtype = effective_dtype(cfg.engine, model)
+        block_size = block_size_for(cfg.engine.device)
+        spec = LaunchSpec(
+            cfg.name, cfg.engine, model,
+            NodeStoreSpec(cfg.name, ns, cfg.kvstore, kv_block_bytes(model, block_size, dtype_bytes(dtype)),
+                          redis_url, block_size),
+            ConductorWiring(names["conductor"], ns, events_endpoint),
+            num_gpus_per_instance=1.0 if cfg.engine.device == "cuda" else 0.0,
+        )
+        ray.get(conductor.set_launch_spec.remote(spec))
+    gateway = _get(names["gateway"], ns)
+    if gateway is None:
+        progress("starting the gateway (gRPC + OpenAI HTTP + /metrics)")
+        gateway = (ray.remote(GatewayHost)
+                   .options(name=names["gateway"], namespace=ns, lifetime="detached", num_cpus=0,
+                            max_concurrency=1000, scheduling_strategy=_near_driver())
+                   .remote(cfg, model, names["conductor"]))
+    addresses = ray.get(gateway.start.remote())
+    if not already_up:
+        progress(f"starting {cfg.prefill.num_instances} prefill and {cfg.decode.num_instances} "
+                 "decode workers")
+        scale_results = ray.get(conductor.scale.remote(
+            {"prefill": cfg.prefill.num_instances, "decode": cfg.decode.num_instances},
+            timeout_s, UP_SCALE_REASON))
+    return UpResult(already_up, addresses, scale_results)
+
+
+def _conductor(name: str, namespace: str):
+    conductor = _get(actor_names(name)["conductor"], namespace)
+    if conductor is None:
+        raise NotUp(f"Baton '{name}' is not up in Ray namespace '{namespace}': run `baton up` "
+                    "(or pass the --name/--namespace it was started with)")
+    return conductor
+
+
+def status(name: str, namespace: str) -> tuple[PoolStatus, object]:
+    conductor = _conductor(name, namespace)
+    gateway = _get(actor_names(name)["gateway"], namespace)
+    addresses = ray.get(gateway.addresses.remote()) if gateway is not None else None
+    return ray.get(conductor.pool_status.remote()), addresses
+
+
+def scale(name: str, namespace: str, sizes: dict[str, int], timeout_s: float) -> list[ScaleResult]:
+    return ray.get(_conductor(name, namespace).scale.remote(sizes, timeout_s))
+
+
+def drain(name: str, namespace: str, instance_id: str, timeout_s: float):
+    return ray.get(_conductor(name, namespace).drain.remote(instance_id, timeout_s))
+
+
+def down(name: str, namespace: str, progress: Callable[[str], None]) -> list[str]:
+    """Remove every actor of cluster ``name``: fronts first (no new requests), then workers,
+    stores, the conductor and Redis. Returns the names removed (none: nothing was up)."""
+    prefix = f"{name}-"
+    present = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a.get("namespace") == namespace and a["name"].startswith(prefix))
+    names = actor_names(name)
+
+    def rank(actor_name: str) -> int:
+        if actor_name == names["gateway"]:
+            return 0
+        if actor_name.startswith((f"{name}-prefill-", f"{name}-decode-")):
+            return 1
+        if actor_name.startswith(f"{name}-kvstore-"):
+            return 2
+        return 3 if actor_name == names["conductor"] else 4
+
+    removed = []
+    for actor_name in sorted(present, key=rank):
+        actor = _get(actor_name, namespace)
+        if actor is None:
+            continue
+        for method in ("stop", "shutdown"):
+            if hasattr(actor, method):
+                try:
+                    ray.get(getattr(actor, method).remote(), timeout=15)
+                except Exception:
+                    pass
+                break
+        ray.kill(actor, no_restart=True)
+        removed.append(actor_name)
+        progress(f"removed {actor_name}")
+    return removed

@@ -1,0 +1,251 @@
+"""Operating Baton on a multi-node Ray cluster: ``baton up``, ``scale``, ``drain``, ``status``,
+``down`` as real subprocesses against a Ray cluster of three "nodes" on this machine (a head, a
+prefill node advertising ``baton_prefill``, a decode node advertising ``baton_decode``), while
+concurrent gRPC streams run; then the metrics the Grafana dashboard uses, scraped from the
+gateway actor's ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+from ray.cluster_utils import Cluster
+
+from conductor.client import GenerateFailed, generate
+
+pytestmark = pytest.mark.engine
+
+BATON = [sys.executable, "-m", "conductor.cli"]
+REPO = Path(__file__).resolve().parents[2]
+NAME, NAMESPACE = "opstest", "opstest"
+SHARED_PREFIX = " ".join(f"agent step {i}: read the file, run the tests, fix the bug." for i in range(30))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=0, resources={"baton_prefill": 2})
+    cluster.add_node(num_cpus=0, resources={"baton_decode": 2})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _env(cluster) -> dict[str, str]:
+    return {**os.environ, "RAY_ADDRESS": cluster.address, "PYTHONPATH": str(REPO)}
+
+
+def _cli(cluster, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([*BATON, *args], env=_env(cluster), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+async def _acli(cluster, *args: str, timeout_s: float = 240) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *BATON, *args, env=_env(cluster), cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    return proc.returncode, out.decode(), err.decode()
+
+
+def _ops(*args: str) -> list[str]:
+    return [*args, "--name", NAME, "--namespace", NAMESPACE]
+
+
+async def _status(cluster) -> dict:
+    rc, out, err = await _acli(cluster, *_ops("status", "--json"))
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def _ready_sizes(status: dict) -> dict[str, int]:
+    return {pool: phases.get("ready", 0) for pool, phases in status["status"]["pool_sizes"].items()}
+
+
+def _instances(status: dict, role: str) -> list[str]:
+    return [r["instance_id"] for r in status["status"]["instances"] if r["role"] == role]
+
+
+class Traffic:
+    """``concurrency`` clients sending requests back to back until stopped."""
+
+    def __init__(self, target: str, concurrency: int) -> None:
+        self.target, self.concurrency = target, concurrency
+        self.ok, self.failures = 0, []
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def _client(self, index: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            try:
+                result = await generate(self.target, text=f"{SHARED_PREFIX} client {index} turn {n}",
+                                        max_tokens=24, timeout_s=120)
+                assert result["finish_reason"] in ("length", "stop"), result["finish_reason"]
+                self.ok += 1
+            except (GenerateFailed, AssertionError) as exc:
+                self.failures.append(repr(exc))
+            n += 1
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.concurrency)]
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+
+
+def _config(tmp_path: Path) -> Path:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": NAME,
+        "engine": {"model": "tiny", "omp_threads_bind": "nobind", "kv_cache_gib": 1.0},
+        "prefill": {"num_instances": 1},
+        "decode": {"num_instances": 1},
+        "gateway": {"port": 0},
+        "http": {"port": 0},
+        "ray": {"namespace": NAMESPACE},
+    }))
+    return path
+
+
+def _booked_decode() -> str:
+    """The decode instance the conductor has something booked on (only one request runs)."""
+    conductor = ray.get_actor(f"{NAME}-conductor", namespace=NAMESPACE)
+    rows = ray.get(conductor.pool_status.remote()).instances
+    booked = [r.instance_id for r in rows if r.role == "decode" and r.num_booked_reqs > 0]
+    return booked[0] if len(booked) == 1 else ""
+
+
+async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
+    config = _config(tmp_path)
+    bad = _cli(ray_cluster, "up", "--config", str(config), "--set", "conductor.policy=nope")
+    assert bad.returncode == 2 and "unknown policy 'nope'" in bad.stderr
+
+    up = _cli(ray_cluster, "up", "--config", str(config), "--timeout", "240")
+    assert up.returncode == 0, up.stderr[-3000:]
+    assert re.search(r"prefill: 0 -> 1; added opstest-prefill-0", up.stdout), up.stdout
+    assert re.search(r"decode: 0 -> 1; added opstest-decode-0", up.stdout), up.stdout
+    grpc_port = int(re.search(r"gRPC\s+\S+:(\d+)", up.stdout).group(1))
+    http_port = int(re.search(r"HTTP\s+http://\S+:(\d+)/v1", up.stdout).group(1))
+    again = _cli(ray_cluster, "up", "--config", str(config))
+    assert again.returncode == 0 and "already up; nothing changed" in again.stdout, again.stderr
+    assert f":{grpc_port}" in again.stdout  # the same gateway
+
+    status = await _status(ray_cluster)
+    assert _ready_sizes(status) == {"prefill": 1, "decode": 1}
+    nodes = {r["role"]: r["node_id"] for r in status["status"]["instances"]}
+    assert nodes["prefill"] != nodes["decode"]  # each pool on its own Ray node, each with a store
+    assert sorted(s["node_id"] for s in status["status"]["stores"]) == sorted(nodes.values())
+
+    traffic = Traffic(f"127.0.0.1:{grpc_port}", concurrency=4)
+    traffic.start()
+    await asyncio.sleep(3)
+    rc, out, err = await _acli(ray_cluster, *_ops("scale", "--prefill", "2", "--decode", "2"))
+    assert rc == 0, err
+    assert "prefill: 1 -> 2; added opstest-prefill-1" in out and "decode: 1 -> 2; added opstest-decode-1" in out
+    status = await _status(ray_cluster)
+    assert _ready_sizes(status) == {"prefill": 2, "decode": 2}
+    await traffic.stop()
+    served_while_scaling_up = traffic.ok
+
+    # drain: one long stream in flight on a decode instance; it must finish before that goes
+    long_request = asyncio.create_task(generate(f"127.0.0.1:{grpc_port}", text="a long answer",
+                                                max_tokens=6000, timeout_s=240))
+    victim = ""
+    while not victim and not long_request.done():
+        victim = _booked_decode()
+        await asyncio.sleep(0.02)
+    assert victim, "the long request finished before it could be seen in flight"
+    rc, out, err = await _acli(ray_cluster, *_ops("drain", victim))
+    assert rc == 0, err
+    drained = int(re.search(r"\((\d+) in-flight requests finished\)", out).group(1))
+    assert drained == 1 and long_request.done()
+    result = long_request.result()
+    assert result["placement"]["decode"] == victim
+    assert result["usage"]["completion_tokens"] == len(result["token_ids"]) > 0
+    assert result["finish_reason"] in ("length", "stop")
+    status = await _status(ray_cluster)
+    assert victim not in _instances(status, "decode") and _ready_sizes(status)["decode"] == 1
+
+    # prefill down and decode up at once, then decode down, with traffic flowing
+    traffic.start()
+    await asyncio.sleep(2)
+    rc, out, err = await _acli(ray_cluster, *_ops("scale", "--prefill", "1", "--decode", "2"))
+    assert rc == 0, err
+    assert re.search(r"prefill: 2 -> 1; drained and removed opstest-prefill-\d", out), out
+    assert re.search(r"decode: 1 -> 2; added opstest-decode-2", out), out
+    await asyncio.sleep(2)
+    rc, out, err = await _acli(ray_cluster, *_ops("scale", "--decode", "1"))
+    assert rc == 0, err
+    assert re.search(r"decode: 2 -> 1; drained and removed opstest-decode-\d", out), out
+    await asyncio.sleep(1)
+    await traffic.stop()
+    assert traffic.failures == []
+    assert served_while_scaling_up >= 4 and traffic.ok > served_while_scaling_up
+    status = await _status(ray_cluster)
+    assert _ready_sizes(status) == {"prefill": 1, "decode": 1}
+    assert status["status"]["pool_sizes"] == {"prefill": {"ready": 1}, "decode": {"ready": 1}}
+    assert status["status"]["counters"]["placed"] >= traffic.ok + 1
+
+    # operator errors have their exit codes
+    rc, _, err = await _acli(ray_cluster, *_ops("drain", "opstest-decode-99"))
+    assert rc == 4 and "no instance 'opstest-decode-99'" in err
+    last = _instances(status, "decode")[0]
+    rc, _, err = await _acli(ray_cluster, *_ops("drain", last))
+    assert rc == 5 and "last ready decode instance" in err
+    rc, _, err = await _acli(ray_cluster, "status", "--name", "nosuch", "--namespace", NAMESPACE)
+    assert rc == 3 and "is not up" in err
+
+    # the metrics the dashboard uses, from the gateway actor's /metrics
+    scrape = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+    check_dashboard_metrics(scrape)
+
+    down = _cli(ray_cluster, *_ops("down"))
+    assert down.returncode == 0 and "removed" in down.stdout, down.stderr
+    left = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"{NAME}-")]
+    assert left == []
+    again = _cli(ray_cluster, *_ops("down"))
+    assert again.returncode == 0 and "was not up; nothing to remove" in again.stdout
+
+
+def _sample(scrape: str, name: str, labels: str = "") -> float:
+    pattern = rf"^{re.escape(name)}{re.escape(labels)}\s+([0-9.e+-]+)$" if labels else \
+        rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+([0-9.e+-]+)$"
+    values = [float(m.group(1)) for m in re.finditer(pattern, scrape, re.M)]
+    assert values, f"no sample {name}{labels} in the scrape"
+    return sum(values)
+
+
+def check_dashboard_metrics(scrape: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.deploy_checks import dashboard_metric_names
+
+    families = {f.name for f in text_string_to_metric_families(scrape)}
+    for name in dashboard_metric_names():
+        base = re.sub(r"_(bucket|sum|count|total)$", "", name)
+        assert base in families, f"dashboard metric {name} not served"
+    assert _sample(scrape, "baton_time_to_first_token_seconds_count") > 0
+    assert _sample(scrape, "baton_inter_token_latency_seconds_count") > 0
+    assert _sample(scrape, "baton_prefix_cache_queries_total") > 0
+    assert _sample(scrape, "baton_prefix_cache_hits_total") > 0
+    assert _sample(scrape, "baton_pool_instances", '{phase="ready",pool="prefill"}') == 1.0
+    assert _sample(scrape, "baton_pool_instances", '{phase="ready",pool="decode"}') == 1.0
