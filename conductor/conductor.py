@@ -381,3 +381,4 @@ class Conductor:
                 self._last_stats[instance_id] = stats
                 self.state.set_ready(instance_id, stats.ready)
                 self.state.update_load(instance_id, stats.num_waiting_reqs, stats.kv_usage_frac)
+                self.state.observe_loads(instance_id, stats.kv_loaded_bytes, stats.kv_load_seconds)

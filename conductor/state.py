@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,6 +38,10 @@ from engine.messages import Placement
 
 log = logging.getLogger(__name__)
 
+MIN_OBSERVED_BYTES = 1 << 20
+BANDWIDTH_EWMA = 0.3
+"""Weight of the newest bandwidth observation in the priced same-node bandwidth."""
+MAX_REFRESHES_PER_SNAPSHOT = 8
 QUEUE_REFRESH_S = 0.005
 """How stale the decaying queue term of a busy instance may get before it is recomputed (s)."""
 
@@ -120,11 +125,13 @@ class ConductorState:
         self._decodes: dict[str, str] = {}
         self._pool_ids: dict[str, list[str]] = {}
         """Each pool's instance ids in order (rebuilt when membership changes)."""
-        self._busy: set[str] = set()
+        self._busy: OrderedDict[str, None] = OrderedDict()
+        """Instances with prefills in flight, least recently refreshed first."""
         """Instances with prefills in flight."""
         self._inflight_keys: dict[bytes, str] = {}
         """Block key → the in-flight prefill computing it (the first one placed)."""
         self.counters = PlacementCounters()
+        self._loads_seen: dict[str, tuple[int, float]] = {}
 
     # ------------------------------------------------------------------ membership and load
 
@@ -144,7 +151,7 @@ class ConductorState:
         for request_id in list(inst.decodes):
             self.finished(request_id)
         self._views.pop(instance_id, None)
-        self._busy.discard(instance_id)
+        self._busy.pop(instance_id, None)
         self._pool_ids.clear()
         self._pools[inst.role] = None
         self.index.remove_instance(instance_id)
@@ -179,6 +186,24 @@ class ConductorState:
         has both and counts once)."""
         inst = self._instances.get(instance_id)
         return set(inst.prefills) | set(inst.decodes) if inst is not None else set()
+
+    def observe_loads(self, instance_id: str, loaded_bytes: int, load_seconds: float) -> None:
+        """Fold an instance's cumulative same-node load counters into the priced bandwidth.
+
+        The transfer term then follows the bandwidth the connectors really get (an EWMA over
+        polls that moved at least ``MIN_OBSERVED_BYTES``), so the pull-or-recompute threshold
+        moves with it."""
+        last = self._loads_seen.get(instance_id, (0, 0.0))
+        self._loads_seen[instance_id] = (loaded_bytes, load_seconds)
+        num_bytes, seconds = loaded_bytes - last[0], load_seconds - last[1]
+        if num_bytes < MIN_OBSERVED_BYTES or seconds <= 0:
+            return
+        link = self.config.transfer.same_node
+        measured = num_bytes / seconds
+        updated = link.model_copy(update={
+            "bytes_per_s": (1 - BANDWIDTH_EWMA) * link.bytes_per_s + BANDWIDTH_EWMA * measured})
+        self.config = self.config.model_copy(
+            update={"transfer": self.config.transfer.model_copy(update={"same_node": updated})})
 
     def is_instance_ready(self, instance_id: str) -> bool:
         inst = self._instances.get(instance_id)
@@ -226,6 +251,8 @@ class ConductorState:
         inst = self._instances[instance_id]
         now = self._clock() if now is None else now
         inst.view_at_s = now
+        if instance_id in self._busy:
+            self._busy.move_to_end(instance_id)
         self._views[instance_id] = InstanceView(
             instance_id,
             num_running_reqs=len(inst.prefills) + len(inst.decodes),
@@ -243,9 +270,13 @@ class ConductorState:
     def snapshot(self, prefix_hits: dict | None = None) -> ClusterSnapshot:
         now = self._clock()
         stale_before = now - QUEUE_REFRESH_S
-        for instance_id in self._busy:  # their queue term decays with time
-            if self._instances[instance_id].view_at_s < stale_before:
-                self._refresh_view(instance_id, now)
+        # Busy instances' queue term decays with time: refresh the stalest few, so one decision
+        # never pays for the whole fleet (the rest are at most a few decisions staler).
+        for _ in range(min(len(self._busy), MAX_REFRESHES_PER_SNAPSHOT)):
+            instance_id = next(iter(self._busy))
+            if self._instances[instance_id].view_at_s >= stale_before:
+                break
+            self._refresh_view(instance_id, now)
         for role in ("prefill", "decode"):
             if self._pools[role] is None:
                 ids = self._pool_ids.get(role)
@@ -290,7 +321,7 @@ class ConductorState:
             request.block_keys, placement.expected_cached_blocks, self._clock(),
         )
         self._instances[placement.prefill_instance].add_prefill(prefill, bs)
-        self._busy.add(placement.prefill_instance)
+        self._busy[placement.prefill_instance] = None
         self._prefills[request.request_id] = prefill
         for key in request.block_keys[placement.expected_cached_blocks:]:
             self._inflight_keys.setdefault(key, request.request_id)
@@ -333,7 +364,7 @@ class ConductorState:
             inst.pop_prefill(request_id, self.config.block_size_tokens)
             inst.last_done_s = self._clock()
             if not inst.prefills:
-                self._busy.discard(prefill.instance_id)
+                self._busy.pop(prefill.instance_id, None)
         for key in prefill.block_keys[prefill.expected_cached_blocks:]:
             if self._inflight_keys.get(key) == request_id:
                 del self._inflight_keys[key]

@@ -90,6 +90,10 @@ class InstanceStats(msgspec.Struct, frozen=True):
     ready: bool
     kv_usage_frac: float = 0.0
     """Fraction of the engine's KV cache in use, 0..1."""
+    kv_loaded_bytes: int = 0
+    """KV bytes the engine's connector has loaded from the node's store, since start."""
+    kv_load_seconds: float = 0.0
+    """... and the seconds those loads took: the measured same-node transfer bandwidth."""
     node_id: str = ""
     """The KV store node (machine) the instance runs on."""
     num_prompt_tokens: int = 0

@@ -100,7 +100,10 @@ class EngineWorker:
         return self.engine_start_s
 
     def stats(self) -> InstanceStats:
+        from kvstore.connector import connector_stats
+
         running, waiting = self.runner.num_running_and_waiting()
+        loads = connector_stats(self.instance_id)
         return InstanceStats(
             instance_id=self.instance_id,
             role=self.role,
@@ -109,6 +112,8 @@ class EngineWorker:
             num_finished_reqs=self.runner.num_finished_reqs,
             ready=self.runner.alive,
             kv_usage_frac=self.runner.kv_usage_frac(),
+            kv_loaded_bytes=loads.loaded_bytes,
+            kv_load_seconds=loads.load_seconds,
             node_id=self.node_id,
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
