@@ -201,3 +201,30 @@ def test_measured_load_bandwidth_moves_the_priced_same_node_link():
     assert state.config.transfer.same_node.bytes_per_s == 3e9
     state.observe_loads("d0", (1 << 19) + 10**9, 1.001)  # 1 GB more in 1 s
     assert state.config.transfer.same_node.bytes_per_s == pytest.approx(0.7 * 3e9 + 0.3 * 1e9)
+
+
+def test_the_cluster_prices_with_the_model_facts_and_the_configured_profile(tmp_path):
+    from conductor.cluster import policy_config_for
+    from conductor.config import load_config
+    from conductor.errors import ConfigError
+    from engine.models import PreparedModel
+
+    model = PreparedModel(name="m", path=tmp_path, num_layers=30, num_kv_heads=3, head_dim=64,
+                          max_model_len=8192, dtype_bytes=4)
+    plain = policy_config_for(load_config(None, {"engine.dtype": "float32"}), model)
+    assert (plain.block_size_tokens, plain.kv_bytes_per_token) == (128, 46_080)
+    assert plain.prefill_cost == PrefillCostModel()  # no profile: the placeholders
+
+    profile = CostProfile(model="m", device="cpu", block_size_tokens=128, kv_bytes_per_token=46_080,
+                          prefill=COST, decode=DecodeCostModel(step_ms_base=9.0), transfer=TransferModel())
+    path = tmp_path / "profile.json"
+    path.write_text(profile.model_dump_json())
+    tuned = policy_config_for(load_config(None, {"conductor.profile_path": str(path),
+                                                 "conductor.tuning.ttft_slo_ms": 800}), model)
+    assert (tuned.prefill_cost, tuned.decode_cost.step_ms_base, tuned.ttft_slo_ms) == (COST, 9.0, 800)
+
+    with pytest.raises(ConfigError, match="does not exist; run `baton profile"):
+        policy_config_for(load_config(None, {"conductor.profile_path": str(tmp_path / "nope.json")}), model)
+    path.write_text("{}")
+    with pytest.raises(ConfigError, match="is not a Baton cost profile"):
+        policy_config_for(load_config(None, {"conductor.profile_path": str(path)}), model)
