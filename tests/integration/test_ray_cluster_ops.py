@@ -95,7 +95,7 @@ class Traffic:
         while not self._stop.is_set():
             try:
                 result = await generate(self.target, text=f"{SHARED_PREFIX} client {index} turn {n}",
-                                        max_tokens=24, timeout_s=120)
+                                        max_tokens=16, timeout_s=120)
                 assert result["finish_reason"] in ("length", "stop"), result["finish_reason"]
                 self.ok += 1
             except (GenerateFailed, AssertionError) as exc:
@@ -133,8 +133,16 @@ def _booked_decode() -> str:
     return booked[0] if len(booked) == 1 else ""
 
 
+T0 = time.monotonic()
+
+
+def _mark(what: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f} s] {what}", flush=True)
+
+
 async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     config = _config(tmp_path)
+    _mark("start")
     bad = _cli(ray_cluster, "up", "--config", str(config), "--set", "conductor.policy=nope")
     assert bad.returncode == 2 and "unknown policy 'nope'" in bad.stderr
 
@@ -142,6 +150,7 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     assert up.returncode == 0, up.stderr[-3000:]
     assert re.search(r"prefill: 0 -> 1; added opstest-prefill-0", up.stdout), up.stdout
     assert re.search(r"decode: 0 -> 1; added opstest-decode-0", up.stdout), up.stdout
+    _mark("up done")
     grpc_port = int(re.search(r"gRPC\s+\S+:(\d+)", up.stdout).group(1))
     http_port = int(re.search(r"HTTP\s+http://\S+:(\d+)/v1", up.stdout).group(1))
     again = _cli(ray_cluster, "up", "--config", str(config))
@@ -154,7 +163,8 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     assert nodes["prefill"] != nodes["decode"]  # each pool on its own Ray node, each with a store
     assert sorted(s["node_id"] for s in status["status"]["stores"]) == sorted(nodes.values())
 
-    traffic = Traffic(f"127.0.0.1:{grpc_port}", concurrency=4)
+    _mark("status ok")
+    traffic = Traffic(f"127.0.0.1:{grpc_port}", concurrency=3)
     traffic.start()
     await asyncio.sleep(3)
     rc, out, err = await _acli(ray_cluster, *_ops("scale", "--prefill", "2", "--decode", "2"))
@@ -163,6 +173,7 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     status = await _status(ray_cluster)
     assert _ready_sizes(status) == {"prefill": 2, "decode": 2}
     await traffic.stop()
+    _mark("scaled up")
     served_while_scaling_up = traffic.ok
 
     # drain: one long stream in flight on a decode instance; it must finish before that goes
@@ -172,9 +183,11 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     while not victim and not long_request.done():
         victim = _booked_decode()
         await asyncio.sleep(0.02)
+    _mark("victim seen")
     assert victim, "the long request finished before it could be seen in flight"
     rc, out, err = await _acli(ray_cluster, *_ops("drain", victim))
     assert rc == 0, err
+    _mark("drain done")
     drained = int(re.search(r"\((\d+) in-flight requests finished\)", out).group(1))
     assert drained == 1 and long_request.done()
     result = long_request.result()
@@ -191,11 +204,13 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     assert rc == 0, err
     assert re.search(r"prefill: 2 -> 1; drained and removed opstest-prefill-\d", out), out
     assert re.search(r"decode: 1 -> 2; added opstest-decode-2", out), out
+    _mark("scaled p1 d2")
     await asyncio.sleep(2)
     rc, out, err = await _acli(ray_cluster, *_ops("scale", "--decode", "1"))
     assert rc == 0, err
     assert re.search(r"decode: 2 -> 1; drained and removed opstest-decode-\d", out), out
     await asyncio.sleep(1)
+    _mark("scaled d1")
     await traffic.stop()
     assert traffic.failures == []
     assert served_while_scaling_up >= 4 and traffic.ok > served_while_scaling_up
@@ -204,19 +219,24 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     assert status["status"]["pool_sizes"] == {"prefill": {"ready": 1}, "decode": {"ready": 1}}
     assert status["status"]["counters"]["placed"] >= traffic.ok + 1
 
+    _mark("final status")
     # operator errors have their exit codes
-    rc, _, err = await _acli(ray_cluster, *_ops("drain", "opstest-decode-99"))
-    assert rc == 4 and "no instance 'opstest-decode-99'" in err
-    last = _instances(status, "decode")[0]
-    rc, _, err = await _acli(ray_cluster, *_ops("drain", last))
-    assert rc == 5 and "last ready decode instance" in err
-    rc, _, err = await _acli(ray_cluster, "status", "--name", "nosuch", "--namespace", NAMESPACE)
-    assert rc == 3 and "is not up" in err
+    unknown, last, not_up = await asyncio.gather(
+        _acli(ray_cluster, *_ops("drain", "opstest-decode-99")),
+        _acli(ray_cluster, *_ops("drain", _instances(status, "decode")[0])),
+        _acli(ray_cluster, "status", "--name", "nosuch", "--namespace", NAMESPACE))
+    assert unknown[0] == 4 and "no instance 'opstest-decode-99'" in unknown[2]
+    assert last[0] == 5 and "last ready decode instance" in last[2]
+    assert not_up[0] == 3 and "is not up" in not_up[2]
+    table = await _acli(ray_cluster, *_ops("status"))
+    assert table[0] == 0 and "opstest-prefill-" in table[1] and "placements:" in table[1]
 
+    _mark("errors checked")
     # the metrics the dashboard uses, from the gateway actor's /metrics
     scrape = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
     check_dashboard_metrics(scrape)
 
+    _mark("metrics checked")
     down = _cli(ray_cluster, *_ops("down"))
     assert down.returncode == 0 and "removed" in down.stdout, down.stderr
     left = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
