@@ -178,7 +178,7 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
 
     # drain: one long stream in flight on a decode instance; it must finish before that goes
     long_request = asyncio.create_task(generate(f"127.0.0.1:{grpc_port}", text="a long answer",
-                                                max_tokens=6000, timeout_s=240))
+                                                max_tokens=3000, timeout_s=240))
     victim = ""
     while not victim and not long_request.done():
         victim = _booked_decode()
