@@ -427,6 +427,10 @@ class _Scan:
         return terms
 
 
+_NO_HIT_ID = "\x00no-hit"
+"""An instance id no snapshot holds: a stand-in for 'an instance without a hit'."""
+
+
 def _best_hit_source(snapshot: ClusterSnapshot, views: Sequence[InstanceView]) -> InstanceView | None:
     """``_best_source`` over the instances with a hit (None when no instance has one)."""
     hits = snapshot.prefix_hits
@@ -439,14 +443,17 @@ def _cheapest(prefill: Sequence[InstanceView], scan: _Scan,
               always_pull: bool) -> tuple[InstanceView, float, InstanceView | None, float]:
     """(best view, its T, best view without a pull, its T), first listed on ties. An instance
     without a hit pulls the best run when ``always_pull`` (Mooncake) or when that is faster."""
-    hits = scan.snapshot.prefix_hits
+    holders = {i for i, hit in scan.snapshot.prefix_hits.items() if hit.num_blocks}
     config, recompute_ms, best = scan.config, scan.recompute_ms, scan.best
     best_node = best.node_id if best is not None else ""
-    pull_by_node: dict[bool, tuple[float, float]] = {}
+    # What an instance without a hit pays to pull the best run depends only on whether it
+    # shares the source's node: both prices are computed once, outside the loop.
+    if best is not None:
+        same_transfer, same_prefill = scan.pull_terms(InstanceView(_NO_HIT_ID, node_id=best_node))
+        other_transfer, other_prefill = scan.pull_terms(InstanceView(_NO_HIT_ID, node_id=""))
     best_view, best_t, local_view, local_t = None, math.inf, None, math.inf
     for view in prefill:  # the hot loop of placement at scale: kept flat on purpose
-        hit = hits.get(view.instance_id)
-        if hit is not None and hit.num_blocks:
+        if view.instance_id in holders:
             option = option_for_hit(view)
             t, pulled = option.total_ms, bool(option.num_pulled_blocks)
         else:
@@ -455,11 +462,10 @@ def _cheapest(prefill: Sequence[InstanceView], scan: _Scan,
                 q = _queue_ms(view, config)
             t, pulled = 0.0 + q + recompute_ms, False
             if best is not None:
-                same_node = bool(best_node) and view.node_id == best_node
-                terms = pull_by_node.get(same_node)
-                if terms is None:
-                    terms = pull_by_node[same_node] = scan.pull_terms(view)
-                t_pull = terms[0] + q + terms[1]
+                if best_node and view.node_id == best_node:
+                    t_pull = same_transfer + q + same_prefill
+                else:
+                    t_pull = other_transfer + q + other_prefill
                 if always_pull or t_pull < t:
                     t, pulled = t_pull, True
         if t < best_t:

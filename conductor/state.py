@@ -123,8 +123,10 @@ class ConductorState:
         self._pools: dict[str, tuple[InstanceView, ...] | None] = {"prefill": None, "decode": None}
         self._prefills: dict[str, _Prefill] = {}
         self._decodes: dict[str, str] = {}
-        self._pool_ids: dict[str, list[str]] = {}
-        """Each pool's instance ids in order (rebuilt when membership changes)."""
+        self._pool_lists: dict[str, list[InstanceView]] = {}
+        """Each pool's views in instance-id order (rebuilt when membership changes)."""
+        self._positions: dict[str, int] = {}
+        """Instance id → its index in its pool's list."""
         self._busy: OrderedDict[str, None] = OrderedDict()
         """Instances with prefills in flight, least recently refreshed first."""
         """Instances with prefills in flight."""
@@ -138,7 +140,8 @@ class ConductorState:
     def register(self, instance_id: str, role: str, node_id: str, model_id: str, kv_layout: str) -> None:
         assert role in ("prefill", "decode"), role
         self._instances[instance_id] = _Instance(role, node_id)
-        self._pool_ids.clear()
+        self._pool_lists.clear()
+        self._positions.clear()
         self.index.add_instance(instance_id, node_id, model_id, kv_layout)
         self._refresh_view(instance_id)
 
@@ -152,7 +155,8 @@ class ConductorState:
             self.finished(request_id)
         self._views.pop(instance_id, None)
         self._busy.pop(instance_id, None)
-        self._pool_ids.clear()
+        self._pool_lists.clear()
+        self._positions.clear()
         self._pools[inst.role] = None
         self.index.remove_instance(instance_id)
 
@@ -265,6 +269,9 @@ class ConductorState:
             num_cached_blocks=self.index.num_device_blocks(instance_id),
             node_id=inst.node_id,
         )
+        position = self._positions.get(instance_id)
+        if position is not None:  # patch the pool in place; membership is unchanged
+            self._pool_lists[inst.role][position] = self._views[instance_id]
         self._pools[inst.role] = None
 
     def snapshot(self, prefix_hits: dict | None = None) -> ClusterSnapshot:
@@ -279,11 +286,12 @@ class ConductorState:
             self._refresh_view(instance_id, now)
         for role in ("prefill", "decode"):
             if self._pools[role] is None:
-                ids = self._pool_ids.get(role)
-                if ids is None:
-                    ids = self._pool_ids[role] = self.instance_ids(role)
-                views = self._views
-                self._pools[role] = tuple([views[i] for i in ids])
+                views = self._pool_lists.get(role)
+                if views is None:  # membership changed: rebuild the pool in instance-id order
+                    ids = self.instance_ids(role)
+                    views = self._pool_lists[role] = [self._views[i] for i in ids]
+                    self._positions.update({i: n for n, i in enumerate(ids)})
+                self._pools[role] = tuple(views)
         return ClusterSnapshot(self._pools["prefill"], self._pools["decode"], self.counters.placed,
                                prefix_hits or {})
 
