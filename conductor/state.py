@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 MIN_OBSERVED_BYTES = 1 << 20
 BANDWIDTH_EWMA = 0.3
 """Weight of the newest bandwidth observation in the priced same-node bandwidth."""
-MAX_REFRESHES_PER_SNAPSHOT = 8
+MAX_REFRESHES_PER_SNAPSHOT = 2
 QUEUE_REFRESH_S = 0.005
 """How stale the decaying queue term of a busy instance may get before it is recomputed (s)."""
 
@@ -277,7 +277,7 @@ class ConductorState:
     def snapshot(self, prefix_hits: dict | None = None) -> ClusterSnapshot:
         now = self._clock()
         stale_before = now - QUEUE_REFRESH_S
-        # Busy instances' queue term decays with time: refresh the stalest few, so one decision
+        # Busy instances' queue term decays with time: refresh the stalest two, so one decision
         # never pays for the whole fleet (the rest are at most a few decisions staler).
         for _ in range(min(len(self._busy), MAX_REFRESHES_PER_SNAPSHOT)):
             instance_id = next(iter(self._busy))
