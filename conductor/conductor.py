@@ -147,7 +147,8 @@ class Conductor:
         self.state.remove(instance_id)
 
     async def is_ready(self) -> bool:
-        """True when at least one prefill and one decode instance can take work."""
+        """True when a decode instance can take work, and a prefill instance too unless the
+        cluster serves co-located (no prefill pool; see ``ConductorState.is_ready``)."""
         return self.state.is_ready()
 
     # ------------------------------------------------------------------ requests
