@@ -233,7 +233,8 @@ class Conductor:
                 stats.num_waiting_reqs if stats else 0, stats.num_running_reqs if stats else 0,
                 booked, stats.kv_usage_frac if stats else 0.0,
                 stats.num_prompt_tokens if stats else 0, stats.num_cached_tokens if stats else 0,
-                stats.recent_ttft_ms if stats else None, stats.recent_itl_ms if stats else None))
+                stats.recent_ttft_ms if stats else None, stats.recent_itl_ms if stats else None,
+                stats.kv_load_seconds if stats else 0.0))
         return PoolStatus(self._config.policy, sizes, rows, await self._store_rows(),
                           self.state.counters, self.pools.log[-20:])
 

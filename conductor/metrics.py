@@ -45,6 +45,9 @@ PREFIX_HITS = Counter("baton_prefix_cache_hits",
                       "Prompt tokens found cached instead of computed, by tier (tokens).", ["tier"])
 KV_TRANSFER_BYTES = Counter("baton_kv_transfer_bytes",
                             "KV bytes loaded into an engine from the KV store, by path.", ["path"])
+KV_TRANSFER_SECONDS = Counter("baton_kv_transfer_seconds",
+                              "Seconds engines spent loading KV from the KV store, by path "
+                              "(from the workers' connector counters).", ["path"])
 PLACEMENTS = Counter("baton_placement_decisions",
                      "Placements made, by policy and kind of decision.", ["policy", "reason"])
 REJECTIONS = Counter("baton_early_rejections",
@@ -57,7 +60,8 @@ METRIC_NAMES = (
     "baton_time_to_first_token_seconds", "baton_inter_token_latency_seconds",
     "baton_e2e_request_latency_seconds", "baton_num_requests_running", "baton_num_requests_waiting",
     "baton_pool_instances", "baton_prefix_cache_queries_total", "baton_prefix_cache_hits_total",
-    "baton_kv_transfer_bytes_total", "baton_placement_decisions_total",
+    "baton_kv_transfer_bytes_total", "baton_kv_transfer_seconds_total",
+    "baton_placement_decisions_total",
     "baton_early_rejections_total", "baton_request_success_total",
 )
 """The series names as exposed (counters gain ``_total``; histograms add ``_bucket`` etc.)."""
@@ -130,8 +134,17 @@ class RequestTimer:
             KV_TRANSFER_BYTES.labels(TRANSFER_PATH_SHM).inc(loaded * self.kv_bytes_per_token)
 
 
+_load_seconds_seen: dict[str, float] = {}
+
+
 def set_pool_gauges(status) -> None:
-    """Copy a ``conductor.pools.PoolStatus`` into the pool gauges."""
+    """Copy a ``conductor.pools.PoolStatus`` into the pool gauges, and the growth of each
+    worker's cumulative KV load time into ``baton_kv_transfer_seconds``."""
+    for row in status.instances:
+        grown = row.kv_load_seconds - _load_seconds_seen.get(row.instance_id, 0.0)
+        _load_seconds_seen[row.instance_id] = row.kv_load_seconds
+        if grown > 0:
+            KV_TRANSFER_SECONDS.labels(TRANSFER_PATH_SHM).inc(grown)
     for pool in ("prefill", "decode"):
         rows = [r for r in status.instances if r.role == pool]
         REQUESTS_RUNNING.labels(pool).set(sum(r.num_running_reqs for r in rows))

@@ -292,6 +292,8 @@ class InstanceRow(msgspec.Struct, frozen=True):
     num_cached_tokens: int
     recent_ttft_ms: float | None
     recent_itl_ms: float | None
+    kv_load_seconds: float = 0.0
+    """Seconds the instance's connector has spent loading KV from its node's store, since start."""
 
 
 class StoreRow(msgspec.Struct, frozen=True):
