@@ -58,15 +58,17 @@ def test_serve_generate_and_ctrl_c(tmp_path):
         assert set(result) == {"text", "token_ids", "finish_reason", "usage", "placement", "request_id"}
         assert len(result["token_ids"]) == 6 and result["finish_reason"] == "length"
         assert set(result["usage"]) >= {"prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms"}
-        assert result["placement"]["prefill"] == "clitest-prefill-0"
-        assert result["placement"]["decode"] == "clitest-decode-0"
+        # the default policy (baton) prefills a short uncached prompt on its decode instance
+        assert result["placement"]["policy"] == "baton"
+        assert result["placement"]["prefill"] == result["placement"]["decode"] == "clitest-decode-0"
+        assert result["placement"]["prefill_ms"] > 0 and "colocated" in result["placement"]["reason"]
 
         streamed = subprocess.run(
             BATON + ["generate", "--target", target, "--chat", "--max-tokens", "6", "Why is the sky blue?"],
             capture_output=True, text=True, timeout=120, cwd=REPO,
         )
         assert streamed.returncode == 0, streamed.stderr
-        assert "completion=6" in streamed.stderr and "prefill=clitest-prefill-0" in streamed.stderr
+        assert "completion=6" in streamed.stderr and "prefill=clitest-decode-0" in streamed.stderr
 
         bad = subprocess.run(
             BATON + ["generate", "--target", target, "--temperature", "-1", "hi"],
