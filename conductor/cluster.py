@@ -25,6 +25,7 @@ from engine.builder import StoreWiring, dtype_bytes, effective_dtype, engine_env
 from engine.worker_base import ConductorWiring
 from engine.models import PreparedModel, prepare_model
 from kvstore.node import KVStoreNode
+from kvstore.events import with_event_endpoints
 from kvstore.redis_server import LocalRedis, start_local_redis
 from prefill_worker.worker import PrefillWorker
 
@@ -45,14 +46,6 @@ def kv_block_bytes(model: PreparedModel, block_size_tokens: int, dtype_size_byte
 def block_size_for(device: str) -> int:
     """vLLM's default KV block size: 128 tokens on CPU, 16 on CUDA."""
     return 128 if device == "cpu" else 16
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_profile(path: str) -> CostProfile:
@@ -193,12 +186,7 @@ class LocalCluster:
         )
         self.store_actor_name = f"{self.config.name}-kvstore-node0"
         self.progress("starting the KV store node")
-        kv = self.config.kvstore
-        if kv.events_endpoint is None:  # the conductor's index needs the store's tier events
-            kv = kv.model_copy(update={
-                "events_endpoint": f"tcp://127.0.0.1:{_free_port()}",
-                "events_replay_endpoint": f"tcp://127.0.0.1:{_free_port()}",
-            })
+        kv = with_event_endpoints(self.config.kvstore, "127.0.0.1")
         store = (
             ray.remote(KVStoreNode)
             .options(name=self.store_actor_name, namespace=self.namespace, num_cpus=0,

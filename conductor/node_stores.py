@@ -11,12 +11,12 @@ events, so the conductor subscribes to the real sockets whoever created them.
 from __future__ import annotations
 
 import logging
-import socket
 
 import msgspec
 
 from engine.builder import StoreWiring
 from kvstore.config import KVStoreConfig
+from kvstore.events import with_event_endpoints
 from kvstore.node import KVStoreNode
 
 log = logging.getLogger(__name__)
@@ -63,12 +63,6 @@ def store_actor_name(cluster_name: str, node_id: str) -> str:
     return f"{cluster_name}-{STORE_PREFIX}-{node_id}"
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def ensure_node_store(spec: NodeStoreSpec, conductor_actor: str | None) -> StoreWiring:
     """The store of the Ray node this process runs on (created if missing), subscribed to by
     the conductor named ``conductor_actor``. Call from inside a Ray actor."""
@@ -79,12 +73,7 @@ def ensure_node_store(spec: NodeStoreSpec, conductor_actor: str | None) -> Store
     node_id = store_node_id(ray_node)
     name = store_actor_name(spec.cluster_name, node_id)
     host = ray.util.get_node_ip_address()
-    kv = spec.config
-    if kv.events_endpoint is None:  # the conductor's index needs the store's tier events
-        kv = kv.model_copy(update={
-            "events_endpoint": f"tcp://{host}:{_free_port(host)}",
-            "events_replay_endpoint": f"tcp://{host}:{_free_port(host)}",
-        })
+    kv = with_event_endpoints(spec.config, host)
     store = (
         ray.remote(NodeStore)
         .options(name=name, namespace=spec.namespace, lifetime="detached", get_if_exists=True,

@@ -14,7 +14,6 @@ been working on them. It reacts to a burst at once, where polled worker stats wo
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -404,8 +403,3 @@ class ConductorState:
     def num_in_flight(self) -> tuple[int, int]:
         """(prefills, decodes) the conductor has placed and not heard the end of."""
         return len(self._prefills), len(self._decodes)
-
-
-def retry_after_hint_s(exc: Overloaded) -> int:
-    """Whole seconds for a Retry-After header (at least 1)."""
-    return max(1, math.ceil(exc.retry_after_s))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import statistics
 import time
 from collections import deque
@@ -15,6 +14,7 @@ from engine.config import EngineConfig
 from engine.messages import InstanceStats
 from engine.models import PreparedModel
 from engine.runner import EngineRunner
+from kvstore.redis_server import free_port
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +25,6 @@ class ConductorWiring(msgspec.Struct, frozen=True):
     actor_name: str
     namespace: str
     events_endpoint: str
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 RECENT_WINDOW = 64
@@ -74,7 +68,7 @@ class EngineWorker:
             import ray
 
             host = ray.util.get_node_ip_address()
-            events = EventsWiring(conductor.events_endpoint, f"tcp://{host}:{_free_port(host)}")
+            events = EventsWiring(conductor.events_endpoint, f"tcp://{host}:{free_port(host)}")
         args = build_engine_args(config, model, self.role, instance_id, store, events)
         self.runner = EngineRunner(args)
         self.engine_start_s = time.perf_counter() - started

@@ -22,6 +22,8 @@ from itertools import count
 import msgspec
 import zmq
 
+from kvstore.config import KVStoreConfig
+
 MEDIUM_HOST = "CPU"
 MEDIUM_DISK = "DISK"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -58,6 +60,19 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
+
+
+def with_event_endpoints(config: KVStoreConfig, host: str) -> KVStoreConfig:
+    """``config`` with free event and replay endpoints on ``host`` when none is configured: the
+    conductor's KV index needs every store's tier events."""
+    from kvstore.redis_server import free_port
+
+    if config.events_endpoint is not None:
+        return config
+    return config.model_copy(update={
+        "events_endpoint": f"tcp://{host}:{free_port(host)}",
+        "events_replay_endpoint": f"tcp://{host}:{free_port(host)}",
+    })
 
 
 class StoreEventPublisher:
