@@ -160,7 +160,11 @@ class Conductor:
             owner = self.state.coalesce_target(request, self._config.coalesce_min_blocks)
             if owner is not None:
                 await self._wait_for(owner)
-        return self.state.place(request)
+        placement = self.state.place(request)
+        if placement.pulled_from:
+            placement = msgspec.structs.replace(
+                placement, pulled_from_node=self.state.node_of(placement.pulled_from))
+        return placement
 
     async def _wait_for(self, owner: str) -> None:
         event = self._prefill_events.setdefault(owner, asyncio.Event())

@@ -11,6 +11,7 @@ import logging
 import time
 from typing import AsyncIterator
 
+import msgspec
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -105,7 +106,10 @@ class LiveRouter:
             # Conditional disaggregation: the decode engine loads the cached prefix and computes
             # the short suffix itself; what it reused is reported with the last token chunk.
             return PrefillResult(request.request_id, placement.decode_instance,
-                                 len(request.prompt_token_ids), 0, 0, 0.0)
+                                 len(request.prompt_token_ids), 0, 0, 0.0,
+                                 node_id=placement.pulled_from_node)
+        if placement.pulled_from_node:
+            request = msgspec.structs.replace(request, kv_source_node=placement.pulled_from_node)
         try:
             result = await self._handle(placement.prefill_instance).prefill.remote(
                 request, placement.priority)
@@ -118,7 +122,10 @@ class LiveRouter:
         return result
 
     async def _serve(self, request: EngineRequest, placement: Placement) -> AsyncIterator[RouterEvent]:
-        yield Placed(placement, await self._prefill(request, placement))
+        prefilled = await self._prefill(request, placement)
+        yield Placed(placement, prefilled)
+        if prefilled.node_id:  # the decode worker pulls the prompt's KV if it is elsewhere
+            request = msgspec.structs.replace(request, kv_source_node=prefilled.node_id)
         try:
             decode = self._handle(placement.decode_instance)
         except ValueError as exc:  # the named actor is gone

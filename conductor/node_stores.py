@@ -63,6 +63,16 @@ def store_actor_name(cluster_name: str, node_id: str) -> str:
     return f"{cluster_name}-{STORE_PREFIX}-{node_id}"
 
 
+def _reachable_transfer(config: KVStoreConfig, host: str) -> KVStoreConfig:
+    """A block server left on its loopback default listens on the node's own address instead,
+    so store nodes on other machines can pull from it."""
+    transfer = config.transfer
+    if transfer is None or transfer.advertise_host is not None or transfer.listen_host not in (
+            "127.0.0.1", "localhost"):
+        return config
+    return config.model_copy(update={"transfer": transfer.model_copy(update={"listen_host": host})})
+
+
 def ensure_node_store(spec: NodeStoreSpec, conductor_actor: str | None) -> StoreWiring:
     """The store of the Ray node this process runs on (created if missing), subscribed to by
     the conductor named ``conductor_actor``. Call from inside a Ray actor."""
@@ -73,11 +83,11 @@ def ensure_node_store(spec: NodeStoreSpec, conductor_actor: str | None) -> Store
     node_id = store_node_id(ray_node)
     name = store_actor_name(spec.cluster_name, node_id)
     host = ray.util.get_node_ip_address()
-    kv = with_event_endpoints(spec.config, host)
+    kv = _reachable_transfer(with_event_endpoints(spec.config, host), host)
     store = (
         ray.remote(NodeStore)
         .options(name=name, namespace=spec.namespace, lifetime="detached", get_if_exists=True,
-                 num_cpus=0, max_concurrency=1,
+                 num_cpus=0, max_concurrency=8,  # a pull waits on the network unlocked
                  scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node, soft=False))
         .remote(node_id, spec.cluster_name, kv, spec.block_bytes, spec.redis_url,
                 spec.block_size_tokens)

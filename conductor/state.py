@@ -235,7 +235,9 @@ class ConductorState:
         return inst.role if inst is not None else None
 
     def node_of(self, instance_id: str) -> str:
-        return self._instances[instance_id].node_id
+        """The store node of a registered instance ('' for one not or no longer registered)."""
+        inst = self._instances.get(instance_id)
+        return inst.node_id if inst is not None else ""
 
     # ------------------------------------------------------------------ snapshot
 

@@ -23,6 +23,7 @@ class DecodeWorker(EngineWorker):
 
         loaded = connector_stats(self.instance_id).loaded_tokens_by_request
         started = last = time.perf_counter()
+        num_pulled = await self._pull_remote_kv(request)
         first_token_ms: float | None = None
         num_tokens = 0
         try:
@@ -46,6 +47,7 @@ class DecodeWorker(EngineWorker):
                         finish_reason=completion.finish_reason or "stop",
                         num_loaded_tokens=loaded.get(request.request_id, 0),
                         num_cached_tokens=output.num_cached_tokens or 0,
+                        num_pulled_blocks=num_pulled,
                     )
                 elif completion.token_ids or completion.text:
                     yield TokenChunk(token_ids=tuple(completion.token_ids), text=completion.text)

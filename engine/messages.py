@@ -27,6 +27,10 @@ class EngineRequest(msgspec.Struct, frozen=True):
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingOptions
     cache_salt: str = ""
+    kv_source_node: str = ""
+    """The store node holding this prompt's KV when it may not be the worker's own (for a decode:
+    the prefill's node; for a prefill: the node of the instance it pulls a prefix from). A worker
+    on another node pulls those blocks into its own store before the engine sees the request."""
 
 
 class Placement(msgspec.Struct, frozen=True):
@@ -46,6 +50,8 @@ class Placement(msgspec.Struct, frozen=True):
     """Prompt blocks the index says the prefill instance can reuse (local or pulled)."""
     pulled_from: str = ""
     """The instance whose prefix is pulled ('' when the local prefix is used)."""
+    pulled_from_node: str = ""
+    """... and the store node it runs on."""
     priority: int = 0
     """Queue position within the prefill instance: lower runs first (longest prefix first)."""
 
@@ -62,6 +68,10 @@ class PrefillResult(msgspec.Struct, frozen=True):
     num_loaded_tokens: int = 0
     """Of ``num_cached_tokens``, those loaded from the KV store (host tier) rather than found in
     the engine's own device cache."""
+    node_id: str = ""
+    """The store node now holding the prompt's blocks (the prefill instance's node)."""
+    num_pulled_blocks: int = 0
+    """Blocks pulled from another node's store before the prefill (``kv_source_node``)."""
 
 
 class TokenChunk(msgspec.Struct, frozen=True):
@@ -77,6 +87,8 @@ class TokenChunk(msgspec.Struct, frozen=True):
     num_loaded_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens the decode engine did not compute (its prefix cache plus loaded KV)."""
+    num_pulled_blocks: int = 0
+    """Prompt blocks the decode worker pulled from another node's store (last chunk only)."""
 
 
 class InstanceStats(msgspec.Struct, frozen=True):

@@ -11,7 +11,7 @@ import msgspec
 
 from engine.builder import EventsWiring, Role, StoreWiring, build_engine_args
 from engine.config import EngineConfig
-from engine.messages import InstanceStats
+from engine.messages import EngineRequest, InstanceStats
 from engine.models import PreparedModel
 from engine.runner import EngineRunner
 from kvstore.redis_server import free_port
@@ -63,6 +63,8 @@ class EngineWorker:
         if isinstance(store, NodeStoreSpec):  # on a Ray cluster: the store of whichever node we got
             store = ensure_node_store(store, conductor.actor_name if conductor else None)
         self.node_id = store.node_id if store else ""
+        self._store = store
+        self._store_handle = None  # resolved at the first pull
         events = None
         if conductor is not None:
             import ray
@@ -88,6 +90,39 @@ class EngineWorker:
             self.instance_id, self.role, store.node_id if store else "", self.model.name,
             kv_layout_tag(dtype, block_size), events.replay_endpoint,
         ))
+
+    async def _pull_remote_kv(self, request: EngineRequest) -> int:
+        """Bring the prompt's blocks held on ``request.kv_source_node`` into this node's store
+        (over the transfer engine), so the connector loads them instead of the engine
+        recomputing them. Returns the blocks pulled; 0 when there is nothing to pull or the pull
+        failed (the store logs why and the engine recomputes: a pull never fails a request)."""
+        source = request.kv_source_node
+        if not source or source == self.node_id or self._store is None:
+            return 0
+        import ray
+
+        from kvstore.connector import kv_layout_tag, prompt_block_keys
+        from kvstore.keys import KeyExtras
+
+        dtype, block_size = self.runner.kv_layout()
+        extras = KeyExtras(model_id=self.model.name, cache_salt=request.cache_salt,
+                           kv_layout=kv_layout_tag(dtype, block_size))
+        keys = prompt_block_keys(list(request.prompt_token_ids), block_size, extras)
+        try:
+            if self._store_handle is None:
+                self._store_handle = ray.get_actor(self._store.store_actor,
+                                                   namespace=self._store.namespace)
+            result = await self._store_handle.pull.remote(keys, source)
+        except Exception:  # noqa: BLE001 - the store actor is gone: recompute
+            log.warning("pull of request %s's KV from node %s failed", request.request_id, source,
+                        exc_info=True)
+            return 0
+        from kvstore.node import NO_TRANSFER
+
+        if result.error and result.error != NO_TRANSFER:  # the store warns of that once itself
+            log.warning("request %s: pulled %d of %d blocks from %s: %s", request.request_id,
+                        result.num_pulled, len(keys) - result.num_local, source, result.error)
+        return result.num_pulled
 
     def ready(self) -> float:
         """Seconds the engine took to start; returning at all means the engine is up."""

@@ -26,7 +26,7 @@ from kvstore.metadata import BlockDirectory
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
 from kvstore.transfer_server import BlockServer, PeerAddress, PinnedRun
-from kvstore.transfer_wire import block_checksum
+from kvstore.transfer_wire import TransferError, block_checksum
 
 log = logging.getLogger(__name__)
 _F = TypeVar("_F", bound=Callable)
@@ -71,6 +71,24 @@ class ArenaInfo(msgspec.Struct, frozen=True):
     num_slots: int
 
 
+NO_TRANSFER = "this node has no transfer engine (kvstore.transfer) or no Redis"
+
+
+class PullResult(msgspec.Struct, frozen=True):
+    """What ``KVStoreNode.pull`` did for one request's keys."""
+
+    num_local: int
+    """Leading blocks this node held (host or disk) before the pull."""
+    num_pulled: int
+    """Blocks read from ``source`` into this node's host tier, verified and committed."""
+    source: str = ""
+    """The node they came from ('' when nothing was pulled)."""
+    path: str = ""
+    seconds: float = 0.0
+    error: str = ""
+    """Why the pull stopped short, if it did: the rest is recomputed."""
+
+
 class KVStoreNode:
     """Host-tier owner for one node. Methods are called through Ray, one at a time."""
 
@@ -90,6 +108,7 @@ class KVStoreNode:
                 f"{block_bytes} bytes; raise it"
             )
         self.node_id = node_id
+        self._config = config
         self._lock = threading.RLock()
         _remove_stale_arenas(Path(config.arena_dir), f"baton-{cluster_name}-{node_id}-")
         path = Path(config.arena_dir) / f"baton-{cluster_name}-{node_id}-{os.getpid()}.arena"
@@ -109,6 +128,9 @@ class KVStoreNode:
         self._checksums: dict[BlockKey, int] = {}  # of served blocks, until evicted
         self.demoted_blocks = 0
         self._directory: BlockDirectory | None = None
+        self._transfer_client = None  # created at the first pull
+        self._warned_no_transfer = False
+        self.pull_counters = {"pulled_blocks": 0, "pulled_bytes": 0, "pull_failures": 0}
         self._stop_heartbeat = threading.Event()
         if redis_url and config.publish_to_redis:
             self._directory = BlockDirectory.from_url(redis_url)
@@ -164,7 +186,8 @@ class KVStoreNode:
     @_locked
     def tier_counters(self) -> dict[str, int]:
         """Blocks moved between tiers, and the disk tier's own counters."""
-        counters = {"promoted_blocks": self.promoted_blocks, "demoted_blocks": self.demoted_blocks}
+        counters = {"promoted_blocks": self.promoted_blocks, "demoted_blocks": self.demoted_blocks,
+                    **self.pull_counters}
         if self.disk is not None:
             disk = self.disk.stats()
             counters.update(disk_blocks=disk.used_blocks, disk_hits=disk.hits,
@@ -191,6 +214,109 @@ class KVStoreNode:
             checksums.append(checksum)
         from_disk = [i >= num_in_host for i in range(len(slots))]
         return PinnedRun(keys=served, slots=slots, from_disk=from_disk, checksums=checksums)
+
+    def pull(self, keys: Sequence[BlockKey], source_node: str | None = None) -> PullResult:
+        """Make the leading run of ``keys`` local: the blocks after the ones this node holds are
+        read from the node that holds the longest run of them (per Redis; ``source_node`` first
+        when it has them) over the transfer engine, verified, and committed to this node's host
+        tier, where the engines' connectors load them like any local block.
+
+        Never raises for a missing, dead or corrupting peer, a full arena or Redis trouble: the
+        result says how far it got and why it stopped, and the rest is recomputed. The network
+        read runs without the node's lock, so the connectors' calls go on meanwhile; the slots
+        being filled are reserved (WRITING), so no one reads or evicts them half-written."""
+        keys = list(keys)
+        with self._lock:
+            num_local = self._local_run(keys)
+        if num_local == len(keys):
+            return PullResult(num_local, 0)
+        if self._directory is None or self._config.transfer is None:
+            if not self._warned_no_transfer:
+                self._warned_no_transfer = True
+                log.warning("a request's KV is on another node, but %s: it is recomputed here. "
+                            "Set kvstore.transfer to pull it instead.", NO_TRANSFER)
+            return PullResult(num_local, 0, error=NO_TRANSFER)
+        wanted = keys[num_local:]
+        try:
+            source, run, address = self._choose_source(wanted, source_node)
+        except Exception as exc:  # noqa: BLE001 - Redis down: recompute, say why
+            log.warning("pull: cannot look up block holders in Redis: %s", exc)
+            return self._failed_pull(num_local, f"Redis lookup failed: {exc}")
+        if not run:
+            return PullResult(num_local, 0, error="no live node holds the next block")
+        wanted = wanted[:run]
+        parents = [keys[num_local - 1] if num_local else None, *wanted[:-1]]
+        with self._lock:
+            slots = self.store.reserve(wanted, parents).slots
+        num_slots = next((i for i, slot in enumerate(slots) if slot is None), len(slots))
+        if num_slots < len(wanted):
+            # full of pinned blocks, or another pull is writing these: keep what fits
+            with self._lock:
+                self.store.abort([k for k, s in zip(wanted[num_slots:], slots[num_slots:])
+                                  if s is not None])
+            wanted = wanted[:num_slots]
+        if not wanted:
+            return PullResult(num_local, 0, error="no free host slot (or the blocks are being "
+                              "written by another pull)")
+        try:
+            result = self._client().read(address, wanted,
+                                         [self.arena.slot(s) for s in slots[:len(wanted)]])
+        except (TransferError, OSError) as exc:
+            with self._lock:
+                self.store.abort(wanted)
+            log.warning("pull of %d blocks from node %s failed: %s", len(wanted), source, exc)
+            return self._failed_pull(num_local, str(exc), source)
+        got = result.num_blocks
+        with self._lock:
+            self.commit(wanted[:got])
+            self.store.abort(wanted[got:])
+            self.pull_counters["pulled_blocks"] += got
+            self.pull_counters["pulled_bytes"] += got * self.arena.slot_bytes
+        error = ""
+        if result.corrupt_blocks:
+            error = f"{result.corrupt_blocks} block(s) from {source} failed their checksum"
+        elif got < len(wanted):
+            error = f"node {source} no longer held {len(wanted) - got} of the blocks"
+        return PullResult(num_local, got, source, result.path, result.seconds, error)
+
+    def _local_run(self, keys: Sequence[BlockKey]) -> int:
+        """Leading blocks held here: in host memory, then continuing on disk."""
+        run = self.store.match_prefix(keys)
+        if self.disk is not None:
+            while run < len(keys) and self.disk.contains(keys[run]):
+                run += 1
+        return run
+
+    def _choose_source(self, wanted: Sequence[BlockKey],
+                       preferred: str | None) -> tuple[str, int, PeerAddress | None]:
+        """The live peer holding the longest leading run of ``wanted`` (ties: ``preferred``)."""
+        holders = self._directory.locate(wanted)
+        addresses = self._directory.transfer_addresses()
+        runs: dict[str, int] = {}
+        for node in holders[0] if holders else {}:
+            if node == self.node_id or node not in addresses:
+                continue
+            run = 0
+            while run < len(wanted) and node in holders[run]:
+                run += 1
+            runs[node] = run
+        if not runs:
+            return "", 0, None
+        source = max(runs, key=lambda node: (runs[node], node == preferred))
+        address = msgspec.json.decode(addresses[source], type=PeerAddress)
+        return source, runs[source], address
+
+    def _client(self):
+        if self._transfer_client is None:
+            from kvstore.transfer import TransferClient
+
+            self._transfer_client = TransferClient(self._config.transfer, self.node_id)
+        return self._transfer_client
+
+    def _failed_pull(self, num_local: int, error: str, source: str = "") -> PullResult:
+        with self._lock:
+            self.pull_counters["pull_failures"] += 1
+        return PullResult(num_local, 0, source, error=error)
 
     def _demote(self, key: BlockKey, parent: BlockKey | None, slot: int) -> None:
         """BlockStore eviction hook: the slot still holds the block; copy it to disk first."""
@@ -271,6 +397,8 @@ class KVStoreNode:
 
     def shutdown(self) -> None:
         self._stop_heartbeat.set()
+        if self._transfer_client is not None:
+            self._transfer_client.close()
         if self.transfer_server is not None:
             self.transfer_server.close()  # unpins what in-flight sends held
         if self._events is not None:

@@ -211,7 +211,8 @@ class BlockServer:
                     await send_frame(sock, self._reply(request, run))
                     if request.mode == "stream":
                         for view in views:
-                            await loop.sock_sendall(sock, view)
+                            # a memoryview: uvloop (Ray's loop) cannot take a numpy array here
+                            await loop.sock_sendall(sock, memoryview(view))
                     else:  # the client copies from the arena, then says so
                         expect(await recv_frame(sock), Release)
                     self._count(run)
@@ -221,6 +222,8 @@ class BlockServer:
             pass  # the client went away: its pins were released above
         except (ProtocolError, OSError) as e:
             log.warning("block server: dropping a TCP peer: %s", e)
+        except Exception:  # noqa: BLE001 - a bug must not go unseen in a never-awaited task
+            log.exception("block server: dropping a TCP peer after an unexpected error")
         finally:
             sock.close()
 

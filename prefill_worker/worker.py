@@ -21,6 +21,7 @@ class PrefillWorker(EngineWorker):
         ``priority``: lower runs first among waiting prefills (the conductor passes minus the
         matched prefix length, so the cheapest-to-finish requests go first)."""
         started = time.perf_counter()
+        num_pulled = await self._pull_remote_kv(request)
         num_cached_tokens = 0
         from kvstore.connector import connector_stats
 
@@ -43,4 +44,6 @@ class PrefillWorker(EngineWorker):
             num_stored_blocks=num_stored_blocks,
             prefill_ms=prefill_ms,
             num_loaded_tokens=min(num_loaded_tokens, num_cached_tokens),
+            node_id=self.node_id,
+            num_pulled_blocks=num_pulled,
         )

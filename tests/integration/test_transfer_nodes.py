@@ -291,3 +291,54 @@ def test_a_hung_then_dead_peer_gives_a_clear_error_fast(tmp_path):
     finally:
         client.close()
         node.stop()
+
+
+@pytest.mark.parametrize("backend", ["ucx", "tcp"])
+def test_pull_makes_the_run_local_from_the_node_that_holds_it(redis_url, node_a, backend):
+    """``KVStoreNode.pull``: B holds the first 3 blocks of chain 1 itself, finds the other 9 on A
+    through Redis, reads them over ``backend`` and commits them; a second pull moves nothing."""
+    keys = synthetic_chain(1, 12)
+    transfer = FAST.model_copy(update={"backend": backend, "same_node_shared_memory": False})
+    config = KVStoreConfig(host_capacity_bytes=16 * BLOCK_BYTES, arena_dir="/dev/shm",
+                           heartbeat_interval_s=0.2, transfer=transfer)
+    node_b = KVStoreNode(f"b-{backend}", "t", config, BLOCK_BYTES, redis_url)
+    try:
+        slots = node_b.reserve(keys[:3], [None, *keys[:2]])
+        for key, slot in zip(keys[:3], slots):
+            node_b.arena.slot(slot).numpy()[:] = synthetic_block(key, BLOCK_BYTES)
+        node_b.commit(keys[:3])
+
+        result = node_b.pull(keys, source_node="a")
+        assert (result.num_local, result.num_pulled, result.source, result.path, result.error) == (
+            3, 9, "a", backend, "")
+        held = node_b.acquire(keys)
+        assert len(held) == 12
+        assert_blocks(keys, [node_b.arena.slot(s).numpy() for s in held])
+        node_b.release(keys)
+        assert node_b.tier_counters()["pulled_blocks"] == 9
+        assert node_b.pull(keys) == msgspec.convert(
+            {"num_local": 12, "num_pulled": 0}, type=type(result))
+    finally:
+        node_b.shutdown()
+
+
+def test_a_pull_from_a_dead_node_reports_why_and_moves_nothing(tmp_path, redis_url):
+    doomed = NodeProcess("gone", node_config(tmp_path, 8, arena_dir=str(tmp_path)), ["5:4"],
+                         redis_url)
+    keys = synthetic_chain(5, 4)
+    transfer = FAST.model_copy(update={"backend": "tcp", "same_node_shared_memory": False})
+    node_b = KVStoreNode("b-orphan", "t", KVStoreConfig(
+        host_capacity_bytes=8 * BLOCK_BYTES, arena_dir="/dev/shm", transfer=transfer),
+        BLOCK_BYTES, redis_url)
+    try:
+        doomed.process.kill()  # its Redis entries outlive it until the heartbeat expires
+        doomed.process.wait()
+        result = node_b.pull(keys)
+        assert (result.num_local, result.num_pulled, result.source) == (0, 0, "gone")
+        assert "is its store node running" in result.error
+        assert node_b.acquire(keys) == []  # the reserved slots were given back
+        assert node_b.stats().used_blocks == 0
+        assert node_b.tier_counters()["pull_failures"] == 1
+    finally:
+        node_b.shutdown()
+        doomed.stop()

@@ -1,0 +1,152 @@
+"""KV produced on one store node, decoded on another: the decode worker pulls the prompt's blocks
+over the transfer engine (``ucx``, then ``tcp``) into its own node's store, and its engine loads
+them instead of recomputing. Real parts: one redis-server, three store nodes as separate Ray
+actor processes (own arenas, own block servers), a vLLM prefill engine on node ``a``, one vLLM
+decode engine on each of ``b-ucx`` and ``b-tcp``; greedy outputs compared with a plain engine."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import pytest_asyncio
+import ray
+
+from conductor.cluster import block_size_for, kv_block_bytes
+from decode_worker.worker import DecodeWorker
+from engine.builder import StoreWiring, dtype_bytes, effective_dtype, engine_env
+from engine.config import EngineConfig
+from engine.messages import EngineRequest, SamplingOptions
+from kvstore.config import KVStoreConfig, TransferConfig
+from kvstore.node import KVStoreNode
+from kvstore.redis_server import start_local_redis
+from prefill_worker.worker import PrefillWorker
+from tests.integration.engines import plain_generate, plain_runner, random_prompt
+
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
+
+NAMESPACE = "cross-node"
+SECRET = "cross-node-secret"
+MAX_TOKENS = 16
+ENV = {"BATON_TRANSFER_TOKEN": SECRET, "UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+
+
+class Cluster:
+    """Store nodes and workers as Ray actors of one local Ray instance."""
+
+    def __init__(self, model, redis_url: str) -> None:
+        self.engine = EngineConfig(model="tiny")
+        device = self.engine.device
+        self.block_size = block_size_for(device)
+        block_bytes = kv_block_bytes(model, self.block_size,
+                                     dtype_bytes(effective_dtype(self.engine, model)))
+        self.model, self.redis_url, self.block_bytes = model, redis_url, block_bytes
+        self.stores: dict[str, object] = {}
+
+    def store(self, node: str, backend: str) -> StoreWiring:
+        config = KVStoreConfig(
+            host_capacity_bytes=64 * self.block_bytes, arena_dir="/dev/shm",
+            heartbeat_interval_s=0.2,
+            # one machine: without this, peers would be read straight from their arenas (shm)
+            transfer=TransferConfig(backend=backend, same_node_shared_memory=False),
+        )
+        name = f"{NAMESPACE}-kvstore-{node}"
+        self.stores[node] = (
+            ray.remote(KVStoreNode)
+            .options(name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=8,
+                     runtime_env={"env_vars": ENV})
+            .remote(node, NAMESPACE, config, self.block_bytes, self.redis_url, self.block_size)
+        )
+        ray.get(self.stores[node].arena_info.remote())
+        return StoreWiring(name, NAMESPACE, node)
+
+    def worker(self, cls, instance_id: str, store: StoreWiring):
+        env = {**engine_env(self.engine, "nobind"), **ENV}
+        actor = (
+            ray.remote(cls)
+            .options(name=instance_id, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000,
+                     runtime_env={"env_vars": env})
+            .remote(instance_id, self.engine, self.model, store, None)
+        )
+        ray.get(actor.ready.remote())
+        return actor
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model):
+    redis = start_local_redis()
+    ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    try:
+        c = Cluster(tiny_model, redis.url)
+        c.prefill = c.worker(PrefillWorker, "prefill-a", c.store("a", "ucx"))  # serves ucx and tcp
+        c.decode = {backend: c.worker(DecodeWorker, f"decode-b-{backend}", c.store(f"b-{backend}", backend))
+                    for backend in ("ucx", "tcp")}
+        yield c
+    finally:
+        ray.shutdown()
+        redis.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def reference(tiny_model):
+    runner = plain_runner(tiny_model)
+    yield runner
+    runner.shutdown()
+
+
+async def decode(actor, request: EngineRequest) -> tuple[list[int], object]:
+    tokens, last = [], None
+    async for ref in actor.generate.options(num_returns="streaming").remote(request):
+        last = await ref
+        tokens.extend(last.token_ids)
+    return tokens, last
+
+
+@pytest.mark.parametrize("backend", ["ucx", "tcp"])
+async def test_decode_on_node_b_pulls_the_kv_prefilled_on_node_a(cluster, reference, backend):
+    prompt = random_prompt(5 * cluster.block_size + 40, seed=hash(backend) % 1000)
+    num_blocks = 6  # five full blocks and the partial tail
+    request = EngineRequest(f"pull-{backend}", tuple(prompt),
+                            SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
+    expected = await plain_generate(reference, prompt, MAX_TOKENS, f"ref-{backend}")
+
+    prefilled = await cluster.prefill.prefill.remote(request)
+    assert (prefilled.node_id, prefilled.num_stored_blocks) == ("a", num_blocks)
+
+    pulled = msgspec.structs.replace(request, kv_source_node=prefilled.node_id)
+    tokens, last = await decode(cluster.decode[backend], pulled)
+
+    assert tokens == expected
+    assert last.num_pulled_blocks == num_blocks
+    assert last.num_loaded_tokens == len(prompt) - 1  # vLLM computes the last prompt token itself
+    counters = ray.get(cluster.stores[f"b-{backend}"].tier_counters.remote())
+    assert counters["pulled_blocks"] >= num_blocks and counters["pull_failures"] == 0
+    served = ray.get(cluster.stores["a"].transfer_address.remote())
+    assert served is not None and served.node_id == "a"
+
+
+async def test_without_the_source_node_the_decode_recomputes_with_the_same_output(cluster, reference):
+    """The control: the same kind of request without ``kv_source_node`` loads nothing on node B
+    (so the loads above came from the pull), and still answers correctly."""
+    prompt = random_prompt(3 * cluster.block_size + 7, seed=77)
+    request = EngineRequest("no-pull", tuple(prompt), SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
+    expected = await plain_generate(reference, prompt, MAX_TOKENS, "ref-no-pull")
+    await cluster.prefill.prefill.remote(request)
+
+    tokens, last = await decode(cluster.decode["tcp"], request)
+
+    assert tokens == expected
+    assert (last.num_pulled_blocks, last.num_loaded_tokens) == (0, 0)
+
+
+async def test_a_pull_from_a_node_without_the_blocks_recomputes_correctly(cluster, reference):
+    """A stale hint (the source holds none of the prompt) costs nothing but the lookup."""
+    prompt = random_prompt(2 * cluster.block_size + 3, seed=78)
+    request = EngineRequest("stale-hint", tuple(prompt), SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0),
+                            kv_source_node="a")
+    expected = await plain_generate(reference, prompt, MAX_TOKENS, "ref-stale")
+
+    tokens, last = await decode(cluster.decode["ucx"], request)
+
+    assert tokens == expected
+    assert (last.num_pulled_blocks, last.num_loaded_tokens) == (0, 0)
+
