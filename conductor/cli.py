@@ -428,10 +428,12 @@ def status(
                       hits, _fmt_ms(r.recent_ttft_ms), _fmt_ms(r.recent_itl_ms))
     out.print(table)
     if pools.stores:
-        stores = Table("store node", "host blocks used", "pinned", "disk blocks", "evicted")
+        stores = Table("store node", "host blocks used", "pinned", "disk blocks", "evicted",
+                       "pulled", "pull failures")
         for s in pools.stores:
             stores.add_row(s.node_id, f"{s.host_used_blocks}/{s.host_capacity_blocks}",
-                           str(s.host_pinned_blocks), str(s.disk_used_blocks), str(s.evicted_blocks))
+                           str(s.host_pinned_blocks), str(s.disk_used_blocks), str(s.evicted_blocks),
+                           str(s.pulled_blocks), str(s.pull_failures))
         out.print(stores)
     c = pools.counters
     out.print(f"placements: {c.placed} placed, {c.rejected} rejected early, {c.coalesced} coalesced, "

@@ -33,6 +33,8 @@ SHARED_PREFIX = " ".join(f"agent step {i}: read the file, run the tests, fix the
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    # the nodes' processes inherit it: store nodes admit only peers that know the secret
+    os.environ.setdefault("BATON_TRANSFER_TOKEN", "ops-test-transfer-secret")
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=0, resources={"baton_prefill": 2})
@@ -118,6 +120,9 @@ def _config(tmp_path: Path) -> Path:
         "engine": {"model": "tiny", "omp_threads_bind": "nobind", "kv_cache_gib": 1.0},
         "prefill": {"num_instances": 1},
         "decode": {"num_instances": 1},
+        # decode pulls each prompt's KV from the prefill node's store (no shm: not one machine)
+        "kvstore": {"transfer": {"backend": "tcp", "same_node_shared_memory": False}},
+        "conductor": {"tuning": {"short_prefill_tokens": 0}},  # every request disaggregated
         "gateway": {"port": 0},
         "http": {"port": 0},
         "ray": {"namespace": NAMESPACE},
@@ -175,6 +180,12 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     await traffic.stop()
     _mark("scaled up")
     served_while_scaling_up = traffic.ok
+    # every request was prefilled on the prefill node and decoded on the decode node: the decode
+    # node's store pulled the prompts' blocks from the prefill node's, over the transfer engine
+    stores = {s["node_id"]: s for s in (await _status(ray_cluster))["status"]["stores"]}
+    assert stores[nodes["decode"]]["pulled_blocks"] >= served_while_scaling_up
+    assert stores[nodes["decode"]]["pull_failures"] == 0
+    assert stores[nodes["prefill"]]["pulled_blocks"] == 0
 
     # drain: one long stream in flight on a decode instance; it must finish before that goes
     long_request = asyncio.create_task(generate(f"127.0.0.1:{grpc_port}", text="a long answer",
