@@ -253,7 +253,8 @@ class Conductor:
                 continue
             rows.append(StoreRow(node_id, stats.capacity_blocks, stats.used_blocks,
                                  stats.pinned_blocks, tiers.get("disk_blocks", 0), stats.evicted_blocks,
-                                 tiers.get("pulled_blocks", 0), tiers.get("pull_failures", 0)))
+                                 tiers.get("pulled_blocks", 0), tiers.get("pull_failures", 0),
+                                 dict(tiers)))
         return rows
 
     async def prefix_hits(self, block_keys: list[bytes]) -> dict:

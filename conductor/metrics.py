@@ -48,6 +48,15 @@ KV_TRANSFER_BYTES = Counter("baton_kv_transfer_bytes",
 KV_TRANSFER_SECONDS = Counter("baton_kv_transfer_seconds",
                               "Seconds engines spent loading KV from the KV store, by path "
                               "(from the workers' connector counters).", ["path"])
+STORE_BLOCKS = Gauge("baton_kv_store_blocks", "Blocks a store node holds, by tier.",
+                     ["node", "tier"])
+STORE_EVENTS = Gauge(
+    "baton_kv_store_events",
+    "Store node counts since it started: host_full_rejected_blocks (arena full of pinned blocks: "
+    "not stored, recomputed later), disk_rejected_puts / disk_write_errors (disk tier full or "
+    "failing: dropped instead of demoted), disk_corrupt_blocks (failed checksum: recomputed), "
+    "pulled_blocks / pull_failures (cross-node transfers), promoted / demoted blocks.",
+    ["node", "event"])
 PLACEMENTS = Counter("baton_placement_decisions",
                      "Placements made, by policy and kind of decision.", ["policy", "reason"])
 REJECTIONS = Counter("baton_early_rejections",
@@ -63,6 +72,7 @@ METRIC_NAMES = (
     "baton_kv_transfer_bytes_total", "baton_kv_transfer_seconds_total",
     "baton_placement_decisions_total",
     "baton_early_rejections_total", "baton_request_success_total",
+    "baton_kv_store_blocks", "baton_kv_store_events",
 )
 """The series names as exposed (counters gain ``_total``; histograms add ``_bucket`` etc.)."""
 
@@ -151,6 +161,12 @@ def set_pool_gauges(status) -> None:
         REQUESTS_WAITING.labels(pool).set(sum(r.num_waiting_reqs for r in rows))
         for phase in ("starting", "ready", "draining", "not_ready"):
             POOL_INSTANCES.labels(pool, phase).set(status.pool_sizes.get(pool, {}).get(phase, 0))
+    for store in status.stores:
+        STORE_BLOCKS.labels(store.node_id, "host").set(store.host_used_blocks)
+        STORE_BLOCKS.labels(store.node_id, "disk").set(store.disk_used_blocks)
+        for event, count in store.counters.items():
+            if event != "disk_blocks":
+                STORE_EVENTS.labels(store.node_id, event).set(count)
 
 
 class PoolGaugePoller:

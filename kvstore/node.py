@@ -187,11 +187,13 @@ class KVStoreNode:
     def tier_counters(self) -> dict[str, int]:
         """Blocks moved between tiers, and the disk tier's own counters."""
         counters = {"promoted_blocks": self.promoted_blocks, "demoted_blocks": self.demoted_blocks,
+                    "host_full_rejected_blocks": self.store.stats().reserve_rejected_blocks,
                     **self.pull_counters}
         if self.disk is not None:
             disk = self.disk.stats()
             counters.update(disk_blocks=disk.used_blocks, disk_hits=disk.hits,
-                            disk_corrupt_blocks=disk.corrupt_blocks, disk_evictions=disk.evictions)
+                            disk_corrupt_blocks=disk.corrupt_blocks, disk_evictions=disk.evictions,
+                            disk_write_errors=disk.write_errors, disk_rejected_puts=disk.rejected_puts)
         return counters
 
     def transfer_address(self) -> PeerAddress | None:

@@ -93,7 +93,9 @@ def test_without_a_disk_tier_evicted_blocks_are_dropped(tmp_path):
         write(node, a)
         write(node, b)
         assert len(read(node, a)) == 1
-        assert node.tier_counters() == {"promoted_blocks": 0, "demoted_blocks": 0}
+        assert node.tier_counters() == {"promoted_blocks": 0, "demoted_blocks": 0,
+                                        "host_full_rejected_blocks": 0, "pulled_blocks": 0,
+                                        "pulled_bytes": 0, "pull_failures": 0}
     finally:
         node.shutdown()
 
