@@ -91,6 +91,17 @@ class EngineWorker:
             kv_layout_tag(dtype, block_size), events.replay_endpoint,
         ))
 
+    def prompt_keys(self, request: EngineRequest) -> list[bytes]:
+        """The store keys of ``request``'s prompt blocks, as this engine's connector names them
+        (full blocks, then the partial tail)."""
+        from kvstore.connector import kv_layout_tag, prompt_block_keys
+        from kvstore.keys import KeyExtras
+
+        dtype, block_size = self.runner.kv_layout()
+        extras = KeyExtras(model_id=self.model.name, cache_salt=request.cache_salt,
+                           kv_layout=kv_layout_tag(dtype, block_size))
+        return prompt_block_keys(list(request.prompt_token_ids), block_size, extras)
+
     async def _pull_remote_kv(self, request: EngineRequest) -> int:
         """Bring the prompt's blocks held on ``request.kv_source_node`` into this node's store
         (over the transfer engine), so the connector loads them instead of the engine
@@ -101,13 +112,7 @@ class EngineWorker:
             return 0
         import ray
 
-        from kvstore.connector import kv_layout_tag, prompt_block_keys
-        from kvstore.keys import KeyExtras
-
-        dtype, block_size = self.runner.kv_layout()
-        extras = KeyExtras(model_id=self.model.name, cache_salt=request.cache_salt,
-                           kv_layout=kv_layout_tag(dtype, block_size))
-        keys = prompt_block_keys(list(request.prompt_token_ids), block_size, extras)
+        keys = self.prompt_keys(request)
         try:
             if self._store_handle is None:
                 self._store_handle = ray.get_actor(self._store.store_actor,

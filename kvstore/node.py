@@ -253,6 +253,9 @@ class KVStoreNode:
         num_slots = next((i for i, slot in enumerate(slots) if slot is None), len(slots))
         if num_slots < len(wanted):
             # full of pinned blocks, or another pull is writing these: keep what fits
+            log.warning("pull: room for %d of %d blocks from %s (host arena full of pinned "
+                        "blocks, or another pull is writing them); the rest is recomputed",
+                        num_slots, len(wanted), source)
             with self._lock:
                 self.store.abort([k for k, s in zip(wanted[num_slots:], slots[num_slots:])
                                   if s is not None])

@@ -6,7 +6,11 @@ decode engine on each of ``b-ucx`` and ``b-tcp``; greedy outputs compared with a
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import msgspec
+import numpy as np
 import pytest
 import pytest_asyncio
 import ray
@@ -17,6 +21,9 @@ from engine.builder import StoreWiring, dtype_bytes, effective_dtype, engine_env
 from engine.config import EngineConfig
 from engine.messages import EngineRequest, SamplingOptions
 from kvstore.config import KVStoreConfig, TransferConfig
+from kvstore.host_arena import HostArena
+from kvstore.keys import key_hex
+from kvstore.metadata import BlockDirectory
 from kvstore.node import KVStoreNode
 from kvstore.redis_server import start_local_redis
 from prefill_worker.worker import PrefillWorker
@@ -25,6 +32,7 @@ from tests.integration.engines import plain_generate, plain_runner, random_promp
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
 NAMESPACE = "cross-node"
+HEARTBEAT_TTL_S = 1.0
 SECRET = "cross-node-secret"
 MAX_TOKENS = 16
 ENV = {"BATON_TRANSFER_TOKEN": SECRET, "UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n"}
@@ -42,10 +50,12 @@ class Cluster:
         self.model, self.redis_url, self.block_bytes = model, redis_url, block_bytes
         self.stores: dict[str, object] = {}
 
-    def store(self, node: str, backend: str) -> StoreWiring:
+    def store(self, node: str, backend: str, host_blocks: int = 64,
+              disk_dir: Path | None = None) -> StoreWiring:
         config = KVStoreConfig(
-            host_capacity_bytes=64 * self.block_bytes, arena_dir="/dev/shm",
-            heartbeat_interval_s=0.2,
+            host_capacity_bytes=host_blocks * self.block_bytes, arena_dir="/dev/shm",
+            disk_dir=str(disk_dir) if disk_dir else None, disk_capacity_bytes=256 << 20,
+            heartbeat_interval_s=0.2, heartbeat_ttl_s=HEARTBEAT_TTL_S,
             # one machine: without this, peers would be read straight from their arenas (shm)
             transfer=TransferConfig(backend=backend, same_node_shared_memory=False),
         )
@@ -72,12 +82,15 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model):
+def cluster(tiny_model, tmp_path_factory):
     redis = start_local_redis()
     ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     try:
         c = Cluster(tiny_model, redis.url)
-        c.prefill = c.worker(PrefillWorker, "prefill-a", c.store("a", "ucx"))  # serves ucx and tcp
+        # node a: room for 8 blocks in host memory, the rest demoted to its disk tier
+        c.disk_dir = tmp_path_factory.mktemp("disk-a")
+        c.prefill = c.worker(PrefillWorker, "prefill-a",  # serves ucx and tcp
+                             c.store("a", "ucx", host_blocks=8, disk_dir=c.disk_dir))
         c.decode = {backend: c.worker(DecodeWorker, f"decode-b-{backend}", c.store(f"b-{backend}", backend))
                     for backend in ("ucx", "tcp")}
         yield c
@@ -150,3 +163,74 @@ async def test_a_pull_from_a_node_without_the_blocks_recomputes_correctly(cluste
     assert tokens == expected
     assert (last.num_pulled_blocks, last.num_loaded_tokens) == (0, 0)
 
+
+
+def greedy(name: str, prompt: list[int], **fields) -> EngineRequest:
+    return EngineRequest(name, tuple(prompt), SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0),
+                         **fields)
+
+
+async def test_a_corrupt_block_on_the_source_nodes_disk_is_never_served_and_is_recomputed(
+        cluster, reference):
+    """Prompt P is pushed down to node a's disk tier by two later prompts; one of its block files
+    is flipped there. Node b's pull stops at that block (a's checksum catches it on the read
+    that promotes it), so the decode loads the two blocks before it, recomputes the rest, and
+    answers exactly like a plain engine; the corruption is counted and the file deleted."""
+    block = cluster.block_size
+    prompt = random_prompt(5 * block + 40, seed=91)
+    request = greedy("corrupt-p", prompt)
+    expected = await plain_generate(reference, prompt, MAX_TOKENS, "ref-corrupt")
+    await cluster.prefill.prefill.remote(request)
+    for seed in (92, 93):  # 12 more blocks through an 8-block host tier: P goes to disk
+        await cluster.prefill.prefill.remote(greedy(f"push-{seed}", random_prompt(6 * block, seed)))
+    keys = await cluster.prefill.prompt_keys.remote(request)
+    files = {key: list(cluster.disk_dir.rglob(key_hex(key))) for key in keys}
+    assert all(len(found) == 1 for found in files.values()), "P is not wholly on a's disk"
+    [victim] = files[keys[2]]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    victim.write_bytes(bytes(raw))
+    before = ray.get(cluster.stores["a"].tier_counters.remote())["disk_corrupt_blocks"]
+
+    tokens, last = await decode(cluster.decode["tcp"], greedy("corrupt-d", prompt, kv_source_node="a"))
+
+    assert tokens == expected
+    assert (last.num_pulled_blocks, last.num_loaded_tokens) == (2, 2 * block)
+    assert ray.get(cluster.stores["a"].tier_counters.remote())["disk_corrupt_blocks"] == before + 1
+    assert not victim.exists()
+
+
+async def test_a_lost_store_node_leaves_the_metadata_within_the_heartbeat_ttl(cluster, reference):
+    """Node x holds (junk bytes under) prompt R's keys and dies without deregistering. Within
+    the heartbeat TTL the live nodes remove its entries from Redis; a request that wanted its
+    blocks pulls nothing and is recomputed correctly (had x's junk been served, the output
+    would differ)."""
+    prompt = random_prompt(3 * cluster.block_size + 5, seed=95)
+    request = greedy("lost-node", prompt, kv_source_node="x")
+    expected = await plain_generate(reference, prompt, MAX_TOKENS, "ref-lost")
+    keys = await cluster.decode["ucx"].prompt_keys.remote(request)
+    cluster.store("x", "tcp")
+    x = cluster.stores["x"]
+    info = ray.get(x.arena_info.remote())
+    slots = ray.get(x.reserve.remote(keys, [None, *keys[:-1]]))
+    arena = HostArena(info.path, info.slot_bytes, info.num_slots, create=False)
+    for slot in slots:
+        arena.slot(slot).numpy()[:] = np.frombuffer(np.random.bytes(info.slot_bytes), np.uint8)
+    arena.close()
+    ray.get(x.commit.remote(keys))
+    directory = BlockDirectory.from_url(cluster.redis_url)
+    assert directory.locate(keys) == [{"x": "host"}] * len(keys)
+
+    ray.kill(x, no_restart=True)  # no clean shutdown: its entries stay until reaped
+    killed = time.monotonic()
+    while directory.locate(keys[:1]) != [{}] and time.monotonic() - killed < 10:
+        time.sleep(0.05)
+    gone_after_s = time.monotonic() - killed
+    assert directory.locate(keys) == [{}] * len(keys)
+    assert "x" not in directory.nodes() and "x" not in directory.transfer_addresses()
+    assert gone_after_s <= HEARTBEAT_TTL_S + 1.0  # TTL plus a reaper's heartbeat interval
+
+    tokens, last = await decode(cluster.decode["ucx"], request)
+
+    assert tokens == expected
+    assert (last.num_pulled_blocks, last.num_loaded_tokens) == (0, 0)

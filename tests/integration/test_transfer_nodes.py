@@ -342,3 +342,24 @@ def test_a_pull_from_a_dead_node_reports_why_and_moves_nothing(tmp_path, redis_u
     finally:
         node_b.shutdown()
         doomed.stop()
+
+
+def test_a_pull_into_a_full_arena_keeps_what_fits_and_says_so(redis_url, node_a, caplog):
+    """B's arena has three slots: the pull stores the first three blocks, logs and counts the
+    rest as rejected (to be recomputed), and returns a result instead of failing."""
+    keys = synthetic_chain(1, 12)
+    transfer = FAST.model_copy(update={"backend": "tcp", "same_node_shared_memory": False})
+    node_b = KVStoreNode("b-full", "t", KVStoreConfig(
+        host_capacity_bytes=3 * BLOCK_BYTES, arena_dir="/dev/shm", transfer=transfer),
+        BLOCK_BYTES, redis_url)
+    try:
+        with caplog.at_level("WARNING", logger="kvstore.node"):
+            result = node_b.pull(keys, source_node="a")
+        assert (result.num_local, result.num_pulled, result.source) == (0, 3, "a")
+        assert "room for 3 of 12 blocks from a" in caplog.text
+        assert node_b.tier_counters()["host_full_rejected_blocks"] == 9
+        held = node_b.acquire(keys)
+        assert_blocks(keys[:3], [node_b.arena.slot(s).numpy() for s in held])
+        node_b.release(keys[:3])
+    finally:
+        node_b.shutdown()
