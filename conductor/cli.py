@@ -299,7 +299,7 @@ def _fail(exc: BaseException) -> None:
     from ray.exceptions import RayTaskError
 
     from conductor.deployment import NoRayCluster, NotUp
-    from conductor.errors import ConfigError
+    from conductor.errors import ConfigError, InvalidRequest
     from conductor.pools import UnknownInstance
 
     if isinstance(exc, RayTaskError) and exc.cause is not None:
@@ -309,7 +309,7 @@ def _fail(exc: BaseException) -> None:
         code = EXIT_CONFIG
     elif isinstance(exc, (NoRayCluster, NotUp)):
         code = EXIT_NO_CLUSTER
-    elif isinstance(exc, UnknownInstance):
+    elif isinstance(exc, (UnknownInstance, InvalidRequest)):  # a name or input that is not there
         code = EXIT_UNKNOWN_INSTANCE
     err.print(f"[red]error:[/red] {exc}")
     raise typer.Exit(code)
@@ -482,6 +482,54 @@ def drain(
         _fail(exc)
     print(f"{result.instance_id} drained in {result.drain_s:.1f} s "
           f"({result.drained_requests} in-flight requests finished) and removed")
+
+
+@app.command()
+def pin(
+    pin_name: str = typer.Argument(..., metavar="NAME", help="A name to unpin it by later."),
+    text: Optional[str] = typer.Option(None, help="The prefix (e.g. a system prompt)."),
+    file: Optional[Path] = typer.Option(None, help="... or a file holding it."),
+    cache_salt: str = typer.Option("", help="The tenant's cache_salt, if its requests carry one."),
+    address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+) -> None:
+    """Soft-pin a prompt prefix on every KV store node: its blocks stay in host memory until
+    nothing else can be evicted (a shared system prompt). Only whole blocks are pinned; nodes
+    that join later get the pin too. Pinning NAME again replaces it; `baton unpin NAME` ends it."""
+    from conductor.deployment import pin as run_pin
+
+    if (text is None) == (file is None):
+        err.print("[red]error:[/red] give exactly one of --text and --file")
+        raise typer.Exit(EXIT_CONFIG)
+    if file is not None:
+        try:
+            text = file.read_text()
+        except OSError as exc:
+            err.print(f"[red]error:[/red] cannot read {file}: {exc}")
+            raise typer.Exit(EXIT_CONFIG) from exc
+    _connected(address, namespace)
+    try:
+        result = run_pin(name, namespace, pin_name, text, cache_salt)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    held = ", ".join(f"{node} {n}" for node, n in sorted(result.present_blocks_by_node.items()))
+    print(f"pinned '{result.name}': {result.num_blocks} blocks ({result.num_tokens} tokens); "
+          f"in host memory now: {held or 'no store node yet'}")
+
+
+@app.command()
+def unpin(
+    pin_name: str = typer.Argument(..., metavar="NAME", help="The name given to `baton pin`."),
+    address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+) -> None:
+    """End a soft pin: its blocks age out like any others."""
+    from conductor.deployment import unpin as run_unpin
+
+    _connected(address, namespace)
+    try:
+        result = run_unpin(name, namespace, pin_name)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    print(f"unpinned '{result.name}' ({result.num_blocks} blocks)")
 
 
 @model_app.command("prepare")

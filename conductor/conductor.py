@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from conductor.config import ConductorConfig
+from conductor.errors import InvalidRequest, NoWorkerReady
 from conductor.kv_index import StreamGap
 from conductor.policy import PlacementRequest, PolicyConfig
 from conductor.pools import (
@@ -32,6 +33,7 @@ from conductor.pools import (
 )
 from conductor.state import ConductorState, PlacementCounters
 from engine.messages import Placement
+from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,15 @@ class KeyScheme(msgspec.Struct, frozen=True):
     kv_bytes_per_token: int = 0
 
 
+class SoftPin(msgspec.Struct, frozen=True):
+    """An operator-pinned prefix: its name, size, and how much of it each store holds now."""
+
+    name: str
+    num_blocks: int
+    num_tokens: int
+    present_blocks_by_node: dict[str, int]
+
+
 class Conductor:
     """Owns the placement state and the event streams that keep its KV index current."""
 
@@ -78,6 +89,7 @@ class Conductor:
         self.pools = PoolManager(self.state, namespace)
         self._last_stats: dict = {}
         self._store_actors: dict[str, str] = {}
+        self._soft_pins: dict[str, list[bytes]] = {}  # operator-pinned prefix name → block keys
         if events_host == "auto":  # on a Ray cluster: this node's address, reachable from others
             events_host = ray.util.get_node_ip_address()
         self._ctx = zmq.asyncio.Context()
@@ -135,6 +147,54 @@ class Conductor:
         if replay_endpoint:
             self._replay_endpoints[node_id] = replay_endpoint
         self._store_sub.connect(events_endpoint)
+        if self._soft_pins and actor_name:
+            await self._push_soft_pins({node_id: actor_name})
+
+    # ------------------------------------------------------------------ operator pins
+
+    async def pin_prefix(self, name: str, token_ids: list[int], cache_salt: str = "") -> SoftPin:
+        """Soft-pin a prompt prefix (a system prompt) on every store node, now and on nodes that
+        join later: its blocks are evicted from host memory last. Pinning a name again replaces
+        its prefix."""
+        from kvstore.keys import KeyExtras, block_keys
+
+        scheme = self._key_scheme
+        if scheme is None:
+            raise NoWorkerReady("no engine has registered yet, so the block keys are unknown; "
+                                "pin once `baton status` shows a ready instance")
+        keys = block_keys(token_ids, scheme.block_size_tokens,
+                          KeyExtras(scheme.model_id, cache_salt, "", scheme.kv_layout))
+        if not keys:
+            raise InvalidRequest(f"the prefix has {len(token_ids)} tokens, less than one block "
+                                 f"({scheme.block_size_tokens}): nothing to pin")
+        self._soft_pins[name] = [bytes(k) for k in keys]
+        present = await self._push_soft_pins(self._store_actors)
+        return SoftPin(name, len(keys), len(token_ids), present)
+
+    async def unpin_prefix(self, name: str) -> SoftPin:
+        if name not in self._soft_pins:
+            raise InvalidRequest(f"no pinned prefix named {name!r}; pinned: "
+                                 f"{', '.join(sorted(self._soft_pins)) or 'none'}")
+        keys = self._soft_pins.pop(name)
+        await self._push_soft_pins(self._store_actors)
+        return SoftPin(name, len(keys), 0, {})
+
+    async def soft_pins(self) -> dict[str, int]:
+        """Pinned prefix name → its number of blocks."""
+        return {name: len(keys) for name, keys in sorted(self._soft_pins.items())}
+
+    async def _push_soft_pins(self, stores: dict[str, str]) -> dict[str, int]:
+        """Send the whole pinned set to ``stores`` (node → actor name); node → blocks present."""
+        keys = sorted({k for prefix in self._soft_pins.values() for k in prefix})
+        present = {}
+        for node_id, actor_name in sorted(stores.items()):
+            try:
+                store = ray.get_actor(actor_name, namespace=self._namespace)
+                present[node_id] = await asyncio.wait_for(
+                    store.set_soft_pins.remote([BlockKey(k) for k in keys]), timeout=10)
+            except Exception as exc:  # noqa: BLE001 - a node going away keeps no pins anyway
+                log.warning("could not send soft pins to store node %s: %s", node_id, exc)
+        return present
 
     async def key_scheme(self) -> KeyScheme | None:
         """Block-key parameters of the served engines (None until one has registered)."""

@@ -175,6 +175,20 @@ def drain(name: str, namespace: str, instance_id: str, timeout_s: float):
     return ray.get(_conductor(name, namespace).drain.remote(instance_id, timeout_s))
 
 
+def pin(name: str, namespace: str, pin_name: str, text: str, cache_salt: str):
+    """Soft-pin ``text``'s blocks (tokenized as the fronts do) on every store node."""
+    conductor = _conductor(name, namespace)
+    gateway = _get(actor_names(name)["gateway"], namespace)
+    if gateway is None:
+        raise NotUp(f"Baton '{name}' has no gateway to tokenize with: run `baton up`")
+    token_ids = ray.get(gateway.tokenize.remote(text))
+    return ray.get(conductor.pin_prefix.remote(pin_name, token_ids, cache_salt))
+
+
+def unpin(name: str, namespace: str, pin_name: str):
+    return ray.get(_conductor(name, namespace).unpin_prefix.remote(pin_name))
+
+
 def down(name: str, namespace: str, progress: Callable[[str], None]) -> list[str]:
     """Remove every actor of cluster ``name``: fronts first (no new requests), then workers,
     stores, the conductor and Redis. Returns the names removed (none: nothing was up)."""

@@ -38,6 +38,7 @@ class GatewayHost:
         self._http = None
         self._router = None
         self._gauges = None
+        self._tokenizer = None
 
     async def start(self) -> FrontAddresses:
         if self._addresses is not None:
@@ -50,7 +51,7 @@ class GatewayHost:
 
         cfg, model = self._config, self._model
         conductor = ray.get_actor(self._conductor_name, namespace=cfg.ray.namespace)
-        tokenizer = await asyncio.to_thread(PromptTokenizer, model.path)
+        tokenizer = self._tokenizer = await asyncio.to_thread(PromptTokenizer, model.path)
         max_len = min(cfg.engine.max_model_len_tokens or model.max_model_len, model.max_model_len)
         self._router = LiveRouter(conductor, cfg.ray.namespace)
         self._router.start()
@@ -82,6 +83,12 @@ class GatewayHost:
                 await self._gateway.set_serving(ready)
                 serving = ready
             await asyncio.sleep(0.5)
+
+    async def tokenize(self, text: str) -> list[int]:
+        """``text``'s token ids, as the fronts tokenize a prompt (for ``baton pin``)."""
+        if self._tokenizer is None:
+            raise RuntimeError("the fronts have not started yet")
+        return self._tokenizer.encode_text(text)
 
     async def addresses(self) -> FrontAddresses | None:
         return self._addresses

@@ -48,7 +48,8 @@ KV_TRANSFER_BYTES = Counter("baton_kv_transfer_bytes",
 KV_TRANSFER_SECONDS = Counter("baton_kv_transfer_seconds",
                               "Seconds engines spent loading KV from the KV store, by path "
                               "(from the workers' connector counters).", ["path"])
-STORE_BLOCKS = Gauge("baton_kv_store_blocks", "Blocks a store node holds, by tier.",
+STORE_BLOCKS = Gauge("baton_kv_store_blocks", "Blocks a store node holds, by tier (host, disk; "
+                     "host_soft_pinned: of host, those of operator-pinned prefixes).",
                      ["node", "tier"])
 STORE_EVENTS = Gauge(
     "baton_kv_store_events",
@@ -164,8 +165,10 @@ def set_pool_gauges(status) -> None:
     for store in status.stores:
         STORE_BLOCKS.labels(store.node_id, "host").set(store.host_used_blocks)
         STORE_BLOCKS.labels(store.node_id, "disk").set(store.disk_used_blocks)
+        STORE_BLOCKS.labels(store.node_id, "host_soft_pinned").set(
+            store.counters.get("soft_pinned_blocks", 0))
         for event, count in store.counters.items():
-            if event != "disk_blocks":
+            if event not in ("disk_blocks", "soft_pinned_blocks"):
                 STORE_EVENTS.labels(store.node_id, event).set(count)
 
 

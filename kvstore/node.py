@@ -128,6 +128,7 @@ class KVStoreNode:
         self._checksums: dict[BlockKey, int] = {}  # of served blocks, until evicted
         self.demoted_blocks = 0
         self._directory: BlockDirectory | None = None
+        self._soft_pin_keys: set[BlockKey] = set()  # operator-pinned prefixes' blocks
         self._transfer_client = None  # created at the first pull
         self._warned_no_transfer = False
         self.pull_counters = {"pulled_blocks": 0, "pulled_bytes": 0, "pull_failures": 0}
@@ -172,8 +173,28 @@ class KVStoreNode:
     @_locked
     def commit(self, keys: Sequence[BlockKey]) -> None:
         self.store.commit(keys)
+        self._apply_soft_pins(keys)
         self._record(stored_host=keys)
         self._record_disk_removals()
+
+    @_locked
+    def set_soft_pins(self, keys: Sequence[BlockKey]) -> int:
+        """Make ``keys`` (the blocks of the prefixes operators pinned, e.g. system prompts) the
+        node's soft-pinned set: those present now and those stored later are evicted from host
+        memory only when nothing else can be. Replaces the previous set; returns how many of
+        the keys are in host memory now."""
+        wanted = set(keys)
+        for key in self._soft_pin_keys - wanted:
+            self.store.soft_unpin_prefix([key])
+        self._soft_pin_keys = wanted
+        self._apply_soft_pins(list(wanted))
+        return sum(key in self.store for key in wanted)
+
+    def _apply_soft_pins(self, keys: Sequence[BlockKey]) -> None:
+        if self._soft_pin_keys:
+            for key in keys:
+                if key in self._soft_pin_keys:
+                    self.store.soft_pin_prefix([key])
 
     @_locked
     def abort(self, keys: Sequence[BlockKey]) -> None:
@@ -188,6 +209,7 @@ class KVStoreNode:
         """Blocks moved between tiers, and the disk tier's own counters."""
         counters = {"promoted_blocks": self.promoted_blocks, "demoted_blocks": self.demoted_blocks,
                     "host_full_rejected_blocks": self.store.stats().reserve_rejected_blocks,
+                    "soft_pinned_blocks": self.store.stats().soft_pinned_blocks,
                     **self.pull_counters}
         if self.disk is not None:
             disk = self.disk.stats()
@@ -348,6 +370,7 @@ class KVStoreNode:
                 self.store.abort([key])
                 break
             self.store.commit([key])
+            self._apply_soft_pins([key])
             self.promoted_blocks += 1
             self._record(stored_host=[key])
         self._record_disk_removals()

@@ -169,6 +169,11 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     assert sorted(s["node_id"] for s in status["status"]["stores"]) == sorted(nodes.values())
 
     _mark("status ok")
+    # operators soft-pin the shared system prompt before traffic arrives
+    rc, out, err = await _acli(ray_cluster, *_ops("pin", "system", "--text", SHARED_PREFIX))
+    assert rc == 0, err
+    pinned_blocks = int(re.search(r"pinned 'system': (\d+) blocks", out).group(1))
+    assert pinned_blocks >= 1, out
     traffic = Traffic(f"127.0.0.1:{grpc_port}", concurrency=3)
     traffic.start()
     await asyncio.sleep(3)
@@ -186,6 +191,10 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     assert stores[nodes["decode"]]["pulled_blocks"] >= served_while_scaling_up
     assert stores[nodes["decode"]]["pull_failures"] == 0
     assert stores[nodes["prefill"]]["pulled_blocks"] == 0
+    # the pinned prefix arrived after the pin and is held soft-pinned where it was stored
+    assert stores[nodes["prefill"]]["counters"]["soft_pinned_blocks"] == pinned_blocks
+    rc, out, err = await _acli(ray_cluster, *_ops("unpin", "nosuch"))
+    assert rc == 4 and "no pinned prefix named 'nosuch'; pinned: system" in err
 
     # drain: one long stream in flight on a decode instance; it must finish before that goes
     long_request = asyncio.create_task(generate(f"127.0.0.1:{grpc_port}", text="a long answer",

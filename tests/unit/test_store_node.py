@@ -94,7 +94,8 @@ def test_without_a_disk_tier_evicted_blocks_are_dropped(tmp_path):
         write(node, b)
         assert len(read(node, a)) == 1
         assert node.tier_counters() == {"promoted_blocks": 0, "demoted_blocks": 0,
-                                        "host_full_rejected_blocks": 0, "pulled_blocks": 0,
+                                        "host_full_rejected_blocks": 0, "soft_pinned_blocks": 0,
+                                        "pulled_blocks": 0,
                                         "pulled_bytes": 0, "pull_failures": 0}
     finally:
         node.shutdown()
@@ -107,3 +108,25 @@ def test_the_arena_file_is_removed_on_shutdown(tmp_path):
     assert path.exists() and path.name.endswith(f"-{os.getpid()}.arena")
     node.shutdown()
     assert not path.exists()
+
+
+def test_a_soft_pinned_prefix_stays_in_host_memory_while_newer_blocks_are_demoted(node):
+    """The operator pin covers blocks present when it is set (``system``) and blocks stored
+    after it (``late``); unpinning lets them age out like any others."""
+    system, late, traffic = chain(1, 2), chain(2, 1), [chain(seed, 1) for seed in range(3, 11)]
+    write(node, system)
+    assert node.set_soft_pins([*system, *late]) == 2
+    write(node, late)
+    assert node.tier_counters()["soft_pinned_blocks"] == 3
+
+    for keys in traffic:  # 8 newer blocks through the one unpinned slot of a 4-block host tier
+        write(node, keys)
+
+    assert node.store.match_prefix(system) == 2 and node.store.match_prefix(late) == 1
+    assert node.store.match_prefix(traffic[0]) == 0  # the unpinned older traffic went to disk
+    assert node.set_soft_pins([]) == 0
+    assert node.tier_counters()["soft_pinned_blocks"] == 0
+    for keys in traffic[:4]:
+        write(node, keys)
+    assert node.store.match_prefix(system) == 0
+    node.store.check_invariants()
