@@ -172,20 +172,20 @@ def test_crash_between_temp_write_and_replace_leaves_no_visible_block(
 def test_full_disk_rejects_put_without_partial_file(tmp_path: Path, monkeypatch, caplog) -> None:
     tier = make_tier(tmp_path, 4)
     put(tier, "A")
-    real_write = os.write
+    real_pwritev = os.pwritev
     calls = []
 
-    def write_then_enospc(fd, data):
-        calls.append(len(data))
-        if len(calls) == 1:
-            return real_write(fd, bytes(data)[:10])  # a short write, then the disk is full
+    def write_then_enospc(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) == 1:  # a short write, then the disk is full
+            return real_pwritev(fd, [bytes(buffers[0])[:10]], offset)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_tier.os, "write", write_then_enospc)
+    monkeypatch.setattr(disk_tier.os, "pwritev", write_then_enospc)
     with caplog.at_level(logging.WARNING, logger="kvstore.disk_tier"):
         assert not tier.put(k("B"), k("A"), payload("B"))
     monkeypatch.undo()
-    assert len(calls) == 2
+    assert calls == [0, 10]  # the second write resumed where the short one stopped
     assert "disk full" in caplog.text and key_hex(k("B")) in caplog.text
     assert tier.stats().write_errors == 1
     assert not tier.contains(k("B"))
@@ -193,6 +193,22 @@ def test_full_disk_rejects_put_without_partial_file(tmp_path: Path, monkeypatch,
     tier.check_invariants()
     assert tier.stats().evictable_blocks == 1  # A is a leaf again: B never arrived
     assert put(tier, "B", "A")  # space came back
+
+
+def test_short_writes_resume_until_the_block_is_whole(tmp_path: Path, monkeypatch) -> None:
+    tier = make_tier(tmp_path, 4)
+    real_pwritev = os.pwritev
+    offsets = []
+
+    def at_most_7_bytes(fd, buffers, offset):
+        offsets.append(offset)
+        return real_pwritev(fd, [bytes(b"".join(bytes(b) for b in buffers)[:7])], offset)
+
+    monkeypatch.setattr(disk_tier.os, "pwritev", at_most_7_bytes)
+    assert put(tier, "A")
+    monkeypatch.undo()
+    assert offsets == list(range(0, FILE_BYTES, 7))
+    assert tier.get(k("A")) == payload("A")
 
 
 # -- corruption ------------------------------------------------------------------------------------
