@@ -12,6 +12,7 @@ The ingest rate is measured on that fill. Figures are wall time on this machine,
 
 from __future__ import annotations
 
+import array
 import json
 import random
 import time
@@ -33,17 +34,19 @@ INSTANCES_PER_NODE = 8
 
 
 def _fill(index: KvIndex, prefill_ids: list[str], num_blocks: int, rng: random.Random,
-          progress=None) -> tuple[list[list[int]], float]:
+          progress=None) -> tuple[list[array.array], float]:
     """Publish chains of ``CHAIN_BLOCKS`` blocks to random instances until ``num_blocks`` blocks
     are indexed; returns the chains' token lists and the ingest rate (blocks/s)."""
     encoder = msgspec.msgpack.Encoder()
-    chains: list[list[int]] = []
+    chains: list[array.array] = []
     seqs = {i: 0 for i in prefill_ids}
     batches: list[tuple[str, int, bytes]] = []
     num_chains = -(-num_blocks // CHAIN_BLOCKS)
     for c in range(num_chains):
         tokens = rng.choices(range(50_000), k=CHAIN_BLOCKS * BLOCK_TOKENS)
-        chains.append(tokens)
+        # kept as arrays: a million ints in lists would be the garbage collector's biggest job
+        # during the timed decisions (~200 ms per full pass), which the conductor never has
+        chains.append(array.array("I", tokens))
         holder = prefill_ids[c % len(prefill_ids)]
         base = c * CHAIN_BLOCKS
         # one event per 16 blocks, chained by vLLM-style hashes (ints here, as vLLM may send)
@@ -82,7 +85,7 @@ def bench_decisions(num_prefill: int, num_blocks: int, num_decisions: int, seed:
     for i in range(num_decisions):
         if i % 2 == 0:  # extends an indexed chain by a random amount
             shared = rng.randrange(1, CHAIN_BLOCKS) * BLOCK_TOKENS
-            tokens = rng.choice(chains)[:shared] + rng.choices(range(50_000), k=CHAIN_BLOCKS * BLOCK_TOKENS - shared)
+            tokens = list(rng.choice(chains)[:shared]) + rng.choices(range(50_000), k=CHAIN_BLOCKS * BLOCK_TOKENS - shared)
         else:
             tokens = rng.choices(range(50_000), k=CHAIN_BLOCKS * BLOCK_TOKENS)
         keys = tuple(block_keys(tokens, BLOCK_TOKENS, extras))

@@ -221,9 +221,10 @@ class KvIndex:
                         self.num_untranslatable_blocks += len(event.block_hashes)
                         continue
                 keys = chain_keys(parent, event.token_ids, event.block_size)
-                for vllm_hash, key in zip(event.block_hashes, keys):
-                    mapping[vllm_hash] = key
-                    device[key] = device.get(key, 0) | bit
+                mapping.update(zip(event.block_hashes, keys))
+                get = device.get
+                for key in keys:
+                    device[key] = get(key, 0) | bit
             elif isinstance(event, BlockRemoved):
                 keep = ~bit
                 for vllm_hash in event.block_hashes:

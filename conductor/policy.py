@@ -94,6 +94,32 @@ class PrefixHit(msgspec.Struct, frozen=True):
 NO_HIT = PrefixHit()
 
 
+class PoolArrays(msgspec.Struct, frozen=True):
+    """The prefill pool's queue terms as arrays aligned with ``ClusterSnapshot.prefill``, kept by
+    ``ConductorState`` as it patches views. With them the cost-aware policies price every
+    instance without a prefix hit in a few vector operations instead of a Python loop; the
+    result is bit for bit what the loop computes (same float operations, first listed on ties).
+    """
+
+    queued_prefill_ms: object  # np.ndarray[float64]: view.queued_prefill_ms
+    queued_prefill_tokens: object  # np.ndarray[int64]: view.num_queued_prefill_tokens
+    node_codes: object  # np.ndarray[int64]: a small int per node_id ('' is -1)
+    node_code: Mapping[str, int]
+    position: Mapping[str, int]
+    """instance id → its index in the pool."""
+
+    @classmethod
+    def of(cls, views: Sequence["InstanceView"]) -> "PoolArrays":
+        import numpy as np
+
+        codes: dict[str, int] = {}
+        node_codes = [(-1 if not v.node_id else codes.setdefault(v.node_id, len(codes))) for v in views]
+        return cls(np.array([v.queued_prefill_ms for v in views], dtype=np.float64),
+                   np.array([v.num_queued_prefill_tokens for v in views], dtype=np.int64),
+                   np.array(node_codes, dtype=np.int64), codes,
+                   {v.instance_id: i for i, v in enumerate(views)})
+
+
 class ClusterSnapshot(msgspec.Struct, frozen=True):
     """The pools at one instant, the count of placements made so far (the RR cursor and seed),
     and the KV index as this request sees it: ``prefix_hits[instance_id]`` for any instance in
@@ -103,6 +129,8 @@ class ClusterSnapshot(msgspec.Struct, frozen=True):
     decode: tuple[InstanceView, ...]
     num_placed: int = 0
     prefix_hits: Mapping[str, PrefixHit] = msgspec.field(default_factory=dict)
+    prefill_arrays: PoolArrays | None = None
+    """``prefill`` as arrays (optional: policies fall back to a loop without them)."""
 
     def hit(self, instance_id: str) -> PrefixHit:
         return self.prefix_hits.get(instance_id, NO_HIT)
@@ -206,10 +234,13 @@ def _rng(snapshot: ClusterSnapshot, request: PlacementRequest) -> _random.Random
 
 def _decode_by_load(snapshot: ClusterSnapshot) -> InstanceView:
     """Fewest running + waiting sequences, then lowest KV use, then fewest active blocks."""
-    return min(
-        _ready(snapshot.decode, "decode"),
-        key=lambda v: (_load(v), v.kv_usage_frac, v.num_active_decode_blocks),
-    )
+    ready = _ready(snapshot.decode, "decode")
+    # the load alone usually decides: the full key is built only for the instances tied on it
+    least = min([v.num_running_reqs + v.num_waiting_reqs for v in ready])
+    tied = [v for v in ready if v.num_running_reqs + v.num_waiting_reqs == least]
+    if len(tied) == 1:
+        return tied[0]
+    return min(tied, key=lambda v: (v.kv_usage_frac, v.num_active_decode_blocks))
 
 
 def _decode_terms(view: InstanceView) -> str:
@@ -434,6 +465,8 @@ _NO_HIT_ID = "\x00no-hit"
 def _best_hit_source(snapshot: ClusterSnapshot, views: Sequence[InstanceView]) -> InstanceView | None:
     """``_best_source`` over the instances with a hit (None when no instance has one)."""
     hits = snapshot.prefix_hits
+    if not any(hit.num_blocks for hit in hits.values()):
+        return None
     holders = [v for v in views if v.instance_id in hits and hits[v.instance_id].num_blocks]
     return _best_source(snapshot, holders) if holders else None
 
@@ -443,6 +476,9 @@ def _cheapest(prefill: Sequence[InstanceView], scan: _Scan,
               always_pull: bool) -> tuple[InstanceView, float, InstanceView | None, float]:
     """(best view, its T, best view without a pull, its T), first listed on ties. An instance
     without a hit pulls the best run when ``always_pull`` (Mooncake) or when that is faster."""
+    arrays = scan.snapshot.prefill_arrays
+    if arrays is not None and prefill is scan.snapshot.prefill:
+        return _cheapest_vectorized(prefill, arrays, scan, option_for_hit, always_pull)
     holders = {i for i, hit in scan.snapshot.prefix_hits.items() if hit.num_blocks}
     config, recompute_ms, best = scan.config, scan.recompute_ms, scan.best
     best_node = best.node_id if best is not None else ""
@@ -473,6 +509,47 @@ def _cheapest(prefill: Sequence[InstanceView], scan: _Scan,
         if not pulled and t < local_t:
             local_view, local_t = view, t
     return best_view, best_t, local_view, local_t
+
+
+def _cheapest_vectorized(prefill: Sequence[InstanceView], arrays: PoolArrays, scan: _Scan,
+                         option_for_hit: Callable[[InstanceView], PrefillPrice],
+                         always_pull: bool) -> tuple[InstanceView, float, InstanceView | None, float]:
+    """``_cheapest`` over the pool's arrays: the same float operations in the same order, so
+    the same totals, and ``argmin`` keeps the first listed of equal ones, as the loop does."""
+    import numpy as np
+
+    if not prefill:
+        return None, math.inf, None, math.inf
+    config, recompute_ms, best = scan.config, scan.recompute_ms, scan.best
+    q = arrays.queued_prefill_ms
+    stale = (q <= 0) & (arrays.queued_prefill_tokens > 0)
+    if stale.any():  # a view without a priced queue: price its tokens, as _queue_ms does
+        q = q.copy()
+        for i in np.flatnonzero(stale):
+            q[i] = _queue_ms(prefill[i], config)
+    t = (0.0 + q) + recompute_ms
+    pulled = np.zeros(len(prefill), dtype=bool)
+    if best is not None:
+        best_node = best.node_id
+        same_transfer, same_prefill = scan.pull_terms(InstanceView(_NO_HIT_ID, node_id=best_node))
+        other_transfer, other_prefill = scan.pull_terms(InstanceView(_NO_HIT_ID, node_id=""))
+        t_pull = (other_transfer + q) + other_prefill
+        if best_node and best_node in arrays.node_code:
+            same = arrays.node_codes == arrays.node_code[best_node]
+            t_pull = np.where(same, (same_transfer + q) + same_prefill, t_pull)
+        pulled = np.ones(len(prefill), dtype=bool) if always_pull else t_pull < t
+        t = np.where(pulled, t_pull, t)
+    for instance_id, hit in scan.snapshot.prefix_hits.items():
+        i = arrays.position.get(instance_id)
+        if i is not None and hit.num_blocks:
+            option = option_for_hit(prefill[i])
+            t[i], pulled[i] = option.total_ms, bool(option.num_pulled_blocks)
+    i = int(np.argmin(t))
+    local = np.where(pulled, math.inf, t)
+    j = int(np.argmin(local))
+    local_t = float(local[j])
+    return (prefill[i], float(t[i]),
+            prefill[j] if local_t < math.inf else None, local_t)
 
 
 def mooncake_options(snapshot: ClusterSnapshot, request: PlacementRequest,
@@ -565,7 +642,9 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
                f"uncached suffix {suffix_tokens} tokens < short_prefill_tokens {config.short_prefill_tokens}")
         reason = f"colocated: {why}; {chosen.describe()}; {_decode_terms(d)}"
         return _placed(chosen, d, "baton", reason)
-    best = _best_hit_source(snapshot, prefill + tuple(v for v in snapshot.decode if v.ready))
+    best = None
+    if any(hit.num_blocks for hit in snapshot.prefix_hits.values()):  # else skip the pool copy
+        best = _best_hit_source(snapshot, prefill + tuple(v for v in snapshot.decode if v.ready))
     scan = _Scan(snapshot, request, config, best)
 
     def option_for_hit(view: InstanceView) -> PrefillPrice:

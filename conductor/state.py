@@ -30,6 +30,7 @@ from conductor.policy import (
     Overloaded,
     PlacementRequest,
     PolicyConfig,
+    PoolArrays,
     admit,
     with_prices,
 )
@@ -128,7 +129,9 @@ class ConductorState:
         """Instance id → its index in its pool's list."""
         self._busy: OrderedDict[str, None] = OrderedDict()
         """Instances with prefills in flight, least recently refreshed first."""
-        """Instances with prefills in flight."""
+        self._prefill_arrays: PoolArrays | None = None
+        """The prefill pool's queue terms as arrays (``PoolArrays``), patched with the views."""
+        self._prefill_arrays_snapshot: PoolArrays | None = None
         self._inflight_keys: dict[bytes, str] = {}
         """Block key → the in-flight prefill computing it (the first one placed)."""
         self.counters = PlacementCounters()
@@ -272,7 +275,12 @@ class ConductorState:
         )
         position = self._positions.get(instance_id)
         if position is not None:  # patch the pool in place; membership is unchanged
-            self._pool_lists[inst.role][position] = self._views[instance_id]
+            view = self._views[instance_id]
+            self._pool_lists[inst.role][position] = view
+            arrays = self._prefill_arrays
+            if inst.role == "prefill" and arrays is not None:
+                arrays.queued_prefill_ms[position] = view.queued_prefill_ms
+                arrays.queued_prefill_tokens[position] = view.num_queued_prefill_tokens
         self._pools[inst.role] = None
 
     def snapshot(self, prefix_hits: dict | None = None) -> ClusterSnapshot:
@@ -292,9 +300,16 @@ class ConductorState:
                     ids = self.instance_ids(role)
                     views = self._pool_lists[role] = [self._views[i] for i in ids]
                     self._positions.update({i: n for n, i in enumerate(ids)})
+                    if role == "prefill":
+                        self._prefill_arrays = PoolArrays.of(views)
                 self._pools[role] = tuple(views)
+                if role == "prefill":  # the snapshot's own copy: later patches do not reach it
+                    live = self._prefill_arrays
+                    self._prefill_arrays_snapshot = msgspec.structs.replace(
+                        live, queued_prefill_ms=live.queued_prefill_ms.copy(),
+                        queued_prefill_tokens=live.queued_prefill_tokens.copy())
         return ClusterSnapshot(self._pools["prefill"], self._pools["decode"], self.counters.placed,
-                               prefix_hits or {})
+                               prefix_hits or {}, self._prefill_arrays_snapshot)
 
     # ------------------------------------------------------------------ decisions
 

@@ -23,6 +23,7 @@ from conductor.policy import (
     Overloaded,
     PlacementRequest,
     PolicyConfig,
+    PoolArrays,
     PrefixHit,
     baton,
     baton_options,
@@ -471,10 +472,20 @@ def reference_choice(name, snapshot, request, config):
 
 
 @pytest.mark.parametrize("name", ["baton", "mooncake"])
+@pytest.mark.parametrize("arrays", [False, True], ids=["loop", "vectorized"])
 @settings(max_examples=200, deadline=None)
-@given(scenario=scenarios())
-def test_the_one_pass_scan_chooses_exactly_what_full_pricing_chooses(name, scenario):
+@given(scenario=scenarios(), tie_prone_queues=st.lists(st.sampled_from([0.0, 0.5, 2.5, 1e3]),
+                                                       min_size=6, max_size=6))
+def test_the_one_pass_scan_chooses_exactly_what_full_pricing_chooses(name, arrays, scenario,
+                                                                     tie_prone_queues):
+    """Both scans (the loop, and the vector one over ``PoolArrays`` that the conductor's state
+    keeps) choose what pricing every instance does, to the last bit and first listed on ties."""
     snapshot, request = scenario
+    if arrays:  # all ready (the vector scan's case) and queues that often tie
+        prefill = tuple(msgspec.structs.replace(v, ready=True, queued_prefill_ms=q)
+                        for v, q in zip(snapshot.prefill, tie_prone_queues))
+        snapshot = msgspec.structs.replace(snapshot, prefill=prefill,
+                                           prefill_arrays=PoolArrays.of(prefill))
     config = PolicyConfig(short_prefill_tokens=0)
     try:
         placement = POLICIES[name](snapshot, request, config)
