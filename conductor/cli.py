@@ -92,6 +92,8 @@ def generate(
     timeout: float = typer.Option(300.0, help="Seconds before giving up."),
     api_key: str = typer.Option("", envvar="BATON_API_KEY", show_default=False,
                                 help="API key, when the cluster requires one (or $BATON_API_KEY)."),
+    tls_ca: Optional[Path] = typer.Option(None, envvar="BATON_TLS_CA",
+                                          help="PEM CA to trust: connect over TLS (or $BATON_TLS_CA)."),
 ) -> None:
     """Send one request to a running gateway and stream the answer, then print usage."""
     from conductor.client import GenerateFailed, generate as run_generate
@@ -108,7 +110,11 @@ def generate(
             target, text=text, chat=chat, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt, model=model,
             on_delta=on_delta, timeout_s=timeout, api_key=api_key,
+            tls_ca_file=str(tls_ca) if tls_ca else None,
         ))
+    except OSError as exc:  # the CA file
+        err.print(f"[red]error:[/red] cannot read --tls-ca {tls_ca}: {exc.strerror}")
+        raise typer.Exit(2) from exc
     except GenerateFailed as exc:
         err.print(f"[red]error:[/red] {exc.status}: {exc.details}")
         raise typer.Exit(1) from exc

@@ -66,6 +66,15 @@ def build_request(
     return request
 
 
+def open_channel(target: str, tls_ca_file: str | None = None) -> grpc.aio.Channel:
+    """A channel to the gateway: TLS when ``tls_ca_file`` names the PEM roots to trust."""
+    if tls_ca_file is None:
+        return grpc.aio.insecure_channel(target)
+    with open(tls_ca_file, "rb") as f:
+        roots = f.read()
+    return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=roots))
+
+
 async def generate(
     target: str,
     text: str | None = None,
@@ -82,6 +91,7 @@ async def generate(
     on_delta: DeltaCallback | None = None,
     timeout_s: float | None = None,
     api_key: str = "",
+    tls_ca_file: str | None = None,
 ) -> dict[str, Any]:
     """Run one Generate RPC against ``target`` (``host:port``) and return its result.
 
@@ -89,7 +99,8 @@ async def generate(
     ``text``, ``token_ids``, ``finish_reason``, ``usage`` (``prompt_tokens``,
     ``cached_tokens``, ``completion_tokens``, ``loaded_tokens``, ``ttft_ms``, ``e2e_ms``),
     ``placement`` (``prefill``, ``decode``, ``policy``, ``reason``) and ``request_id``.
-    Raises ``GenerateFailed`` when the RPC fails or ends without a final message.
+    With ``tls_ca_file`` (PEM roots to trust) the call goes over TLS. Raises
+    ``GenerateFailed`` when the RPC fails or ends without a final message.
     """
     request = build_request(
         text=text,
@@ -107,7 +118,7 @@ async def generate(
     text_parts: list[str] = []
     all_token_ids: list[int] = []
     final: pb.Final | None = None
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with open_channel(target, tls_ca_file) as channel:
         stub = pb_grpc.InferenceStub(channel)
         try:
             metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None

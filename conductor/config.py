@@ -27,6 +27,34 @@ class GatewayConfig(BaseModel):
     enabled: bool = Field(True, description="Serve the gRPC Inference API.")
     host: str = Field("127.0.0.1", description="Address the gRPC gateway binds.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    tls_cert_file: str | None = Field(
+        None, description="PEM certificate chain: set it (with tls_key_file) and the gateway "
+        "serves TLS only; unset: plaintext (keep it on loopback or a private network)."
+    )
+    tls_key_file: str | None = Field(
+        None, description="PEM private key of tls_cert_file; read from the file, never logged."
+    )
+
+    @model_validator(mode="after")
+    def _tls_needs_both_files(self) -> "GatewayConfig":
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("gateway TLS needs both tls_cert_file and tls_key_file (or neither)")
+        return self
+
+    def tls_credentials(self) -> tuple[bytes, bytes] | None:
+        """(private key, certificate chain) PEM bytes, or None without TLS; ``ConfigError``
+        naming the file when one cannot be read."""
+        from conductor.errors import ConfigError
+
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        pems = []
+        for field, path in (("tls_key_file", self.tls_key_file), ("tls_cert_file", self.tls_cert_file)):
+            try:
+                pems.append(Path(path).read_bytes())
+            except OSError as e:
+                raise ConfigError(f"gateway.{field}: cannot read {path}: {e.strerror}") from e
+        return pems[0], pems[1]
 
 
 class HttpConfig(BaseModel):

@@ -274,8 +274,10 @@ async def start_gateway(
     host: str,
     port: int,
     max_receive_message_bytes: int = DEFAULT_MAX_RECEIVE_MESSAGE_BYTES,
+    tls: tuple[bytes, bytes] | None = None,
 ) -> RunningGateway:
-    """Serve ``servicer`` with health checking and reflection on ``host:port`` and start.
+    """Serve ``servicer`` with health checking and reflection on ``host:port`` and start;
+    with ``tls`` (PEM private key, certificate chain) over TLS only.
 
     ``port`` 0 binds an ephemeral port; the bound one is ``RunningGateway.port``. Health
     reports SERVING until ``RunningGateway.set_serving(False)`` or ``stop``.
@@ -294,7 +296,11 @@ async def start_gateway(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     try:
-        bound_port = server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            bound_port = server.add_insecure_port(f"{host}:{port}")
+        else:
+            credentials = grpc.ssl_server_credentials([tls])
+            bound_port = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError as e:
         raise ConfigError(
             f"the gateway could not bind {host}:{port} ({e}); pick a free port"

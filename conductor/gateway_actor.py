@@ -61,7 +61,8 @@ class GatewayHost:
         grpc_port = http_port = None
         if cfg.gateway.enabled:
             servicer = InferenceServicer(self._router, tokenizer, model.name, max_len, api_keys=api_keys)
-            self._gateway = await start_gateway(servicer, cfg.gateway.host, cfg.gateway.port)
+            self._gateway = await start_gateway(servicer, cfg.gateway.host, cfg.gateway.port,
+                                                 tls=cfg.gateway.tls_credentials())
             grpc_port = self._gateway.port
             asyncio.get_running_loop().create_task(self._serving_when_ready())
         if cfg.http.enabled:

@@ -84,7 +84,8 @@ class BatonServer:
                                      api_keys=api_keys)
         if self.config.gateway.enabled:
             self.gateway = await start_gateway(
-                servicer, self.config.gateway.host, self.config.gateway.port
+                servicer, self.config.gateway.host, self.config.gateway.port,
+                tls=self.config.gateway.tls_credentials(),
             )
             await self.gateway.set_serving(False)
             self.progress(f"gateway listening on {self.target} (not serving until workers are ready)")

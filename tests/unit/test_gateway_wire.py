@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -438,3 +439,65 @@ async def test_an_early_rejection_is_resource_exhausted_with_a_retry_after_hint(
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert info.value.details() == "predicted TTFT 900.0 ms exceeds ttft_slo_ms 500"
     assert dict(info.value.trailing_metadata())["retry-after-ms"] == "2250"
+
+
+def _self_signed(tmp_path, name: str) -> tuple[Path, Path]:
+    """A throw-away CA-less certificate for 127.0.0.1 (its own root), as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+async def test_tls_is_one_switch_and_plaintext_or_untrusted_clients_are_refused(tokenizer, tmp_path):
+    from conductor.config import GatewayConfig
+
+    cert, key = _self_signed(tmp_path, "gateway")
+    other_ca, _ = _self_signed(tmp_path, "impostor")
+    config = GatewayConfig(port=0, tls_cert_file=str(cert), tls_key_file=str(key))
+    servicer = InferenceServicer(FakeRouter(), tokenizer, SERVED, MAX_MODEL_LEN)
+    running = await start_gateway(servicer, config.host, config.port, tls=config.tls_credentials())
+    target = f"127.0.0.1:{running.port}"
+    try:
+        result = await client.generate(target, text="hi", tls_ca_file=str(cert), timeout_s=10)
+        assert result["token_ids"] == [5, 6, 7, 8] and result["finish_reason"] == "stop"
+        for ca in (None, str(other_ca)):  # plaintext, or a certificate it does not trust
+            with pytest.raises(client.GenerateFailed) as caught:
+                await client.generate(target, text="hi", tls_ca_file=ca, timeout_s=5)
+            assert caught.value.status == "UNAVAILABLE"
+    finally:
+        await running.stop(None)
+
+
+def test_tls_needs_both_files_and_readable_ones(tmp_path):
+    from pydantic import ValidationError
+
+    from conductor.config import GatewayConfig
+    from conductor.errors import ConfigError
+
+    with pytest.raises(ValidationError, match="needs both tls_cert_file and tls_key_file"):
+        GatewayConfig(tls_cert_file="cert.pem")
+    missing = GatewayConfig(tls_cert_file=str(tmp_path / "c.pem"), tls_key_file=str(tmp_path / "k.pem"))
+    with pytest.raises(ConfigError, match="gateway.tls_key_file: cannot read .*k.pem"):
+        missing.tls_credentials()
