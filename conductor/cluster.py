@@ -125,10 +125,10 @@ class LocalCluster:
         self.progress(f"preparing model '{cfg.engine.model}'")
         self.model = prepare_model(cfg.engine.model, progress=self.progress)
         if cfg.redis.url:
-            self.redis_url = cfg.redis.url
+            self.redis_url = cfg.redis.client_url(cfg.redis.url)
         else:
             self.progress("starting local redis-server")
-            self.redis = start_local_redis()
+            self.redis = start_local_redis(password=cfg.redis.password())
             self.redis_url = self.redis.url
         policy_config = policy_config_for(cfg, self.model)
         self._start_ray()

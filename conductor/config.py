@@ -122,6 +122,31 @@ class RedisConfig(BaseModel):
     url: str | None = Field(
         None, description="redis:// URL of the metadata server; unset: start a local one."
     )
+    password_file: str | None = Field(
+        None, description="File holding the Redis password: a local server is started with it, "
+        "and every client authenticates with it. Never in this config, never logged."
+    )
+
+    def password(self) -> str | None:
+        """The password from ``password_file`` (None without one); ``ConfigError`` if unreadable."""
+        from conductor.errors import ConfigError
+
+        if self.password_file is None:
+            return None
+        try:
+            password = Path(self.password_file).read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"redis.password_file: cannot read {self.password_file}: {e.strerror}") from e
+        if not password or any(c in password for c in '"\\\n'):
+            raise ConfigError(f"redis.password_file {self.password_file}: the password must be one "
+                              "non-empty line without quotes or backslashes")
+        return password
+
+    def client_url(self, url: str) -> str:
+        """``url`` with this config's password in it (unless the URL has its own)."""
+        from kvstore.redis_server import with_password
+
+        return with_password(url, self.password())
 
 
 class RayConfig(BaseModel):

@@ -41,10 +41,10 @@ class RedisHost:
     """A Redis server owned by a detached actor (it dies with the actor): for clusters without
     ``redis.url``. Production clusters should point ``redis.url`` at a managed Redis."""
 
-    def __init__(self) -> None:
+    def __init__(self, password: str | None = None) -> None:
         from kvstore.redis_server import start_local_redis
 
-        self._redis = start_local_redis()
+        self._redis = start_local_redis(password=password)
 
     def url(self) -> str:
         return self._redis.url
@@ -111,13 +111,13 @@ def up(cfg: ClusterConfig, progress: Callable[[str], None], timeout_s: float) ->
     already_up = conductor is not None
     scale_results: list[ScaleResult] = []
     if not already_up:
-        redis_url = cfg.redis.url
+        redis_url = cfg.redis.client_url(cfg.redis.url) if cfg.redis.url else None
         if redis_url is None:
             progress("starting redis-server (redis.url is unset)")
             redis = (ray.remote(RedisHost)
                      .options(name=names["redis"], namespace=ns, lifetime="detached", num_cpus=0,
                               get_if_exists=True, scheduling_strategy=_near_driver())
-                     .remote())
+                     .remote(cfg.redis.password()))
             redis_url = ray.get(redis.url.remote())
         progress("starting the conductor")
         conductor = (ray.remote(Conductor)

@@ -54,17 +54,41 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def with_password(url: str, password: str | None) -> str:
+    """``url`` carrying ``password`` (redis-py reads it from the URL), unless it has one."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if not password or parts.password:
+        return url
+    netloc = f"{quote(parts.username or '', safe='')}:{quote(password, safe='')}@{parts.hostname}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def redacted(url: str) -> str:
+    """``url`` with any password masked: the only form of a Redis URL that goes into logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@")))
+
+
 @dataclass
 class LocalRedis:
-    """A running local server; ``url`` is what clients connect to."""
+    """A running local server; ``url`` is what clients connect to (with the password, if any)."""
 
     process: subprocess.Popen
     port: int
     workdir: Path
+    password: str | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return with_password(f"redis://127.0.0.1:{self.port}/0", self.password)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -76,29 +100,36 @@ class LocalRedis:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def start_local_redis(port: int = 0, timeout_s: float = 10.0) -> LocalRedis:
-    """Start ``redis-server`` on 127.0.0.1 (``port`` 0 picks a free one) and wait until it answers."""
+def start_local_redis(port: int = 0, timeout_s: float = 10.0,
+                      password: str | None = None) -> LocalRedis:
+    """Start ``redis-server`` on 127.0.0.1 (``port`` 0 picks a free one) and wait until it
+    answers. With ``password`` every client must authenticate; it reaches the server through a
+    config file in the server's private folder, never its command line (visible to ``ps``)."""
     import redis
 
     binary = find_redis_server()
     port = port or free_port()
-    workdir = Path(tempfile.mkdtemp(prefix="baton-redis-"))
+    workdir = Path(tempfile.mkdtemp(prefix="baton-redis-"))  # mode 0700
+    conf = workdir / "redis.conf"
+    conf.touch(mode=0o600)
+    if password:
+        conf.write_text(f'requirepass "{password}"\n')
     process = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir), "--protected-mode", "yes"],
+        [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(workdir), "--protected-mode", "yes"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         preexec_fn=_die_with_parent,
     )
     deadline = time.monotonic() + timeout_s
-    client = redis.Redis(host="127.0.0.1", port=port)
+    client = redis.Redis(host="127.0.0.1", port=port, password=password)
     while time.monotonic() < deadline:
         if process.poll() is not None:
             err = process.stderr.read().decode(errors="replace") if process.stderr else ""
             raise RedisUnavailable(f"redis-server exited with {process.returncode}: {err.strip()}")
         try:
             client.ping()
-            return LocalRedis(process=process, port=port, workdir=workdir)
+            return LocalRedis(process=process, port=port, workdir=workdir, password=password)
         except redis.ConnectionError:
             time.sleep(0.05)
     process.kill()

@@ -81,3 +81,35 @@ def test_a_node_that_stops_heartbeating_loses_its_entries(tmp_path, redis_url):
         doomed.shutdown()
     assert directory.nodes() == {}
     assert directory.locate(mine) == [{}, {}]
+
+
+def test_a_password_protected_redis_refuses_strangers_and_serves_the_store(tmp_path):
+    """``redis.password_file``: the local server requires the password (kept off its command
+    line), clients without it are refused, and a store node given the URL works as usual."""
+    import redis as redis_py
+
+    from conductor.config import RedisConfig
+    from kvstore.redis_server import redacted, start_local_redis
+
+    secret = tmp_path / "redis-password"
+    secret.write_text("correct-horse-battery\n")
+    config = RedisConfig(password_file=str(secret))
+    server = start_local_redis(password=config.password())
+    try:
+        assert "correct-horse-battery" not in " ".join(server.process.args)
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis(port=server.port).set("k", "v")
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis(port=server.port, password="guessed").ping()
+
+        url = config.client_url(f"redis://127.0.0.1:{server.port}/0")
+        assert url == server.url and redacted(url) == f"redis://:***@127.0.0.1:{server.port}/0"
+        node = _node(tmp_path, "n-auth", url)
+        try:
+            chain = keys(7, 2)
+            _write(node, chain)
+            assert BlockDirectory.from_url(url).locate(chain) == [{"n-auth": "host"}] * 2
+        finally:
+            node.shutdown()
+    finally:
+        server.stop()
