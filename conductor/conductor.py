@@ -200,6 +200,13 @@ class Conductor:
         """Block-key parameters of the served engines (None until one has registered)."""
         return self._key_scheme
 
+    async def report_failure(self, instance_id: str, error: str) -> None:
+        """A router saw ``instance_id`` die (its actor is gone): stop placing on it at once
+        rather than at the next stats poll. It comes back only if it answers a poll again."""
+        if self.state.role_of(instance_id) is not None and self.state.is_instance_ready(instance_id):
+            log.warning("instance %s failed (%s): no more placements on it", instance_id, error)
+            self.state.set_ready(instance_id, False)
+
     async def mark_ready(self, instance_id: str) -> None:
         self.state.set_ready(instance_id, True)
 

@@ -24,6 +24,13 @@ from kvstore.keys import KeyExtras, block_keys
 
 log = logging.getLogger(__name__)
 
+MAX_PREFILL_ATTEMPTS = 3
+"""Placements one request may get when its prefill worker dies before answering."""
+
+
+class PrefillWorkerDied(Exception):
+    """The prefill actor died before answering: nothing reached the client, so it is re-placed."""
+
 
 class LiveRouter:
     """Implements ``conductor.router.Router`` on a running Ray cluster."""
@@ -80,19 +87,25 @@ class LiveRouter:
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[RouterEvent]:
         timer = metrics.RequestTimer(time.perf_counter())
+        placement_request = await self._placement_request(request)
+        timer.kv_bytes_per_token = getattr(self._scheme, "kv_bytes_per_token", 0)
+        for attempt in range(MAX_PREFILL_ATTEMPTS):
+            placement = await self._place(placement_request)
+            try:
+                prefilled = await self._prefill(request, placement)
+                break
+            except PrefillWorkerDied as exc:
+                # nothing reached the client yet: close the books and place it again elsewhere
+                self._conductor.finished.remote(request.request_id)
+                metrics.RETRIES.labels("prefill_worker_died").inc()
+                if attempt + 1 == MAX_PREFILL_ATTEMPTS:
+                    raise WorkerFailed(f"{exc}; gave up after {MAX_PREFILL_ATTEMPTS} placements") from exc
+                log.warning("request %s: %s; placing it again", request.request_id, exc)
+            except BaseException:
+                self._conductor.finished.remote(request.request_id)
+                raise
         try:
-            placement_request = await self._placement_request(request)
-            timer.kv_bytes_per_token = getattr(self._scheme, "kv_bytes_per_token", 0)
-            placement: Placement = await self._conductor.place.remote(placement_request)
-        except RayTaskError as exc:
-            error = _unwrap(exc)
-            if isinstance(error, Overloaded):
-                metrics.REJECTIONS.labels(metrics.rejection_reason(str(error))).inc()
-            elif isinstance(error, NoWorkerReady):
-                metrics.REJECTIONS.labels("no_worker_ready").inc()
-            raise error from exc
-        try:
-            async for event in self._serve(request, placement):
+            async for event in self._serve(request, placement, prefilled):
                 if isinstance(event, Placed):
                     timer.placed(event.placement, event.prefill)
                 else:
@@ -100,6 +113,21 @@ class LiveRouter:
                 yield event
         finally:  # however it ended, the conductor's books must close
             self._conductor.finished.remote(request.request_id)
+
+    async def _place(self, placement_request: PlacementRequest) -> Placement:
+        try:
+            return await self._conductor.place.remote(placement_request)
+        except RayTaskError as exc:
+            error = _unwrap(exc)
+            if isinstance(error, Overloaded):
+                metrics.REJECTIONS.labels(metrics.rejection_reason(str(error))).inc()
+            elif isinstance(error, NoWorkerReady):
+                metrics.REJECTIONS.labels("no_worker_ready").inc()
+            raise error from exc
+
+    def _report_dead(self, instance_id: str, exc: BaseException) -> None:
+        self._handles.pop(instance_id, None)
+        self._conductor.report_failure.remote(instance_id, type(exc).__name__)
 
     async def _prefill(self, request: EngineRequest, placement: Placement) -> PrefillResult:
         if placement.prefill_instance == placement.decode_instance:
@@ -113,16 +141,16 @@ class LiveRouter:
         try:
             result = await self._handle(placement.prefill_instance).prefill.remote(
                 request, placement.priority)
-        except (RayActorError, ValueError) as exc:
-            self._handles.pop(placement.prefill_instance, None)
-            raise WorkerFailed(f"prefill instance {placement.prefill_instance} failed: {exc}") from exc
+        except (RayActorError, ValueError) as exc:  # the actor died, or its name is gone
+            self._report_dead(placement.prefill_instance, exc)
+            raise PrefillWorkerDied(f"prefill instance {placement.prefill_instance} died") from exc
         except RayTaskError as exc:
             raise _unwrap(exc) from exc
         self._conductor.prefill_done.remote(request.request_id, result.num_cached_tokens)
         return result
 
-    async def _serve(self, request: EngineRequest, placement: Placement) -> AsyncIterator[RouterEvent]:
-        prefilled = await self._prefill(request, placement)
+    async def _serve(self, request: EngineRequest, placement: Placement,
+                     prefilled: PrefillResult) -> AsyncIterator[RouterEvent]:
         yield Placed(placement, prefilled)
         if prefilled.node_id:  # the decode worker pulls the prompt's KV if it is elsewhere
             request = msgspec.structs.replace(request, kv_source_node=prefilled.node_id)
@@ -134,14 +162,18 @@ class LiveRouter:
             ) from exc
         chunks = decode.generate.options(num_returns="streaming").remote(request)
         finished = False
+        delivered = 0
         try:
             async for ref in chunks:
                 chunk: TokenChunk = await ref
                 finished = chunk.finish_reason is not None
+                delivered += len(chunk.token_ids)
                 yield chunk
         except RayActorError as exc:
-            self._handles.pop(placement.decode_instance, None)
-            raise WorkerFailed(f"decode instance {placement.decode_instance} failed: {exc}") from exc
+            self._report_dead(placement.decode_instance, exc)
+            raise WorkerFailed(
+                f"decode instance {placement.decode_instance} died after {delivered} tokens were "
+                "delivered; the request can be retried") from exc
         except RayTaskError as exc:
             raise _unwrap(exc) from exc
         finally:

@@ -58,6 +58,9 @@ STORE_EVENTS = Gauge(
     "failing: dropped instead of demoted), disk_corrupt_blocks (failed checksum: recomputed), "
     "pulled_blocks / pull_failures (cross-node transfers), promoted / demoted blocks.",
     ["node", "event"])
+RETRIES = Counter("baton_request_retries",
+                  "Requests placed again because their worker died before answering, by reason.",
+                  ["reason"])
 PLACEMENTS = Counter("baton_placement_decisions",
                      "Placements made, by policy and kind of decision.", ["policy", "reason"])
 REJECTIONS = Counter("baton_early_rejections",
@@ -73,7 +76,7 @@ METRIC_NAMES = (
     "baton_kv_transfer_bytes_total", "baton_kv_transfer_seconds_total",
     "baton_placement_decisions_total",
     "baton_early_rejections_total", "baton_request_success_total",
-    "baton_kv_store_blocks", "baton_kv_store_events",
+    "baton_kv_store_blocks", "baton_kv_store_events", "baton_request_retries_total",
 )
 """The series names as exposed (counters gain ``_total``; histograms add ``_bucket`` etc.)."""
 
