@@ -132,6 +132,43 @@ def generate(
     )
 
 
+@app.command()
+def chaos(
+    duration: float = typer.Option(60.0, help="Seconds of load."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Cluster config YAML."),
+    prefill: int = typer.Option(2, help="Prefill instances (at least 2: one may be down)."),
+    decode: int = typer.Option(2, help="Decode instances (at least 2: one may be down)."),
+    model: str = typer.Option("tiny", help="'tiny' (fast) or 'smollm2'."),
+    concurrency: int = typer.Option(4, help="Concurrent streams."),
+    kill_every: float = typer.Option(10.0, help="Seconds between worker kills."),
+    seed: int = typer.Option(0, help="Seed of the prompts, the streams and the victims."),
+    set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
+) -> None:
+    """Failure drill: a local cluster under sustained streaming load while prefill and decode
+    workers are killed at random and replaced. Prints and writes sent, completed, retried,
+    failed_clean, lost, wrong and leaked; exit code 1 when lost, wrong or leaked is not 0."""
+    from conductor.chaos import main as run_chaos
+    from conductor.config import load_config
+    from conductor.errors import ConfigError
+
+    if prefill < 2 or decode < 2:
+        err.print("[red]error:[/red] chaos needs --prefill >= 2 and --decode >= 2")
+        raise typer.Exit(2)
+    overrides = {"prefill.num_instances": prefill, "decode.num_instances": decode,
+                 "engine.model": model, "gateway.port": 0, "http.enabled": False,
+                 "name": "chaos", **_parse_overrides(set_)}
+    try:
+        cfg = load_config(config, overrides)
+        report = run_chaos(cfg, duration, concurrency, kill_every, json_path, seed,
+                           lambda msg: err.print(f"[cyan]chaos[/cyan] {msg}"))
+    except ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    if not report.ok:
+        raise typer.Exit(1)
+
+
 @bench_app.command("replay")
 def bench_replay(
     trace: Path = typer.Option(..., help="Mooncake-format trace (.jsonl)."),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -202,32 +203,61 @@ class LocalCluster:
 
     def _start_workers(self) -> None:
         cfg = self.config
-        wiring = StoreWiring(self.store_actor_name, self.namespace, "node0")
-        joins = ConductorWiring(self.conductor_name, self.namespace,
-                                ray.get(self.conductor.events_endpoint.remote()))
         plan = [("prefill", i) for i in range(cfg.prefill.num_instances)]
         plan += [("decode", i) for i in range(cfg.decode.num_instances)]
         binds = _omp_binds(cfg, len(plan))
         self._pending: dict[str, object] = {}
+        self._replace_lock = threading.Lock()
+        self._next_index = {"prefill": cfg.prefill.num_instances, "decode": cfg.decode.num_instances}
         for (role, index), bind in zip(plan, binds):
-            instance_id = f"{cfg.name}-{role}-{index}"
-            cls, resource = (PrefillWorker, PREFILL_RESOURCE) if role == "prefill" else (
-                DecodeWorker, DECODE_RESOURCE)
-            actor = (
-                ray.remote(cls)
-                .options(
-                    name=instance_id,
-                    namespace=self.namespace,
-                    num_cpus=0,
-                    resources={resource: 1},
-                    max_concurrency=1000,
-                    runtime_env={"env_vars": engine_env(cfg.engine, bind)},
-                )
-                .remote(instance_id, cfg.engine, self.model, wiring, joins)
+            self._start_worker(role, f"{cfg.name}-{role}-{index}", bind)
+
+    def _start_worker(self, role: str, instance_id: str, bind: str):
+        cfg = self.config
+        wiring = StoreWiring(self.store_actor_name, self.namespace, "node0")
+        joins = ConductorWiring(self.conductor_name, self.namespace,
+                                ray.get(self.conductor.events_endpoint.remote()))
+        cls, resource = (PrefillWorker, PREFILL_RESOURCE) if role == "prefill" else (
+            DecodeWorker, DECODE_RESOURCE)
+        actor = (
+            ray.remote(cls)
+            .options(
+                name=instance_id,
+                namespace=self.namespace,
+                num_cpus=0,
+                resources={resource: 1},
+                max_concurrency=1000,
+                runtime_env={"env_vars": engine_env(cfg.engine, bind)},
             )
-            self._actors.append(actor)
-            (self.prefill_ids if role == "prefill" else self.decode_ids).append(instance_id)
-            self._pending[instance_id] = actor.ready.remote()
+            .remote(instance_id, cfg.engine, self.model, wiring, joins)
+        )
+        self._actors.append(actor)
+        (self.prefill_ids if role == "prefill" else self.decode_ids).append(instance_id)
+        self._pending[instance_id] = actor.ready.remote()
+        return actor
+
+    def replace_worker(self, instance_id: str, timeout_s: float = 600.0) -> str:
+        """Kill ``instance_id`` (if it still runs), drop it from the conductor, and start a
+        fresh worker of the same role under the next index; returns the new id once its engine
+        is up. For failure drills (``baton chaos``): a real cluster replaces workers through
+        its pools (``baton scale``)."""
+        with self._replace_lock:  # replacements may run in several threads at once
+            role = "prefill" if instance_id in self.prefill_ids else "decode"
+            try:
+                ray.kill(self.actor(instance_id), no_restart=True)
+            except ValueError:
+                pass  # already gone
+            (self.prefill_ids if role == "prefill" else self.decode_ids).remove(instance_id)
+            new_id = f"{self.config.name}-{role}-{self._next_index[role]}"
+            self._next_index[role] += 1
+            actor = self._start_worker(role, new_id, "nobind")
+            ready = self._pending.pop(new_id)
+        ray.get(self.conductor.remove.remote(instance_id))
+        self.engine_start_s[new_id] = ray.get(ready, timeout=timeout_s)
+        ray.get(self.conductor.mark_ready.remote(new_id))
+        self.progress(f"{new_id} ready (engine start {self.engine_start_s[new_id]:.1f} s)")
+        del actor
+        return new_id
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Block until every worker's engine is up, telling the conductor as each one is."""

@@ -1,0 +1,206 @@
+"""``baton chaos``: sustained streaming load while workers are killed and replaced at random.
+
+Starts a whole local cluster (as ``baton serve`` does), computes each prompt's greedy answer once
+on a plain vLLM engine in this process (the reference), then for ``duration_s`` keeps
+``concurrency`` gRPC streams going over a pool of prompts that share prefixes, while every
+``kill_every_s`` a random prefill or decode worker is killed without warning and a fresh one
+started in its place. Every request ends in exactly one bucket:
+
+- ``completed``: the answer equals the reference token for token;
+- ``wrong``: an answer that differs (must be 0);
+- ``failed_clean``: a gRPC error with a defined status (e.g. UNAVAILABLE when the decode worker
+  died mid-stream: the message says how many tokens were delivered);
+- ``lost``: neither an answer nor an error before the client's deadline (must be 0).
+
+``retried`` counts requests the router placed again because their prefill worker died before
+answering (they then end in one of the buckets above). ``leaked``, measured once the load has
+stopped and the books had time to close: KV blocks still pinned in the store, requests still
+booked in the conductor, and sequences still running or waiting in the surviving engines (must
+be 0). Store nodes are not killed: the local cluster has one, and every worker depends on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+import ray
+
+from conductor import client, metrics
+from conductor.config import ClusterConfig
+from conductor.serve import BatonServer
+
+CLIENT_TIMEOUT_S = 120.0
+"""A request with no answer and no error by then is counted as lost."""
+
+
+class ChaosReport(msgspec.Struct):
+    sent: int = 0
+    completed: int = 0
+    retried: int = 0
+    failed_clean: int = 0
+    lost: int = 0
+    wrong: int = 0
+    leaked: int = 0
+    failed_by_status: dict[str, int] = {}
+    kills: list[str] = []
+    leaks: dict[str, int] = {}
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.lost == 0 and self.wrong == 0 and self.leaked == 0
+
+
+def prompt_pool(num_prompts: int, seed: int, block_tokens: int = 128) -> list[list[int]]:
+    """Prompts in groups that share a two-block prefix (so the KV store and the index matter),
+    each with its own tail."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(100, 30_000) for _ in range(2 * block_tokens)] for _ in range(3)]
+    return [prefixes[i % len(prefixes)] + [rng.randrange(100, 30_000) for _ in range(rng.randrange(8, 200))]
+            for i in range(num_prompts)]
+
+
+async def _references(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    import os
+
+    from engine.builder import build_engine_args, engine_env
+    from engine.config import EngineConfig
+    from engine.messages import EngineRequest, SamplingOptions
+
+    for name, value in engine_env(EngineConfig(model=model.name), "nobind").items():
+        os.environ.setdefault(name, value)  # before vLLM is imported in this process
+    from engine.runner import EngineRunner
+
+    runner = EngineRunner(build_engine_args(EngineConfig(model=model.name), model, "plain", "reference", None))
+    try:
+        answers = []
+        for i, prompt in enumerate(prompts):
+            request = EngineRequest(f"reference-{i}", tuple(prompt),
+                                    SamplingOptions(max_tokens=max_tokens, temperature=0.0))
+            tokens: list[int] = []
+            async for output in runner.generate(request):
+                tokens.extend(output.outputs[0].token_ids)
+            answers.append(tokens)
+        return answers
+    finally:
+        runner.shutdown()
+
+
+async def _client_loop(server: BatonServer, prompts, references, max_tokens: int, deadline: float,
+                       rng: random.Random, report: ChaosReport) -> None:
+    while time.monotonic() < deadline:
+        i = rng.randrange(len(prompts))
+        report.sent += 1
+        try:
+            result = await asyncio.wait_for(
+                client.generate(server.target, token_ids=prompts[i], max_tokens=max_tokens,
+                                timeout_s=CLIENT_TIMEOUT_S),
+                CLIENT_TIMEOUT_S + 10)
+        except client.GenerateFailed as exc:
+            if exc.status == "DEADLINE_EXCEEDED":
+                report.lost += 1
+            else:
+                report.failed_clean += 1
+                report.failed_by_status[exc.status] = report.failed_by_status.get(exc.status, 0) + 1
+            continue
+        except asyncio.TimeoutError:
+            report.lost += 1
+            continue
+        if result["token_ids"] == references[i]:
+            report.completed += 1
+        else:
+            report.wrong += 1
+
+
+async def _chaos_loop(server: BatonServer, deadline: float, kill_every_s: float, rng: random.Random,
+                      report: ChaosReport, progress: Callable[[str], None]) -> None:
+    """Kill a random worker every ``kill_every_s``, never the last live one of its pool, and
+    start its replacement in the background (an engine takes tens of seconds to come up)."""
+    cluster = server.cluster
+    replacing: list[asyncio.Future] = []
+    while time.monotonic() + kill_every_s < deadline:
+        await asyncio.sleep(kill_every_s)
+        up = [[i for i in ids if i in cluster.engine_start_s] for ids in (cluster.prefill_ids,
+                                                                          cluster.decode_ids)]
+        pools = [ids for ids in up if len(ids) >= 2]
+        if not pools:
+            continue
+        victim = rng.choice(rng.choice(pools))
+        progress(f"killing {victim}")
+        report.kills.append(victim)
+        ray.kill(cluster.actor(victim), no_restart=True)
+        replacing.append(asyncio.ensure_future(asyncio.to_thread(cluster.replace_worker, victim)))
+    for new_id in await asyncio.gather(*replacing):
+        progress(f"{new_id} replaced a killed worker")
+
+
+async def _leaks(server: BatonServer, settle_s: float = 30.0) -> dict[str, int]:
+    """What is still held once the load stopped, after up to ``settle_s`` for books to close."""
+    cluster = server.cluster
+    deadline = time.monotonic() + settle_s
+    while True:
+        status = await cluster.conductor.pool_status.remote()
+        stores = {s.node_id: s.host_pinned_blocks for s in status.stores}
+        books = await cluster.conductor.status.remote()
+        prefills, decodes = books.num_in_flight_prefills, books.num_in_flight_decodes
+        in_engines = 0
+        for instance_id in cluster.prefill_ids + cluster.decode_ids:
+            stats = await cluster.actor(instance_id).stats.remote()
+            in_engines += stats.num_running_reqs + stats.num_waiting_reqs
+        leaks = {"pinned_blocks": sum(stores.values()), "booked_prefills": prefills,
+                 "booked_decodes": decodes, "engine_sequences": in_engines}
+        if not any(leaks.values()) or time.monotonic() > deadline:
+            return leaks
+        await asyncio.sleep(0.5)
+
+
+async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int = 4,
+                    kill_every_s: float = 10.0, max_tokens: int = 16, num_prompts: int = 12,
+                    seed: int = 0, progress: Callable[[str], None] = lambda _m: None) -> ChaosReport:
+    server = BatonServer(config, progress=progress)
+    await server.start()
+    report = ChaosReport()
+    try:
+        prompts = prompt_pool(num_prompts, seed)
+        progress(f"computing {len(prompts)} reference answers on a plain engine")
+        references = await _references(server.cluster.model, prompts, max_tokens)
+        retries = metrics.RETRIES.labels("prefill_worker_died")
+        retried_before = retries._value.get()
+        started = time.monotonic()
+        deadline = started + duration_s
+        progress(f"load: {concurrency} streams for {duration_s:.0f} s, a worker killed every "
+                 f"{kill_every_s:.0f} s")
+        rng = random.Random(seed)
+        await asyncio.gather(
+            _chaos_loop(server, deadline, kill_every_s, random.Random(seed + 1), report, progress),
+            *(_client_loop(server, prompts, references, max_tokens, deadline,
+                           random.Random(rng.random()), report) for _ in range(concurrency)),
+        )
+        report.duration_s = round(time.monotonic() - started, 1)
+        report.retried = int(retries._value.get() - retried_before)
+        report.leaks = await _leaks(server)
+        report.leaked = sum(report.leaks.values())
+    finally:
+        await server.stop()
+    return report
+
+
+def main(config: ClusterConfig, duration_s: float, concurrency: int, kill_every_s: float,
+         json_path: Path | None, seed: int, progress: Callable[[str], None]) -> ChaosReport:
+    report = asyncio.run(run_chaos(config, duration_s, concurrency, kill_every_s, seed=seed,
+                                   progress=progress))
+    data = msgspec.to_builtins(report)
+    print(json.dumps({k: data[k] for k in ("sent", "completed", "retried", "failed_clean", "lost",
+                                           "wrong", "leaked")}))
+    print(f"kills: {', '.join(report.kills) or 'none'}; failed by status: {report.failed_by_status}; "
+          f"leaks: {report.leaks}")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(data, indent=2) + "\n")
+    return report
