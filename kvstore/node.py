@@ -436,5 +436,8 @@ class KVStoreNode:
                 self._directory.deregister(self.node_id)
             except Exception:
                 log.warning("could not deregister from Redis", exc_info=True)
+        if self.disk is not None:
+            with self._lock:  # no disk read or write is in flight when its file closes
+                self.disk.close()
         self.arena.close()
         self.arena.unlink()

@@ -6,6 +6,7 @@ decode engine on each of ``b-ucx`` and ``b-tcp``; greedy outputs compared with a
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from engine.config import EngineConfig
 from engine.messages import EngineRequest, SamplingOptions
 from kvstore.config import KVStoreConfig, TransferConfig
 from kvstore.host_arena import HostArena
-from kvstore.keys import key_hex
+from kvstore.disk_tier import HEADER_BYTES, find_block
 from kvstore.metadata import BlockDirectory
 from kvstore.node import KVStoreNode
 from kvstore.redis_server import start_local_redis
@@ -172,10 +173,10 @@ def greedy(name: str, prompt: list[int], **fields) -> EngineRequest:
 
 async def test_a_corrupt_block_on_the_source_nodes_disk_is_never_served_and_is_recomputed(
         cluster, reference):
-    """Prompt P is pushed down to node a's disk tier by two later prompts; one of its block files
-    is flipped there. Node b's pull stops at that block (a's checksum catches it on the read
+    """Prompt P is pushed down to node a's disk tier by two later prompts; a byte of one of its
+    blocks is flipped there. Node b's pull stops at that block (a's checksum catches it on the read
     that promotes it), so the decode loads the two blocks before it, recomputes the rest, and
-    answers exactly like a plain engine; the corruption is counted and the file deleted."""
+    answers exactly like a plain engine; the corruption is counted and the block dropped."""
     block = cluster.block_size
     prompt = random_prompt(5 * block + 40, seed=91)
     request = greedy("corrupt-p", prompt)
@@ -184,12 +185,15 @@ async def test_a_corrupt_block_on_the_source_nodes_disk_is_never_served_and_is_r
     for seed in (92, 93):  # 12 more blocks through an 8-block host tier: P goes to disk
         await cluster.prefill.prefill.remote(greedy(f"push-{seed}", random_prompt(6 * block, seed)))
     keys = await cluster.prefill.prompt_keys.remote(request)
-    files = {key: list(cluster.disk_dir.rglob(key_hex(key))) for key in keys}
-    assert all(len(found) == 1 for found in files.values()), "P is not wholly on a's disk"
-    [victim] = files[keys[2]]
-    raw = bytearray(victim.read_bytes())
-    raw[len(raw) // 2] ^= 0x40
-    victim.write_bytes(bytes(raw))
+    [tier_dir] = cluster.disk_dir.iterdir()  # node a's own folder
+    places = {key: find_block(tier_dir, key, cluster.block_bytes) for key in keys}
+    assert None not in places.values(), "P is not wholly on a's disk"
+    slot_file, offset = places[keys[2]]
+    with open(slot_file, "r+b") as f:  # flip a byte mid-slot, in the payload
+        f.seek(offset + (HEADER_BYTES + cluster.block_bytes) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x40]))
     before = ray.get(cluster.stores["a"].tier_counters.remote())["disk_corrupt_blocks"]
 
     tokens, last = await decode(cluster.decode["tcp"], greedy("corrupt-d", prompt, kv_source_node="a"))
@@ -197,7 +201,7 @@ async def test_a_corrupt_block_on_the_source_nodes_disk_is_never_served_and_is_r
     assert tokens == expected
     assert (last.num_pulled_blocks, last.num_loaded_tokens) == (2, 2 * block)
     assert ray.get(cluster.stores["a"].tier_counters.remote())["disk_corrupt_blocks"] == before + 1
-    assert not victim.exists()
+    assert find_block(tier_dir, keys[2], cluster.block_bytes) is None  # dropped: header zeroed
 
 
 async def test_a_lost_store_node_leaves_the_metadata_within_the_heartbeat_ttl(cluster, reference):

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvstore.config import KVStoreConfig, TransferConfig
-from kvstore.keys import key_hex
+from kvstore.disk_tier import HEADER_BYTES, find_block
 from kvstore.metadata import BlockDirectory
 from kvstore.node import KVStoreNode
 from kvstore.redis_server import start_local_redis
@@ -164,10 +164,13 @@ def test_a_corrupt_block_on_the_peers_disk_is_counted_and_not_returned(tmp_path)
     client = TransferClient(FAST, "b")
     try:
         keys = synthetic_chain(1, 4)
-        [victim] = (tmp_path / "disk").rglob(key_hex(keys[2]))
-        raw = bytearray(victim.read_bytes())
-        raw[len(raw) // 2] ^= 0x5A
-        victim.write_bytes(bytes(raw))
+        [tier_dir] = (tmp_path / "disk").iterdir()  # the node's own folder
+        slot_file, offset = find_block(tier_dir, keys[2], BLOCK_BYTES)
+        with open(slot_file, "r+b") as f:  # flip a byte mid-slot, in the payload
+            f.seek(offset + (HEADER_BYTES + BLOCK_BYTES) // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0x5A]))
 
         blocks = empty_blocks(4)
         result = client.read(node.address, keys, blocks, path="tcp")
@@ -175,7 +178,7 @@ def test_a_corrupt_block_on_the_peers_disk_is_counted_and_not_returned(tmp_path)
         assert result.num_blocks == 2 and result.from_disk == [False, True]
         assert_blocks(keys[:2], blocks[:2])
         assert node.stats()["disk_corrupt_blocks"] == 1
-        assert not victim.exists()
+        assert find_block(tier_dir, keys[2], BLOCK_BYTES) is None  # dropped: header zeroed
     finally:
         client.close()
         node.stop()

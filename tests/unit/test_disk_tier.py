@@ -1,4 +1,4 @@
-"""DiskTier: atomic checksummed block files, corruption as a miss, leaf-LRU eviction, restart."""
+"""DiskTier: checksummed blocks in one slot file, corruption as a miss, leaf-LRU, restart."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore import disk_tier
-from kvstore.disk_tier import HEADER_BYTES, DiskTier
+from kvstore.disk_tier import HEADER_BYTES, SLOT_FILE_NAME, DiskTier, find_block
 from kvstore.keys import BlockKey, key_hex
 
 BLOCK_BYTES = 64
-FILE_BYTES = HEADER_BYTES + BLOCK_BYTES
+FILE_BYTES = HEADER_BYTES + BLOCK_BYTES  # one slot: header and payload
 
 
 def k(name: str) -> BlockKey:
@@ -41,13 +41,46 @@ def put(tier: DiskTier, name: str, parent: str | None = None) -> bool:
     return ok
 
 
-def block_path(tier: DiskTier, name: str) -> Path:
-    hex_name = key_hex(k(name))
-    return tier.directory / hex_name[:2] / hex_name
+def slot_of(tier: DiskTier, name: str) -> int:
+    path, offset = tier.block_location(k(name))
+    assert path == tier.directory / SLOT_FILE_NAME and offset % FILE_BYTES == 0
+    return offset // FILE_BYTES
 
 
-def all_files(directory: Path) -> list[str]:
-    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+def slot_bytes(tier: DiskTier, slot: int) -> bytes:
+    with open(tier.directory / SLOT_FILE_NAME, "rb") as f:
+        f.seek(slot * FILE_BYTES)
+        return f.read(FILE_BYTES)
+
+
+def write_slot(tier: DiskTier, slot: int, data: bytes, at: int = 0) -> None:
+    """Write ``data`` at byte ``at`` of ``slot``, behind the tier's back."""
+    with open(tier.directory / SLOT_FILE_NAME, "r+b") as f:
+        f.seek(slot * FILE_BYTES + at)
+        f.write(data)
+
+
+def flip_byte(offset: int):
+    def corrupt(tier: DiskTier, slot: int) -> None:
+        write_slot(tier, slot, bytes([slot_bytes(tier, slot)[offset] ^ 0xFF]), at=offset)
+
+    return corrupt
+
+
+def zero_from(offset: int):
+    """What a torn write leaves in a fresh slot: the bytes after ``offset`` never arrived."""
+    def corrupt(tier: DiskTier, slot: int) -> None:
+        write_slot(tier, slot, bytes(FILE_BYTES - offset), at=offset)
+
+    return corrupt
+
+
+def copy_of_slot(source: int):
+    """A sound slot of another block (a stale or misplaced write)."""
+    def corrupt(tier: DiskTier, slot: int) -> None:
+        write_slot(tier, slot, slot_bytes(tier, source))
+
+    return corrupt
 
 
 # -- round trip and API ----------------------------------------------------------------------------
@@ -67,13 +100,21 @@ def test_round_trip(tmp_path: Path, wrap) -> None:
     assert tier.get(k("B")) == payload("B")
     assert tier.get(k("Z")) is None
     assert tier.contains(k("A")) and k("B") in tier and len(tier) == 2
-    assert all_files(tmp_path) == sorted(
-        str(block_path(tier, n).relative_to(tmp_path)) for n in "AB"
-    )
-    assert block_path(tier, "A").stat().st_size == FILE_BYTES
+    slot_file = tmp_path / SLOT_FILE_NAME
+    assert [p.name for p in tmp_path.iterdir()] == [SLOT_FILE_NAME]
+    assert slot_file.stat().st_size == 4 * FILE_BYTES  # every slot, written or not
+    assert tier.block_location(k("A")) == (slot_file, 0)
+    assert tier.block_location(k("B")) == (slot_file, FILE_BYTES)
+    assert find_block(tmp_path, k("B"), BLOCK_BYTES) == (slot_file, FILE_BYTES)
+    assert find_block(tmp_path, k("Z"), BLOCK_BYTES) is None
+    with pytest.raises(KeyError):
+        tier.block_location(k("Z"))
+    assert slot_bytes(tier, 1)[HEADER_BYTES:] == payload("B")
     stats = tier.stats()
     counts = (stats.hits, stats.misses, stats.used_blocks, stats.used_bytes)
     assert counts == (2, 1, 2, 2 * FILE_BYTES)
+    tier.close()
+    tier.close()  # idempotent
 
 
 def test_tensor_view_of_a_larger_tensor(tmp_path: Path) -> None:
@@ -93,13 +134,17 @@ def test_put_validates_payload_and_capacity(tmp_path: Path) -> None:
         DiskTier(tmp_path / "small", FILE_BYTES - 1, BLOCK_BYTES)
 
 
-def test_put_of_present_key_keeps_it_and_writes_nothing(tmp_path: Path) -> None:
+def test_put_of_present_key_keeps_it_and_writes_nothing(tmp_path: Path, monkeypatch) -> None:
     tier = make_tier(tmp_path, 2)
     assert put(tier, "A")
-    mtime = block_path(tier, "A").stat().st_mtime_ns
+
+    def no_write(*args):
+        raise AssertionError("a present block was written again")
+
+    monkeypatch.setattr(disk_tier.os, "pwritev", no_write)
     assert tier.put(k("A"), None, b"\0" * BLOCK_BYTES)
+    monkeypatch.undo()
     assert tier.get(k("A")) == payload("A")
-    assert block_path(tier, "A").stat().st_mtime_ns == mtime
 
 
 def test_match_prefix_remove_and_stats(tmp_path: Path) -> None:
@@ -121,55 +166,86 @@ def test_match_prefix_remove_and_stats(tmp_path: Path) -> None:
     )  # fmt: skip
 
 
+def test_a_dropped_blocks_slot_is_reused_and_a_restart_does_not_bring_it_back(
+    tmp_path: Path,
+) -> None:
+    tier = make_tier(tmp_path, 3)
+    for name in "ABC":
+        put(tier, name)
+    assert [slot_of(tier, n) for n in "ABC"] == [0, 1, 2]
+    assert tier.remove(k("B"))
+    assert slot_bytes(tier, 1)[:HEADER_BYTES] == bytes(HEADER_BYTES)  # header zeroed on drop
+    assert put(tier, "D")
+    assert slot_of(tier, "D") == 1  # the freed slot
+    assert put(tier, "E")  # full: A, the LRU leaf, goes and E takes its slot
+    assert tier.drain_removed_keys() == [k("B"), k("A")]
+    assert slot_of(tier, "E") == 0
+    tier.close()
+
+    restarted = make_tier(tmp_path, 3)
+    assert {n for n in "ABCDE" if restarted.contains(k(n))} == set("CDE")
+    assert [restarted.get(k(n)) for n in "CDE"] == [payload(n) for n in "CDE"]
+    assert find_block(tmp_path, k("A"), BLOCK_BYTES) is None
+    assert find_block(tmp_path, k("B"), BLOCK_BYTES) is None
+    restarted.check_invariants()
+
+
 # -- atomicity and write failures ------------------------------------------------------------------
 
 
-def test_failed_replace_leaves_no_block(tmp_path: Path, monkeypatch) -> None:
+def test_failed_write_leaves_no_block(tmp_path: Path, monkeypatch) -> None:
     tier = make_tier(tmp_path, 2)
     put(tier, "A")
+    real_pwritev = os.pwritev
 
-    def failing_replace(src, dst):
+    def header_then_eio(fd, buffers, offset):
+        real_pwritev(fd, [buffers[0]], offset)  # a whole, sound header, then the device fails
         raise OSError(errno.EIO, "injected")
 
-    monkeypatch.setattr(disk_tier.os, "replace", failing_replace)
+    monkeypatch.setattr(disk_tier.os, "pwritev", header_then_eio)
     assert not tier.put(k("B"), None, payload("B"))
     monkeypatch.undo()
     assert not tier.contains(k("B"))
     assert tier.stats().write_errors == 1 and tier.stats().used_blocks == 1
-    assert all_files(tmp_path) == [str(block_path(tier, "A").relative_to(tmp_path))]
+    assert slot_bytes(tier, 1)[:HEADER_BYTES] == bytes(HEADER_BYTES)  # the header was zeroed
     tier.check_invariants()
+    tier.close()
+    assert not make_tier(tmp_path, 2).contains(k("B"))
 
 
 class SimulatedCrash(BaseException):
     """Not an OSError: the process 'dies' mid-put, so no cleanup code runs."""
 
 
-def test_crash_between_temp_write_and_replace_leaves_no_visible_block(
-    tmp_path: Path, monkeypatch
-) -> None:
+def test_crash_mid_write_never_exposes_the_block(tmp_path: Path, monkeypatch) -> None:
     tier = make_tier(tmp_path, 2)
     put(tier, "A")
+    real_pwritev = os.pwritev
 
-    def crash(src, dst):
+    def header_and_half_the_payload_then_crash(fd, buffers, offset):
+        torn = bytes(buffers[0]) + bytes(buffers[1])[: BLOCK_BYTES // 2]
+        real_pwritev(fd, [torn], offset)
         raise SimulatedCrash
 
-    monkeypatch.setattr(disk_tier.os, "replace", crash)
+    monkeypatch.setattr(disk_tier.os, "pwritev", header_and_half_the_payload_then_crash)
     with pytest.raises(SimulatedCrash):
         tier.put(k("B"), None, payload("B"))
     monkeypatch.undo()
-    assert not tier.contains(k("B"))
-    assert not block_path(tier, "B").exists()
-    leftovers = [p for p in tmp_path.rglob("*.tmp")]
-    assert len(leftovers) == 1  # the temporary the crash left behind
+    assert not tier.contains(k("B"))  # indexed only after its write returns
+    assert find_block(tmp_path, k("B"), BLOCK_BYTES) is not None  # the torn slot's sound header
 
-    restarted = make_tier(tmp_path, 2)
-    assert not restarted.contains(k("B"))
+    restarted = make_tier(tmp_path, 2)  # the header is sound: the payload check decides, on read
+    assert restarted.get(k("B")) is None
+    assert restarted.stats().corrupt_blocks == 1 and not restarted.contains(k("B"))
     assert restarted.get(k("A")) == payload("A")
-    assert not list(tmp_path.rglob("*.tmp"))
     restarted.check_invariants()
+    assert put(restarted, "B")  # the slot is free again
+    assert restarted.get(k("B")) == payload("B")
 
 
-def test_full_disk_rejects_put_without_partial_file(tmp_path: Path, monkeypatch, caplog) -> None:
+def test_full_disk_rejects_put_without_leaving_a_block(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
     tier = make_tier(tmp_path, 4)
     put(tier, "A")
     real_pwritev = os.pwritev
@@ -185,14 +261,15 @@ def test_full_disk_rejects_put_without_partial_file(tmp_path: Path, monkeypatch,
     with caplog.at_level(logging.WARNING, logger="kvstore.disk_tier"):
         assert not tier.put(k("B"), k("A"), payload("B"))
     monkeypatch.undo()
-    assert calls == [0, 10]  # the second write resumed where the short one stopped
+    assert calls == [FILE_BYTES, FILE_BYTES + 10]  # slot 1; the retry resumed after the short write
     assert "disk full" in caplog.text and key_hex(k("B")) in caplog.text
     assert tier.stats().write_errors == 1
     assert not tier.contains(k("B"))
-    assert all_files(tmp_path) == [str(block_path(tier, "A").relative_to(tmp_path))]
+    assert find_block(tmp_path, k("B"), BLOCK_BYTES) is None
     tier.check_invariants()
     assert tier.stats().evictable_blocks == 1  # A is a leaf again: B never arrived
     assert put(tier, "B", "A")  # space came back
+    assert slot_of(tier, "B") == 1  # the slot the failed write had taken
 
 
 def test_short_writes_resume_until_the_block_is_whole(tmp_path: Path, monkeypatch) -> None:
@@ -206,32 +283,13 @@ def test_short_writes_resume_until_the_block_is_whole(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(disk_tier.os, "pwritev", at_most_7_bytes)
     assert put(tier, "A")
+    assert put(tier, "B")
     monkeypatch.undo()
-    assert offsets == list(range(0, FILE_BYTES, 7))
-    assert tier.get(k("A")) == payload("A")
+    assert offsets == list(range(0, FILE_BYTES, 7)) + list(range(FILE_BYTES, 2 * FILE_BYTES, 7))
+    assert tier.get(k("A")) == payload("A") and tier.get(k("B")) == payload("B")
 
 
 # -- corruption ------------------------------------------------------------------------------------
-
-
-def flip_byte(offset: int):
-    def corrupt(path: Path) -> None:
-        data = bytearray(path.read_bytes())
-        data[offset] ^= 0xFF
-        path.write_bytes(bytes(data))
-
-    return corrupt
-
-
-def truncate_to(size: int):
-    def corrupt(path: Path) -> None:
-        path.write_bytes(path.read_bytes()[:size])
-
-    return corrupt
-
-
-def append_byte(path: Path) -> None:
-    path.write_bytes(path.read_bytes() + b"\0")
 
 
 CORRUPTIONS = {
@@ -245,25 +303,24 @@ CORRUPTIONS = {
     "header-length": flip_byte(44),
     "header-payload-checksum": flip_byte(HEADER_BYTES - 8),
     "header-checksum": flip_byte(HEADER_BYTES - 1),
-    "truncated-payload": truncate_to(FILE_BYTES - 1),
-    "truncated-header": truncate_to(HEADER_BYTES - 1),
-    "empty": truncate_to(0),
-    "trailing-byte": append_byte,
-    "deleted": lambda path: path.unlink(),
+    "torn-payload": zero_from(HEADER_BYTES + BLOCK_BYTES // 2),
+    "torn-header": zero_from(HEADER_BYTES // 2),
+    "zeroed": zero_from(0),
+    "another-blocks-slot": copy_of_slot(0),  # a sound header, but not B's
 }
 
 
 @pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
-def test_corruption_is_a_counted_miss_and_the_file_goes(tmp_path: Path, corrupt) -> None:
+def test_corruption_is_a_counted_miss_and_the_slot_is_freed(tmp_path: Path, corrupt) -> None:
     tier = make_tier(tmp_path, 4)
     put(tier, "A")
     put(tier, "B", "A")
     tier.drain_removed_keys()
-    corrupt(block_path(tier, "B"))
+    corrupt(tier, slot_of(tier, "B"))
     assert tier.get(k("B")) is None
     stats = tier.stats()
     assert (stats.corrupt_blocks, stats.misses, stats.hits) == (1, 1, 0)
-    assert not block_path(tier, "B").exists()
+    assert slot_bytes(tier, 1)[:HEADER_BYTES] == bytes(HEADER_BYTES)
     assert not tier.contains(k("B"))
     assert tier.drain_removed_keys() == [k("B")]
     tier.check_invariants()
@@ -271,11 +328,24 @@ def test_corruption_is_a_counted_miss_and_the_file_goes(tmp_path: Path, corrupt)
     assert tier.get(k("B")) is None and tier.stats().corrupt_blocks == 1  # a plain miss now
 
 
+def test_a_slot_file_truncated_under_the_tier_reads_as_a_counted_miss(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path, 4)
+    put(tier, "A")
+    put(tier, "B", "A")
+    os.truncate(tmp_path / SLOT_FILE_NAME, 2 * FILE_BYTES - 1)  # B's last byte is gone
+    assert tier.get(k("B")) is None and tier.stats().corrupt_blocks == 1
+    assert tier.get(k("A")) == payload("A")
+    tier.close()
+    restarted = make_tier(tmp_path, 4)  # extends the file back to four slots
+    assert {n for n in "AB" if restarted.contains(k(n))} == {"A"}
+    restarted.check_invariants()
+
+
 def test_corrupt_pinned_block_is_dropped_and_the_pin_is_still_owed(tmp_path: Path) -> None:
     tier = make_tier(tmp_path, 2)
     put(tier, "A")
     assert tier.pin(k("A"))
-    flip_byte(HEADER_BYTES)(block_path(tier, "A"))
+    flip_byte(HEADER_BYTES)(tier, slot_of(tier, "A"))
     assert tier.get(k("A")) is None
     tier.check_invariants()
     tier.unpin(k("A"))
@@ -355,50 +425,84 @@ def test_restart_keeps_valid_blocks_and_discards_junk(tmp_path: Path) -> None:
     tier = make_tier(tmp_path, 8)
     for name, parent in [("A", None), ("B", "A"), ("C", "B"), ("D", None), ("I", "D")]:
         put(tier, name, parent)
-    flip_byte(HEADER_BYTES + 3)(block_path(tier, "D"))  # payload rot: found on read, not start-up
-    junk = {
-        "temp": block_path(tier, "E").with_name(block_path(tier, "E").name + ".tmp"),
-        "garbage": block_path(tier, "F"),
-        "wrong-key": block_path(tier, "G"),
-        "truncated": block_path(tier, "H"),
-        "parent-rot": block_path(tier, "I"),
-        "bad-name": block_path(tier, "A").with_name("not-a-key"),
-    }
-    for path in junk.values():
-        path.parent.mkdir(exist_ok=True)
-    junk["temp"].write_bytes(block_path(tier, "A").read_bytes())
-    junk["garbage"].write_bytes(os.urandom(FILE_BYTES))
-    junk["wrong-key"].write_bytes(block_path(tier, "A").read_bytes())
-    junk["truncated"].write_bytes(block_path(tier, "A").read_bytes()[:HEADER_BYTES])
-    junk["bad-name"].write_bytes(b"x")
-    flip_byte(28)(junk["parent-rot"])  # a wrong parent link would mislead eviction: dropped
-    outside = tmp_path / "README"  # not in a fan-out folder: not ours, left alone
+    flip_byte(HEADER_BYTES + 3)(tier, slot_of(tier, "D"))  # payload rot: found on read
+    flip_byte(28)(tier, slot_of(tier, "I"))  # a wrong parent link would mislead eviction
+    write_slot(tier, 5, os.urandom(FILE_BYTES))  # garbage in a free slot
+    write_slot(tier, 6, slot_bytes(tier, 0))  # A twice (a crash undid a drop's header zeroing)
+    write_slot(tier, 7, slot_bytes(tier, 1)[: HEADER_BYTES // 2])  # a torn header
+    legacy = tmp_path / key_hex(k("E"))[:2]  # a format-2 block file: unreadable now
+    legacy.mkdir()
+    (legacy / key_hex(k("E"))).write_bytes(b"x" * FILE_BYTES)
+    outside = tmp_path / "README"  # not ours: left alone
     outside.write_text("operator notes")
+    tier.close()
 
     restarted = make_tier(tmp_path, 8)
-    assert {n for n in "ABCDEFGHI" if restarted.contains(k(n))} == set("ABCD")
-    assert not any(p.exists() for p in junk.values())
-    assert outside.exists()
-    outside.unlink()
+    assert {n for n in "ABCDEI" if restarted.contains(k(n))} == set("ABCD")
+    assert slot_of(restarted, "A") == 0  # the first copy; the second slot is free again
+    assert slot_bytes(restarted, 6)[:HEADER_BYTES] == bytes(HEADER_BYTES)
+    assert not legacy.exists() and outside.read_text() == "operator notes"
     restarted.check_invariants()
     assert [restarted.get(k(n)) for n in "ABC"] == [payload(n) for n in "ABC"]
     assert restarted.get(k("D")) is None and restarted.stats().corrupt_blocks == 1
     assert restarted.match_prefix([k("A"), k("B"), k("C")]) == 3
+    assert restarted.stats().used_blocks == 3
 
 
-def test_restart_restores_lru_from_mtime_and_fits_a_smaller_capacity(tmp_path: Path) -> None:
+def test_restart_reads_every_slot_where_the_file_system_cannot_report_holes(
+    tmp_path: Path, monkeypatch
+) -> None:
+    tier = make_tier(tmp_path, 4)
+    for name in "AB":
+        put(tier, name)
+    assert tier.remove(k("A"))
+    tier.close()
+    real_lseek = os.lseek
+
+    def no_seek_data(fd, offset, whence):
+        if whence in (os.SEEK_DATA, os.SEEK_HOLE):
+            raise OSError(errno.EINVAL, "not supported")
+        return real_lseek(fd, offset, whence)
+
+    monkeypatch.setattr(disk_tier.os, "lseek", no_seek_data)
+    restarted = make_tier(tmp_path, 4)
+    assert {n for n in "AB" if restarted.contains(k(n))} == {"B"} and slot_of(restarted, "B") == 1
+    restarted.check_invariants()
+
+
+def test_restart_restores_recency_in_slot_order(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path, 3)
+    for name in "XYZ":
+        put(tier, name)
+    assert tier.get(k("X")) == payload("X")  # X is the most recent now, but only in memory
+    tier.close()
+    restarted = make_tier(tmp_path, 3)
+    assert put(restarted, "W")
+    assert restarted.drain_removed_keys() == [k("X")]  # slot 0: the oldest after a restart
+
+
+def test_restart_with_a_smaller_capacity_drops_the_slots_beyond_it(tmp_path: Path) -> None:
     tier = make_tier(tmp_path, 4)
     for name, parent in [("A", None), ("B", "A"), ("C", None), ("D", None)]:
         put(tier, name, parent)
-    base_ns = 1_700_000_000 * 10**9
-    for age_rank, name in enumerate("DBAC"):  # D oldest, then B, A, C
-        os.utime(block_path(tier, name), ns=(base_ns + age_rank, base_ns + age_rank))
-    restarted = make_tier(tmp_path, 2)  # capacity halved: two LRU leaves must go
-    assert restarted.drain_removed_keys() == [k("D"), k("B")]
-    assert {n for n in "ABCD" if restarted.contains(k(n))} == {"A", "C"}
+    tier.close()
+    restarted = make_tier(tmp_path, 2)  # capacity halved: slots 2 and 3 go
+    assert restarted.drain_removed_keys() == [k("C"), k("D")]
+    assert restarted.stats().evictions == 2
+    assert {n for n in "ABCD" if restarted.contains(k(n))} == {"A", "B"}
+    assert (tmp_path / SLOT_FILE_NAME).stat().st_size == 2 * FILE_BYTES
     restarted.check_invariants()
-    assert put(restarted, "E")
-    assert restarted.drain_removed_keys() == [k("A")]
+    assert put(restarted, "E")  # B is the only leaf
+    assert restarted.drain_removed_keys() == [k("B")]
+    restarted.close()
+
+    grown = make_tier(tmp_path, 6)  # a larger capacity extends the file; the blocks stay
+    assert {n for n in "ABCDE" if grown.contains(k(n))} == {"A", "E"}
+    assert (tmp_path / SLOT_FILE_NAME).stat().st_size == 6 * FILE_BYTES
+    grown.check_invariants()
+    for name in "FGHI":
+        assert put(grown, name)
+    assert grown.drain_removed_keys() == []
 
 
 # -- property test ---------------------------------------------------------------------------------
@@ -422,6 +526,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         self.counts = {"hits": 0, "misses": 0, "corrupt_blocks": 0, "evictions": 0}
 
     def teardown(self) -> None:
+        self.tier.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
     @rule(name=names)
@@ -489,12 +594,13 @@ class DiskTierMachine(RuleBasedStateMachine):
     def corrupt(self, data, offset: int) -> None:
         # never the same block twice: a second flip of one byte would undo the first
         name = data.draw(st.sampled_from(sorted(self.present - self.corrupted)))
-        flip_byte(offset)(block_path(self.tier, name))
+        flip_byte(offset)(self.tier, slot_of(self.tier, name))
         self.corrupted.add(name)
 
     @rule()
     def restart(self) -> None:
         """A new process: pins are gone; blocks with sound headers survive."""
+        self.tier.close()
         self.tier = DiskTier(self.directory, self.capacity_bytes, BLOCK_BYTES)
         self.pins.clear()
         survivors = {n for n in NAMES if self.tier.contains(k(n))}

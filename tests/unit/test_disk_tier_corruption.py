@@ -1,6 +1,6 @@
-"""Disk-tier corruption, byte by byte: flipping any bits anywhere in a block file is detected on
-every read, counted once per corrupt read, and returns a miss; an intact neighbour still reads
-back exactly."""
+"""Disk-tier corruption, byte by byte: flipping any bits anywhere in a block's slot is detected on
+every read, counted once per corrupt read, and returns a miss; the freed slot takes the next block;
+an intact neighbour still reads back exactly."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.disk_tier import HEADER_BYTES, DiskTier
-from kvstore.keys import BlockKey, key_hex
+from kvstore.disk_tier import HEADER_BYTES, DiskTier, find_block
+from kvstore.keys import BlockKey
 
 BLOCK_BYTES = 4096
 FILE_BYTES = HEADER_BYTES + BLOCK_BYTES
@@ -31,18 +31,23 @@ flips = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(rounds=st.lists(flips, min_size=1, max_size=5), read_into=st.booleans())
 def test_every_corrupt_read_is_a_counted_miss(rounds, read_into):
-    with tempfile.TemporaryDirectory() as folder:
-        tier = DiskTier(Path(folder), 64 * FILE_BYTES, BLOCK_BYTES)
+    with tempfile.TemporaryDirectory() as folder, DiskTier(
+        Path(folder), 64 * FILE_BYTES, BLOCK_BYTES
+    ) as tier:
         neighbour = BlockKey(bytes(16))
         assert tier.put(neighbour, None, payload(0))
         for round_index, flipped in enumerate(rounds, start=1):
             key = BlockKey(round_index.to_bytes(16, "little"))
             assert tier.put(key, neighbour, payload(round_index))
-            path = Path(folder) / key_hex(key)[:2] / key_hex(key)
-            raw = bytearray(path.read_bytes())
-            for offset, mask in flipped:
-                raw[offset] ^= mask
-            path.write_bytes(bytes(raw))
+            path, offset = tier.block_location(key)
+            assert offset == FILE_BYTES, "the slot freed by the last round is taken again"
+            with open(path, "r+b") as f:
+                f.seek(offset)
+                raw = bytearray(f.read(FILE_BYTES))
+                for at, mask in flipped:
+                    raw[at] ^= mask
+                f.seek(offset)
+                f.write(raw)
 
             if read_into:
                 out = np.zeros(BLOCK_BYTES, dtype=np.uint8)
@@ -51,7 +56,7 @@ def test_every_corrupt_read_is_a_counted_miss(rounds, read_into):
                 assert tier.get(key) is None
             stats = tier.stats()
             assert stats.corrupt_blocks == round_index, "each corrupt read is counted once"
-            assert not path.exists() and key not in tier
+            assert key not in tier and find_block(Path(folder), key, BLOCK_BYTES) is None
             assert tier.get(key) is None and tier.stats().corrupt_blocks == round_index
 
             out = np.zeros(BLOCK_BYTES, dtype=np.uint8)

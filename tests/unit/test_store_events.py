@@ -75,6 +75,9 @@ def test_events_decode_with_vllms_own_types_in_order_with_sequence_numbers(node_
     stored_disk = [e for e in events if isinstance(e, BlockStored) and e.medium == "DISK"]
     assert [(e.block_hashes, e.medium) for e in removed] == [([a[3]], "CPU")]
     assert [(e.block_hashes, e.parent_block_hash) for e in stored_disk] == [([a[3]], a[2])]
+    path, offset = node.disk.block_location(a[3])  # the demoted block took the first slot
+    assert (path.parent, offset) == (node.disk.directory, 0)
+    node.disk.check_invariants()
 
 
 def test_missed_batches_are_replayed_from_a_sequence_number(node_and_sub):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvstore.config import KVStoreConfig
-from kvstore.keys import KeyExtras, block_keys, key_hex
+from kvstore.disk_tier import HEADER_BYTES, find_block
+from kvstore.keys import KeyExtras, block_keys
 from kvstore.node import KVStoreNode
 
 BLOCK_BYTES = 256 * 1024
@@ -72,17 +73,21 @@ def test_a_corrupt_disk_block_ends_the_run_and_is_never_served(node):
     a, b = chain(1, 4), chain(2, 3)
     write(node, a)
     write(node, b)
-    path = next(node.disk.directory.rglob(key_hex(a[2])))
-    raw = bytearray(path.read_bytes())
-    raw[-1] ^= 0xFF
-    path.write_bytes(bytes(raw))
+    path, offset = node.disk.block_location(a[2])
+    with open(path, "r+b") as f:  # flip the payload's last byte
+        f.seek(offset + HEADER_BYTES + BLOCK_BYTES - 1)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([last ^ 0xFF]))
 
     data = read(node, a)
 
     assert len(data) == 2  # a[0] in host, a[1] promoted, a[2] corrupt: the run stops there
     assert all(torch.equal(d, payload(k)) for d, k in zip(data, a))
     assert node.tier_counters()["disk_corrupt_blocks"] == 1
-    assert not path.exists()
+    assert not node.disk.contains(a[2])
+    assert find_block(node.disk.directory, a[2], BLOCK_BYTES) is None  # its header was zeroed
+    node.disk.check_invariants()
 
 
 def test_without_a_disk_tier_evicted_blocks_are_dropped(tmp_path):
