@@ -79,7 +79,7 @@ class KVStoreConfig(BaseModel):
         "for zero-copy sharing between a node's workers."
     )
     disk_dir: str | None = Field(
-        None, description="Folder of the SSD tier (one checksummed file per block); unset: no "
+        None, description="Folder of the SSD tier (one slot file of checksummed blocks); unset: no "
         "disk tier, so blocks evicted from host memory are dropped."
     )
     disk_capacity_bytes: int = Field(
