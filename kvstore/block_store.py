@@ -279,6 +279,10 @@ class BlockStore:
 
     # -- introspection ---------------------------------------------------------------------------
 
+    def ready_keys(self) -> list[BlockKey]:
+        """Every readable block's key (parents before their children)."""
+        return [key for key, block in self._blocks.items() if block.state is BlockState.READY]
+
     def __len__(self) -> int:
         return len(self._blocks)
 

@@ -244,6 +244,10 @@ class DiskTier:
         self._refile(key)
         return True
 
+    def keys(self) -> list[BlockKey]:
+        """Every indexed block's key."""
+        return list(self._entries)
+
     def contains(self, key: BlockKey) -> bool:
         return key in self._entries
 

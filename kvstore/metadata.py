@@ -51,8 +51,13 @@ class BlockDirectory:
         pipe.set(_node_alive(node_id), 1, px=int(ttl_s * 1000))
         pipe.execute()
 
-    def heartbeat(self, node_id: str, ttl_s: float) -> None:
-        self._redis.set(_node_alive(node_id), 1, px=int(ttl_s * 1000))
+    def heartbeat(self, node_id: str, ttl_s: float) -> bool:
+        """Renew the node's liveness; False when Redis no longer has it registered (Redis was
+        restarted or flushed, or the node was reaped during a long pause): re-register then."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(_node_alive(node_id), 1, px=int(ttl_s * 1000))
+        pipe.hexists(NODES_KEY, node_id)
+        return bool(pipe.execute()[1])
 
     def publish(
         self,

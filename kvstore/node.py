@@ -417,11 +417,28 @@ class KVStoreNode:
         """Renew this node's liveness and remove the entries of nodes that stopped doing so."""
         while not self._stop_heartbeat.wait(config.heartbeat_interval_s):
             try:
-                directory.heartbeat(self.node_id, config.heartbeat_ttl_s)
+                if not directory.heartbeat(self.node_id, config.heartbeat_ttl_s):
+                    self._reregister(directory, config)
                 for dead in directory.reap_dead_nodes():
                     log.warning("store node %s stopped heartbeating; removed its block entries", dead)
             except Exception:
                 log.warning("Redis heartbeat failed; retrying", exc_info=True)
+
+    def _reregister(self, directory: BlockDirectory, config: KVStoreConfig) -> None:
+        """Put this node back into Redis with everything it holds: after a Redis restart (no
+        persistence) or a flush the metadata is rebuilt by the nodes themselves."""
+        with self._lock:
+            host = self.store.ready_keys()
+            disk = [k for k in self.disk.keys() if k not in self.store] if self.disk else []
+        directory.register(self.node_id, str(self.arena.path), config.heartbeat_ttl_s)
+        if self.transfer_server is not None:
+            directory.set_transfer_address(self.node_id, msgspec.json.encode(self.transfer_address()))
+        for start in range(0, len(host), 1024):
+            directory.publish(self.node_id, stored=host[start:start + 1024], tier="host")
+        for start in range(0, len(disk), 1024):
+            directory.publish(self.node_id, stored=disk[start:start + 1024], tier="disk")
+        log.warning("Redis had lost store node %s (restarted or flushed?): re-registered it with "
+                    "%d host and %d disk blocks", self.node_id, len(host), len(disk))
 
     def shutdown(self) -> None:
         self._stop_heartbeat.set()

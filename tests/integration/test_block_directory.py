@@ -113,3 +113,32 @@ def test_a_password_protected_redis_refuses_strangers_and_serves_the_store(tmp_p
             node.shutdown()
     finally:
         server.stop()
+
+
+def test_after_a_redis_restart_each_node_puts_its_blocks_back_by_itself(tmp_path):
+    """Redis keeps no snapshot: a restart loses every entry. The node keeps serving meanwhile
+    (writes succeed while Redis is down) and, at its next heartbeat after Redis is back,
+    re-registers with every block it holds."""
+    from kvstore.redis_server import start_local_redis
+
+    server = start_local_redis()
+    port = server.port
+    node = _node(tmp_path, "n-restart", server.url)
+    try:
+        before, during = keys(8, 2), keys(9, 1)
+        _write(node, before)
+        assert BlockDirectory.from_url(server.url).locate(before) == [{"n-restart": "host"}] * 2
+
+        server.stop()
+        _write(node, during)  # Redis is down: the block is stored, its metadata waits
+        server = start_local_redis(port=port)
+        directory = BlockDirectory.from_url(server.url)
+        deadline = time.monotonic() + 5
+        while directory.nodes() == {} and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+        assert directory.nodes() == {"n-restart": str(node.arena.path)}
+        assert directory.locate(before + during) == [{"n-restart": "host"}] * 3
+    finally:
+        node.shutdown()
+        server.stop()
