@@ -5,6 +5,7 @@ consumer) → stream back. Tiny random model; outputs compared by token id with 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -314,4 +315,39 @@ async def test_http_disconnect_mid_stream_frees_the_request(server):
         await asyncio.sleep(0.05)
     assert (await decode.stats.remote()).num_running_reqs == 0
     # aborted, not run to its 3,000 tokens
+    assert (await decode.stats.remote()).num_finished_reqs == finished_before
+
+
+async def test_a_grpc_cancel_mid_stream_releases_everything_the_request_held(server):
+    """A client that cancels a gRPC stream: within 5 s the decode engine has dropped the
+    sequence (aborted, not finished), the conductor's books are closed, and the store holds no
+    pin for it."""
+    from conductor.client import open_channel
+    from protos.baton.v1 import inference_pb2 as pb
+    from protos.baton.v1 import inference_pb2_grpc as pb_grpc
+
+    decode = server.cluster.actor(server.cluster.decode_ids[0])
+    finished_before = (await decode.stats.remote()).num_finished_reqs
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=random_prompt(3 * BLOCK + 9, seed=62)),
+                                 sampling=pb.SamplingParams(max_tokens=3000, temperature=0.0))
+    async with open_channel(server.target) as channel:
+        call = pb_grpc.InferenceStub(channel).Generate(request)
+        deltas = 0
+        async for response in call:
+            deltas += response.HasField("delta")
+            if deltas >= 3:
+                break
+        assert (await decode.stats.remote()).num_running_reqs == 1
+        call.cancel()
+        cancelled = time.monotonic()
+
+        async def held() -> tuple:
+            books = await server.cluster.conductor.status.remote()
+            store = ray.get_actor(server.cluster.store_actor_name, namespace=server.cluster.namespace)
+            return ((await decode.stats.remote()).num_running_reqs, books.num_in_flight_prefills,
+                    books.num_in_flight_decodes, (await store.stats.remote()).pinned_blocks)
+
+        while await held() != (0, 0, 0, 0) and time.monotonic() - cancelled < 5:
+            await asyncio.sleep(0.05)
+        assert await held() == (0, 0, 0, 0)
     assert (await decode.stats.remote()).num_finished_reqs == finished_before
