@@ -478,7 +478,8 @@ def status(
         for s in pools.stores:
             stores.add_row(s.node_id, f"{s.host_used_blocks}/{s.host_capacity_blocks}",
                            str(s.host_pinned_blocks), str(s.disk_used_blocks), str(s.evicted_blocks),
-                           str(s.pulled_blocks), str(s.pull_failures))
+                           str(s.counters.get("pulled_blocks", 0)),
+                           str(s.counters.get("pull_failures", 0)))
         out.print(stores)
     c = pools.counters
     out.print(f"placements: {c.placed} placed, {c.rejected} rejected early, {c.coalesced} coalesced, "

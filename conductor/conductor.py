@@ -179,10 +179,6 @@ class Conductor:
         await self._push_soft_pins(self._store_actors)
         return SoftPin(name, len(keys), 0, {})
 
-    async def soft_pins(self) -> dict[str, int]:
-        """Pinned prefix name → its number of blocks."""
-        return {name: len(keys) for name, keys in sorted(self._soft_pins.items())}
-
     async def _push_soft_pins(self, stores: dict[str, str]) -> dict[str, int]:
         """Send the whole pinned set to ``stores`` (node → actor name); node → blocks present."""
         keys = sorted({k for prefix in self._soft_pins.values() for k in prefix})
@@ -320,7 +316,6 @@ class Conductor:
                 continue
             rows.append(StoreRow(node_id, stats.capacity_blocks, stats.used_blocks,
                                  stats.pinned_blocks, tiers.get("disk_blocks", 0), stats.evicted_blocks,
-                                 tiers.get("pulled_blocks", 0), tiers.get("pull_failures", 0),
                                  dict(tiers)))
         return rows
 

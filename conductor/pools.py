@@ -303,9 +303,6 @@ class StoreRow(msgspec.Struct, frozen=True):
     host_pinned_blocks: int
     disk_used_blocks: int
     evicted_blocks: int
-    pulled_blocks: int = 0
-    """Blocks this node pulled from other nodes' stores (cross-node KV transfer)."""
-    pull_failures: int = 0
     counters: dict[str, int] = {}
     """Everything ``KVStoreNode.tier_counters`` reports: full-arena and full-disk rejections,
     disk write errors, corrupt blocks, promotions, demotions, pulls."""

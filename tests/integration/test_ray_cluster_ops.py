@@ -188,9 +188,9 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     # every request was prefilled on the prefill node and decoded on the decode node: the decode
     # node's store pulled the prompts' blocks from the prefill node's, over the transfer engine
     stores = {s["node_id"]: s for s in (await _status(ray_cluster))["status"]["stores"]}
-    assert stores[nodes["decode"]]["pulled_blocks"] >= served_while_scaling_up
-    assert stores[nodes["decode"]]["pull_failures"] == 0
-    assert stores[nodes["prefill"]]["pulled_blocks"] == 0
+    assert stores[nodes["decode"]]["counters"]["pulled_blocks"] >= served_while_scaling_up
+    assert stores[nodes["decode"]]["counters"]["pull_failures"] == 0
+    assert stores[nodes["prefill"]]["counters"]["pulled_blocks"] == 0
     # the pinned prefix arrived after the pin and is held soft-pinned where it was stored
     assert stores[nodes["prefill"]]["counters"]["soft_pinned_blocks"] == pinned_blocks
     rc, out, err = await _acli(ray_cluster, *_ops("unpin", "nosuch"))

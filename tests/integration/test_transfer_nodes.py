@@ -296,15 +296,21 @@ def test_a_hung_then_dead_peer_gives_a_clear_error_fast(tmp_path):
         node.stop()
 
 
+def pulling_node(node_id: str, host_blocks: int, redis_url: str,
+                 backend: str = "tcp") -> KVStoreNode:
+    """Node B in this process, pulling over ``backend`` (never shm, though A is on this machine)."""
+    transfer = FAST.model_copy(update={"backend": backend, "same_node_shared_memory": False})
+    config = KVStoreConfig(host_capacity_bytes=host_blocks * BLOCK_BYTES, arena_dir="/dev/shm",
+                           heartbeat_interval_s=0.2, transfer=transfer)
+    return KVStoreNode(node_id, "t", config, BLOCK_BYTES, redis_url)
+
+
 @pytest.mark.parametrize("backend", ["ucx", "tcp"])
 def test_pull_makes_the_run_local_from_the_node_that_holds_it(redis_url, node_a, backend):
     """``KVStoreNode.pull``: B holds the first 3 blocks of chain 1 itself, finds the other 9 on A
     through Redis, reads them over ``backend`` and commits them; a second pull moves nothing."""
     keys = synthetic_chain(1, 12)
-    transfer = FAST.model_copy(update={"backend": backend, "same_node_shared_memory": False})
-    config = KVStoreConfig(host_capacity_bytes=16 * BLOCK_BYTES, arena_dir="/dev/shm",
-                           heartbeat_interval_s=0.2, transfer=transfer)
-    node_b = KVStoreNode(f"b-{backend}", "t", config, BLOCK_BYTES, redis_url)
+    node_b = pulling_node(f"b-{backend}", 16, redis_url, backend)
     try:
         slots = node_b.reserve(keys[:3], [None, *keys[:2]])
         for key, slot in zip(keys[:3], slots):
@@ -329,10 +335,7 @@ def test_a_pull_from_a_dead_node_reports_why_and_moves_nothing(tmp_path, redis_u
     doomed = NodeProcess("gone", node_config(tmp_path, 8, arena_dir=str(tmp_path)), ["5:4"],
                          redis_url)
     keys = synthetic_chain(5, 4)
-    transfer = FAST.model_copy(update={"backend": "tcp", "same_node_shared_memory": False})
-    node_b = KVStoreNode("b-orphan", "t", KVStoreConfig(
-        host_capacity_bytes=8 * BLOCK_BYTES, arena_dir="/dev/shm", transfer=transfer),
-        BLOCK_BYTES, redis_url)
+    node_b = pulling_node("b-orphan", 8, redis_url)
     try:
         doomed.process.kill()  # its Redis entries outlive it until the heartbeat expires
         doomed.process.wait()
@@ -351,10 +354,7 @@ def test_a_pull_into_a_full_arena_keeps_what_fits_and_says_so(redis_url, node_a,
     """B's arena has three slots: the pull stores the first three blocks, logs and counts the
     rest as rejected (to be recomputed), and returns a result instead of failing."""
     keys = synthetic_chain(1, 12)
-    transfer = FAST.model_copy(update={"backend": "tcp", "same_node_shared_memory": False})
-    node_b = KVStoreNode("b-full", "t", KVStoreConfig(
-        host_capacity_bytes=3 * BLOCK_BYTES, arena_dir="/dev/shm", transfer=transfer),
-        BLOCK_BYTES, redis_url)
+    node_b = pulling_node("b-full", 3, redis_url)
     try:
         with caplog.at_level("WARNING", logger="kvstore.node"):
             result = node_b.pull(keys, source_node="a")
