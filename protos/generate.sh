@@ -9,6 +9,7 @@ python -m grpc_tools.protoc \
   --python_out=. \
   --pyi_out=. \
   --grpc_python_out=. \
-  baton/v1/inference.proto
+  baton/v1/inference.proto baton/v1/admin.proto
 # protoc writes `from baton.v1 import ...`; the package is importable as `protos.baton.v1`.
-sed -i 's/^from baton\.v1 import /from protos.baton.v1 import /' baton/v1/inference_pb2_grpc.py
+sed -i 's/^from baton\.v1 import /from protos.baton.v1 import /' \
+  baton/v1/*_pb2_grpc.py baton/v1/*_pb2.py baton/v1/*_pb2.pyi

@@ -1,0 +1,224 @@
+from protos.baton.v1 import inference_pb2 as _inference_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("cluster_name", "policy", "pool_sizes", "instances", "stores", "placement_counters", "placements_by_prefill_instance", "recent_events", "fronts")
+    class PoolSizesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: PhaseCounts
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PhaseCounts, _Mapping]] = ...) -> None: ...
+    class PlacementCountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PlacementsByPrefillInstanceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    CLUSTER_NAME_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    POOL_SIZES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    STORES_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_BY_PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    RECENT_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    FRONTS_FIELD_NUMBER: _ClassVar[int]
+    cluster_name: str
+    policy: str
+    pool_sizes: _containers.MessageMap[str, PhaseCounts]
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
+    stores: _containers.RepeatedCompositeFieldContainer[StoreStatus]
+    placement_counters: _containers.ScalarMap[str, int]
+    placements_by_prefill_instance: _containers.ScalarMap[str, int]
+    recent_events: _containers.RepeatedScalarFieldContainer[str]
+    fronts: Fronts
+    def __init__(self, cluster_name: _Optional[str] = ..., policy: _Optional[str] = ..., pool_sizes: _Optional[_Mapping[str, PhaseCounts]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., placement_counters: _Optional[_Mapping[str, int]] = ..., placements_by_prefill_instance: _Optional[_Mapping[str, int]] = ..., recent_events: _Optional[_Iterable[str]] = ..., fronts: _Optional[_Union[Fronts, _Mapping]] = ...) -> None: ...
+
+class PhaseCounts(_message.Message):
+    __slots__ = ("instances_by_phase",)
+    class InstancesByPhaseEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    INSTANCES_BY_PHASE_FIELD_NUMBER: _ClassVar[int]
+    instances_by_phase: _containers.ScalarMap[str, int]
+    def __init__(self, instances_by_phase: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class InstanceStatus(_message.Message):
+    __slots__ = ("instance_id", "role", "node_id", "phase", "num_waiting_reqs", "num_running_reqs", "num_booked_reqs", "kv_usage_frac", "num_prompt_tokens", "num_cached_tokens", "recent_ttft_ms", "recent_itl_ms", "kv_load_seconds")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BOOKED_REQS_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FRAC_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_ITL_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    role: str
+    node_id: str
+    phase: str
+    num_waiting_reqs: int
+    num_running_reqs: int
+    num_booked_reqs: int
+    kv_usage_frac: float
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    recent_ttft_ms: float
+    recent_itl_ms: float
+    kv_load_seconds: float
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., node_id: _Optional[str] = ..., phase: _Optional[str] = ..., num_waiting_reqs: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_booked_reqs: _Optional[int] = ..., kv_usage_frac: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., recent_ttft_ms: _Optional[float] = ..., recent_itl_ms: _Optional[float] = ..., kv_load_seconds: _Optional[float] = ...) -> None: ...
+
+class StoreStatus(_message.Message):
+    __slots__ = ("node_id", "host_capacity_blocks", "host_used_blocks", "host_pinned_blocks", "disk_used_blocks", "evicted_blocks", "counters")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    host_capacity_blocks: int
+    host_used_blocks: int
+    host_pinned_blocks: int
+    disk_used_blocks: int
+    evicted_blocks: int
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., host_capacity_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., host_pinned_blocks: _Optional[int] = ..., disk_used_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class Fronts(_message.Message):
+    __slots__ = ("host_ip", "grpc_port", "http_port", "http_tls")
+    HOST_IP_FIELD_NUMBER: _ClassVar[int]
+    GRPC_PORT_FIELD_NUMBER: _ClassVar[int]
+    HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
+    HTTP_TLS_FIELD_NUMBER: _ClassVar[int]
+    host_ip: str
+    grpc_port: int
+    http_port: int
+    http_tls: bool
+    def __init__(self, host_ip: _Optional[str] = ..., grpc_port: _Optional[int] = ..., http_port: _Optional[int] = ..., http_tls: _Optional[bool] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("prefill", "decode", "timeout_s")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    prefill: int
+    decode: int
+    timeout_s: float
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolChange]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolChange, _Mapping]]] = ...) -> None: ...
+
+class PoolChange(_message.Message):
+    __slots__ = ("role", "size_before", "size_after", "added", "removed", "pending", "failed")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    size_before: int
+    size_after: int
+    added: _containers.RepeatedScalarFieldContainer[str]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    pending: _containers.RepeatedScalarFieldContainer[str]
+    failed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., size_before: _Optional[int] = ..., size_after: _Optional[int] = ..., added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., pending: _Optional[_Iterable[str]] = ..., failed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("instance_id", "timeout_s")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    timeout_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("instance_id", "drained_requests", "drain_s")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_S_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    drained_requests: int
+    drain_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., drained_requests: _Optional[int] = ..., drain_s: _Optional[float] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("name", "text", "token_ids", "cache_salt")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    text: str
+    token_ids: _inference_pb2.TokenIds
+    cache_salt: str
+    def __init__(self, name: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_inference_pb2.TokenIds, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class SoftPin(_message.Message):
+    __slots__ = ("name", "num_blocks", "num_tokens", "present_blocks_by_node")
+    class PresentBlocksByNodeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_BLOCKS_BY_NODE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_blocks: int
+    num_tokens: int
+    present_blocks_by_node: _containers.ScalarMap[str, int]
+    def __init__(self, name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., present_blocks_by_node: _Optional[_Mapping[str, int]] = ...) -> None: ...
