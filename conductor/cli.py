@@ -337,12 +337,22 @@ _ADDRESS = typer.Option(None, "--address", envvar="RAY_ADDRESS",
                         help="Ray cluster address (host:port or 'auto'); default $RAY_ADDRESS.")
 _NAME = typer.Option("baton", "--name", help="Baton cluster name (config `name`).")
 _NAMESPACE = typer.Option("baton", "--namespace", help="Ray namespace (config `ray.namespace`).")
+_ENDPOINT = typer.Option(None, "--endpoint", metavar="HOST:PORT",
+                         help="Go through this gateway's Admin service instead of Ray "
+                         "(needs the admin key; --address, --name and --namespace are unused).")
+_ADMIN_KEY_FILE = typer.Option(None, "--admin-key-file",
+                               help="With --endpoint: file holding the admin key (default: "
+                               "$BATON_ADMIN_KEY).")
+_ADMIN_TLS_CA = typer.Option(None, "--tls-ca", envvar="BATON_TLS_CA",
+                             help="With --endpoint: PEM CA to trust: connect over TLS "
+                             "(or $BATON_TLS_CA).")
 
 
 def _fail(exc: BaseException) -> None:
     """Print an operator error and exit with its code."""
     from ray.exceptions import RayTaskError
 
+    from conductor.admin_client import NotAuthorized
     from conductor.deployment import NoRayCluster, NotUp
     from conductor.errors import ConfigError, InvalidRequest
     from conductor.pools import UnknownInstance
@@ -350,7 +360,7 @@ def _fail(exc: BaseException) -> None:
     if isinstance(exc, RayTaskError) and exc.cause is not None:
         exc = exc.cause
     code = EXIT_FAILED
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, (ConfigError, NotAuthorized)):  # fix the config, the options or the key
         code = EXIT_CONFIG
     elif isinstance(exc, (NoRayCluster, NotUp)):
         code = EXIT_NO_CLUSTER
@@ -365,6 +375,23 @@ def _connected(address: Optional[str], namespace: str) -> None:
 
     try:
         connect(address, namespace)
+    except Exception as exc:  # noqa: BLE001 - reported with its exit code
+        _fail(exc)
+
+
+def _operator(address: Optional[str], name: str, namespace: str, endpoint: Optional[str],
+              admin_key_file: Optional[Path], tls_ca: Optional[Path]):
+    """Who carries out an operator verb: the gateway's Admin service with ``--endpoint``
+    (``AdminClient``), else the conductor through Ray (``RayOperator``)."""
+    if endpoint is None:
+        from conductor.deployment import RayOperator
+
+        _connected(address, namespace)
+        return RayOperator(name, namespace)
+    from conductor.admin_client import AdminClient, read_admin_key
+
+    try:
+        return AdminClient(endpoint, read_admin_key(admin_key_file), str(tls_ca) if tls_ca else None)
     except Exception as exc:  # noqa: BLE001 - reported with its exit code
         _fail(exc)
 
@@ -416,7 +443,8 @@ def up(
     if a.grpc_port is not None:
         print(f"gRPC  {a.host_ip}:{a.grpc_port}")
     if a.http_port is not None:
-        print(f"HTTP  http://{a.host_ip}:{a.http_port}/v1   metrics: http://{a.host_ip}:{a.http_port}/metrics")
+        base = f"{'https' if a.http_tls else 'http'}://{a.host_ip}:{a.http_port}"
+        print(f"HTTP  {base}/v1   metrics: {base}/metrics")
     if not ok:
         raise typer.Exit(EXIT_FAILED)
 
@@ -440,19 +468,20 @@ def _fmt_ms(value) -> str:
 def status(
     address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
+    endpoint: Optional[str] = _ENDPOINT, admin_key_file: Optional[Path] = _ADMIN_KEY_FILE,
+    tls_ca: Optional[Path] = _ADMIN_TLS_CA,
 ) -> None:
     """Pools and instances (node, state, queue depth, running sequences, KV use, prefix hits,
     recent TTFT/ITL), KV store nodes, and the conductor's placement counters."""
     import msgspec
     from rich.table import Table
 
-    from conductor.deployment import status as run_status
-
-    _connected(address, namespace)
+    operator = _operator(address, name, namespace, endpoint, admin_key_file, tls_ca)
     try:
-        pools, addresses = run_status(name, namespace)
+        view = operator.status()
     except Exception as exc:  # noqa: BLE001
         _fail(exc)
+    pools, addresses = view.pools, view.fronts
     if as_json:
         print(msgspec.json.encode({"status": pools, "fronts": addresses}).decode())
         return
@@ -460,9 +489,10 @@ def status(
     sizes = ", ".join(
         f"{pool} {sum(p.values())} ({', '.join(f'{n} {k}' for k, n in sorted(p.items())) or 'none'})"
         for pool, p in pools.pool_sizes.items())
-    out.print(f"[bold]Baton '{name}'[/bold]  policy {pools.policy}  pools: {sizes}")
+    out.print(f"[bold]Baton '{view.cluster_name}'[/bold]  policy {pools.policy}  pools: {sizes}")
     if addresses is not None:
-        out.print(f"fronts on {addresses.host_ip}: gRPC {addresses.grpc_port}, HTTP {addresses.http_port}")
+        http = "HTTPS" if addresses.http_tls else "HTTP"
+        out.print(f"fronts on {addresses.host_ip}: gRPC {addresses.grpc_port}, {http} {addresses.http_port}")
     table = Table("instance", "pool", "node", "state", "waiting", "running", "booked", "KV used",
                   "prefix hits", "TTFT ms", "ITL ms")
     for r in pools.instances:
@@ -494,18 +524,18 @@ def scale(
     decode: Optional[int] = typer.Option(None, help="Decode pool size."),
     address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
     timeout: float = typer.Option(600.0, help="Seconds to wait for new engines / for drains."),
+    endpoint: Optional[str] = _ENDPOINT, admin_key_file: Optional[Path] = _ADMIN_KEY_FILE,
+    tls_ca: Optional[Path] = _ADMIN_TLS_CA,
 ) -> None:
     """Resize the prefill and/or decode pool while serving. Instances leaving are drained first
     (no new work; in-flight requests finish), so no request fails because of a scale-down."""
-    from conductor.deployment import scale as run_scale
-
     sizes = {role: n for role, n in (("prefill", prefill), ("decode", decode)) if n is not None}
     if not sizes:
         err.print("[red]error:[/red] give --prefill N and/or --decode M")
         raise typer.Exit(EXIT_CONFIG)
-    _connected(address, namespace)
+    operator = _operator(address, name, namespace, endpoint, admin_key_file, tls_ca)
     try:
-        results = run_scale(name, namespace, sizes, timeout)
+        results = operator.scale(sizes, timeout)
     except Exception as exc:  # noqa: BLE001
         _fail(exc)
     if not _print_scale(results):
@@ -517,13 +547,13 @@ def drain(
     instance: str = typer.Argument(..., help="Instance id, as `baton status` lists it."),
     address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
     timeout: float = typer.Option(600.0, help="Seconds its in-flight requests may take."),
+    endpoint: Optional[str] = _ENDPOINT, admin_key_file: Optional[Path] = _ADMIN_KEY_FILE,
+    tls_ca: Optional[Path] = _ADMIN_TLS_CA,
 ) -> None:
     """Stop placing on one instance, let its in-flight requests finish, then remove it."""
-    from conductor.deployment import drain as run_drain
-
-    _connected(address, namespace)
+    operator = _operator(address, name, namespace, endpoint, admin_key_file, tls_ca)
     try:
-        result = run_drain(name, namespace, instance, timeout)
+        result = operator.drain(instance, timeout)
     except Exception as exc:  # noqa: BLE001
         _fail(exc)
     print(f"{result.instance_id} drained in {result.drain_s:.1f} s "
@@ -537,12 +567,12 @@ def pin(
     file: Optional[Path] = typer.Option(None, help="... or a file holding it."),
     cache_salt: str = typer.Option("", help="The tenant's cache_salt, if its requests carry one."),
     address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+    endpoint: Optional[str] = _ENDPOINT, admin_key_file: Optional[Path] = _ADMIN_KEY_FILE,
+    tls_ca: Optional[Path] = _ADMIN_TLS_CA,
 ) -> None:
     """Soft-pin a prompt prefix on every KV store node: its blocks stay in host memory until
     nothing else can be evicted (a shared system prompt). Only whole blocks are pinned; nodes
     that join later get the pin too. Pinning NAME again replaces it; `baton unpin NAME` ends it."""
-    from conductor.deployment import pin as run_pin
-
     if (text is None) == (file is None):
         err.print("[red]error:[/red] give exactly one of --text and --file")
         raise typer.Exit(EXIT_CONFIG)
@@ -552,9 +582,9 @@ def pin(
         except OSError as exc:
             err.print(f"[red]error:[/red] cannot read {file}: {exc}")
             raise typer.Exit(EXIT_CONFIG) from exc
-    _connected(address, namespace)
+    operator = _operator(address, name, namespace, endpoint, admin_key_file, tls_ca)
     try:
-        result = run_pin(name, namespace, pin_name, text, cache_salt)
+        result = operator.pin(pin_name, text, cache_salt)
     except Exception as exc:  # noqa: BLE001
         _fail(exc)
     held = ", ".join(f"{node} {n}" for node, n in sorted(result.present_blocks_by_node.items()))
@@ -566,13 +596,13 @@ def pin(
 def unpin(
     pin_name: str = typer.Argument(..., metavar="NAME", help="The name given to `baton pin`."),
     address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+    endpoint: Optional[str] = _ENDPOINT, admin_key_file: Optional[Path] = _ADMIN_KEY_FILE,
+    tls_ca: Optional[Path] = _ADMIN_TLS_CA,
 ) -> None:
     """End a soft pin: its blocks age out like any others."""
-    from conductor.deployment import unpin as run_unpin
-
-    _connected(address, namespace)
+    operator = _operator(address, name, namespace, endpoint, admin_key_file, tls_ca)
     try:
-        result = run_unpin(name, namespace, pin_name)
+        result = operator.unpin(pin_name)
     except Exception as exc:  # noqa: BLE001
         _fail(exc)
     print(f"unpinned '{result.name}' ({result.num_blocks} blocks)")

@@ -21,6 +21,11 @@ class PoolConfig(BaseModel):
     num_instances: int = Field(1, ge=0, description="Instances in the pool at start.")
 
 
+def _check_tls_pair(section: str, cert_file: str | None, key_file: str | None) -> None:
+    if (cert_file is None) != (key_file is None):
+        raise ValueError(f"{section} TLS needs both tls_cert_file and tls_key_file (or neither)")
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -34,11 +39,16 @@ class GatewayConfig(BaseModel):
     tls_key_file: str | None = Field(
         None, description="PEM private key of tls_cert_file; read from the file, never logged."
     )
+    admin_key_file: str | None = Field(
+        None, description="File with one accepted admin key per line: the baton.v1.Admin service "
+        "(status, scale, drain, pin, unpin) on the gateway's port accepts only these keys, never "
+        "an inference API key. Unset: the key in $BATON_ADMIN_KEY of the gateway's process; "
+        "neither: the Admin service refuses every call. Read from the file, never logged."
+    )
 
     @model_validator(mode="after")
     def _tls_needs_both_files(self) -> "GatewayConfig":
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("gateway TLS needs both tls_cert_file and tls_key_file (or neither)")
+        _check_tls_pair("gateway", self.tls_cert_file, self.tls_key_file)
         return self
 
     def tls_credentials(self) -> tuple[bytes, bytes] | None:
@@ -65,6 +75,42 @@ class HttpConfig(BaseModel):
     enabled: bool = Field(True, description="Serve the OpenAI-compatible HTTP API.")
     host: str = Field("127.0.0.1", description="Address the HTTP front binds.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
+    tls_cert_file: str | None = Field(
+        None, description="PEM certificate chain: set it (with tls_key_file) and the HTTP front "
+        "serves HTTPS only (/v1, /health and /metrics); unset: plain HTTP. May be the gateway's."
+    )
+    tls_key_file: str | None = Field(
+        None, description="PEM private key of tls_cert_file; read from the file, never logged."
+    )
+
+    @model_validator(mode="after")
+    def _tls_needs_both_files(self) -> "HttpConfig":
+        _check_tls_pair("http", self.tls_cert_file, self.tls_key_file)
+        return self
+
+    def tls_files(self) -> tuple[str, str] | None:
+        """(certificate chain, private key) paths, checked to load as a TLS server identity, or
+        None without TLS; ``ConfigError`` naming the field when a file is unreadable or wrong."""
+        import ssl
+
+        from conductor.errors import ConfigError
+
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        for field, path in (("tls_cert_file", self.tls_cert_file), ("tls_key_file", self.tls_key_file)):
+            try:
+                Path(path).read_bytes()
+            except OSError as e:
+                raise ConfigError(f"http.{field}: cannot read {path}: {e.strerror}") from e
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                self.tls_cert_file, self.tls_key_file)
+        except ssl.SSLError as e:
+            raise ConfigError(
+                f"http.tls_cert_file {self.tls_cert_file} and http.tls_key_file: not a PEM "
+                f"certificate chain and its private key ({e.reason or e})"
+            ) from e
+        return self.tls_cert_file, self.tls_key_file
 
 
 class AuthConfig(BaseModel):

@@ -189,6 +189,33 @@ def unpin(name: str, namespace: str, pin_name: str):
     return ray.get(_conductor(name, namespace).unpin_prefix.remote(pin_name))
 
 
+class RayOperator:
+    """The operator verbs on cluster ``name`` through Ray (the driver is connected): what the CLI
+    calls without ``--endpoint``. ``conductor.admin_client.AdminClient`` has the same verbs
+    through the gateway's Admin service; both end in the same conductor actor methods."""
+
+    def __init__(self, name: str, namespace: str) -> None:
+        self.name, self.namespace = name, namespace
+
+    def status(self):
+        from conductor.admin_wire import StatusView
+
+        pools, addresses = status(self.name, self.namespace)
+        return StatusView(pools, addresses, self.name)
+
+    def scale(self, sizes: dict[str, int], timeout_s: float) -> list[ScaleResult]:
+        return scale(self.name, self.namespace, sizes, timeout_s)
+
+    def drain(self, instance_id: str, timeout_s: float):
+        return drain(self.name, self.namespace, instance_id, timeout_s)
+
+    def pin(self, pin_name: str, text: str, cache_salt: str = ""):
+        return pin(self.name, self.namespace, pin_name, text, cache_salt)
+
+    def unpin(self, pin_name: str):
+        return unpin(self.name, self.namespace, pin_name)
+
+
 def down(name: str, namespace: str, progress: Callable[[str], None]) -> list[str]:
     """Remove every actor of cluster ``name``: fronts first (no new requests), then workers,
     stores, the conductor and Redis. Returns the names removed (none: nothing was up)."""

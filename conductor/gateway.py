@@ -10,23 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from conductor.auth import KeySet, bearer_key
 from conductor.errors import BatonError, ConfigError
 from conductor.router import Placed, Router, num_cached_tokens
 from conductor.tokenization import PromptTokenizer
 from conductor.validation import tokenize_prompt, validate_and_build
 from engine.messages import EngineRequest, TokenChunk
 from protos.baton.v1 import inference_pb2 as pb
+
+if TYPE_CHECKING:
+    from conductor.admin import AdminServicer
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ class InferenceServicer:
         vocab_size: int | None = None,
         api_keys: frozenset[str] = frozenset(),
     ) -> None:
-        self._api_keys = api_keys
+        self._api_keys = KeySet(api_keys)
         self._router = router
         self._tokenizer = tokenizer
         self._served_model_name = served_model_name
@@ -106,10 +109,7 @@ class InferenceServicer:
         """With keys configured, every call carries ``authorization: Bearer <key>`` metadata."""
         if not self._api_keys:
             return
-        metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
-        header = metadata.get("authorization", "")
-        offered = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        if not any(hmac.compare_digest(offered, key) for key in self._api_keys):
+        if not self._api_keys.accepts(bearer_key(context.invocation_metadata())):
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "missing or invalid API key: send metadata 'authorization: Bearer <key>'",
@@ -275,9 +275,11 @@ async def start_gateway(
     port: int,
     max_receive_message_bytes: int = DEFAULT_MAX_RECEIVE_MESSAGE_BYTES,
     tls: tuple[bytes, bytes] | None = None,
+    admin: "AdminServicer | None" = None,
 ) -> RunningGateway:
     """Serve ``servicer`` with health checking and reflection on ``host:port`` and start;
-    with ``tls`` (PEM private key, certificate chain) over TLS only.
+    with ``tls`` (PEM private key, certificate chain) over TLS only; with ``admin``, the
+    ``baton.v1.Admin`` service on the same port.
 
     ``port`` 0 binds an ephemeral port; the bound one is ``RunningGateway.port``. Health
     reports SERVING until ``RunningGateway.set_serving(False)`` or ``stop``.
@@ -290,11 +292,13 @@ async def start_gateway(
         ]
     )
     server.add_generic_rpc_handlers((servicer.method_handlers(),))
+    service_names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    if admin is not None:
+        server.add_generic_rpc_handlers((admin.method_handlers(),))
+        service_names.append(admin.SERVICE_NAME)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    reflection.enable_server_reflection(service_names, server)
     try:
         if tls is None:
             bound_port = server.add_insecure_port(f"{host}:{port}")

@@ -1,8 +1,9 @@
 """The fronts as a detached Ray actor, so ``baton up`` can return while they keep serving.
 
 The same pieces ``baton serve`` runs in its own process: a ``LiveRouter`` to the conductor, the
-gRPC gateway and the OpenAI HTTP front (whose ``/metrics`` serves Baton's metrics), plus the
-pool-gauge poller, all on the actor's event loop.
+gRPC gateway (``baton.v1.Inference`` and the key-guarded ``baton.v1.Admin``) and the OpenAI HTTP
+front (whose ``/metrics`` serves Baton's metrics), plus the pool-gauge poller, all on the actor's
+event loop.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class FrontAddresses(msgspec.Struct, frozen=True):
     host_ip: str
     grpc_port: int | None
     http_port: int | None
+    http_tls: bool = False
+    """The HTTP front serves HTTPS (``http.tls_cert_file``)."""
 
 
 class GatewayHost:
@@ -43,6 +46,8 @@ class GatewayHost:
     async def start(self) -> FrontAddresses:
         if self._addresses is not None:
             return self._addresses
+        from conductor.admin import AdminServicer
+        from conductor.auth import read_admin_keys
         from conductor.gateway import InferenceServicer, start_gateway
         from conductor.live_router import LiveRouter
         from conductor.metrics import PoolGaugePoller
@@ -58,20 +63,25 @@ class GatewayHost:
         self._gauges = PoolGaugePoller(conductor)
         self._gauges.start()
         api_keys = _read_api_keys(cfg.auth.api_key_file)
+        admin_keys = read_admin_keys(cfg.gateway.admin_key_file, api_keys)
+        http_tls = cfg.http.tls_files()
         grpc_port = http_port = None
         if cfg.gateway.enabled:
             servicer = InferenceServicer(self._router, tokenizer, model.name, max_len, api_keys=api_keys)
+            admin = AdminServicer(conductor, tokenizer, admin_keys, cfg.name,
+                                  fronts=lambda: self._addresses)
             self._gateway = await start_gateway(servicer, cfg.gateway.host, cfg.gateway.port,
-                                                 tls=cfg.gateway.tls_credentials())
+                                                 tls=cfg.gateway.tls_credentials(), admin=admin)
             grpc_port = self._gateway.port
             asyncio.get_running_loop().create_task(self._serving_when_ready())
         if cfg.http.enabled:
             from conductor.openai_http import build_app, start_http
 
             app = build_app(self._router, tokenizer, model.name, max_len, api_keys=api_keys)
-            self._http = await start_http(app, cfg.http.host, cfg.http.port)
+            self._http = await start_http(app, cfg.http.host, cfg.http.port, tls=http_tls)
             http_port = self._http.port
-        self._addresses = FrontAddresses(ray.util.get_node_ip_address(), grpc_port, http_port)
+        self._addresses = FrontAddresses(ray.util.get_node_ip_address(), grpc_port, http_port,
+                                         http_tls is not None)
         log.info("fronts up: %s", self._addresses)
         return self._addresses
 

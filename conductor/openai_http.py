@@ -680,8 +680,11 @@ class RunningHttp:
         await self.task
 
 
-async def start_http(app: FastAPI, host: str, port: int) -> RunningHttp:
-    """Serve ``app`` with uvicorn on ``host:port`` as a task on the running loop.
+async def start_http(
+    app: FastAPI, host: str, port: int, tls: tuple[str, str] | None = None
+) -> RunningHttp:
+    """Serve ``app`` with uvicorn on ``host:port`` as a task on the running loop; with ``tls``
+    (certificate chain file, private key file: ``HttpConfig.tls_files()``) HTTPS only.
 
     ``port`` 0 binds an ephemeral port; the bound one is ``RunningHttp.port``. Raises
     ``ConfigError`` when the address cannot be bound. Logging is left to the embedding process.
@@ -693,8 +696,10 @@ async def start_http(app: FastAPI, host: str, port: int) -> RunningHttp:
         raise ConfigError(
             f"the HTTP front could not bind {host}:{port} ({e}); pick a free port"
         ) from e
+    cert_file, key_file = tls if tls is not None else (None, None)
     config = uvicorn.Config(
-        app, host=host, port=port, lifespan="off", ws="none", log_config=None, access_log=False
+        app, host=host, port=port, lifespan="off", ws="none", log_config=None, access_log=False,
+        ssl_certfile=cert_file, ssl_keyfile=key_file,
     )
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))

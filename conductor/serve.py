@@ -1,4 +1,5 @@
-"""``baton serve``: a whole cluster plus the gRPC gateway, in the foreground.
+"""``baton serve``: a whole cluster plus the fronts (gRPC Inference and Admin, OpenAI HTTP), in
+the foreground.
 
 The gateway binds first and answers ``UNAVAILABLE`` (health NOT_SERVING) while the engines
 load, so clients and load balancers see a clear state instead of a refused connection.
@@ -12,9 +13,12 @@ import signal
 import time
 from typing import Callable
 
+from conductor.admin import AdminServicer
+from conductor.auth import KeySet, read_admin_keys, read_key_file
 from conductor.cluster import LocalCluster
 from conductor.config import ClusterConfig
 from conductor.gateway import InferenceServicer, RunningGateway, start_gateway
+from conductor.gateway_actor import FrontAddresses
 from conductor.live_router import LiveRouter
 from conductor.metrics import PoolGaugePoller
 from conductor.tokenization import PromptTokenizer
@@ -22,22 +26,9 @@ from conductor.tokenization import PromptTokenizer
 log = logging.getLogger(__name__)
 
 
-def _read_api_keys(path: str | None) -> frozenset[str]:
+def _read_api_keys(path: str | None) -> KeySet:
     """Accepted API keys, one per line of ``path`` (blank lines and ``#`` comments skipped)."""
-    if path is None:
-        return frozenset()
-    from pathlib import Path
-
-    from conductor.errors import ConfigError
-
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise ConfigError(f"auth.api_key_file: cannot read {path}: {exc.strerror}") from exc
-    keys = frozenset(line.strip() for line in lines if line.strip() and not line.startswith("#"))
-    if not keys:
-        raise ConfigError(f"auth.api_key_file: {path} holds no key")
-    return keys
+    return read_key_file(path, "auth.api_key_file")
 
 
 class BatonServer:
@@ -69,6 +60,11 @@ class BatonServer:
 
     async def start(self, wait_ready: bool = True) -> None:
         started = time.perf_counter()
+        # secrets and certificates first: a bad one is a config error before anything starts
+        api_keys = _read_api_keys(self.config.auth.api_key_file)
+        admin_keys = read_admin_keys(self.config.gateway.admin_key_file, api_keys)
+        grpc_tls = self.config.gateway.tls_credentials()
+        http_tls = self.config.http.tls_files()
         await asyncio.to_thread(self.cluster.start, False)
         model = self.cluster.model
         assert model is not None
@@ -79,13 +75,14 @@ class BatonServer:
         self.router.start()
         self.gauges = PoolGaugePoller(self.cluster.conductor)
         self.gauges.start()
-        api_keys = _read_api_keys(self.config.auth.api_key_file)
         servicer = InferenceServicer(self.router, tokenizer, model.name, max_len,
                                      api_keys=api_keys)
         if self.config.gateway.enabled:
+            admin = AdminServicer(self.cluster.conductor, tokenizer, admin_keys, self.config.name,
+                                  fronts=self._fronts)
             self.gateway = await start_gateway(
                 servicer, self.config.gateway.host, self.config.gateway.port,
-                tls=self.config.gateway.tls_credentials(),
+                tls=grpc_tls, admin=admin,
             )
             await self.gateway.set_serving(False)
             self.progress(f"gateway listening on {self.target} (not serving until workers are ready)")
@@ -93,11 +90,22 @@ class BatonServer:
             from conductor.openai_http import build_app, start_http
 
             app = build_app(self.router, tokenizer, model.name, max_len, api_keys=api_keys)
-            self.http = await start_http(app, self.config.http.host, self.config.http.port)
-            self.progress(f"OpenAI-compatible HTTP on http://{self.config.http.host}:{self.http.port}/v1")
+            self.http = await start_http(app, self.config.http.host, self.config.http.port,
+                                         tls=http_tls)
+            self.progress(f"OpenAI-compatible HTTP on {self.http_url}")
         if wait_ready:
             await self.wait_ready()
         self.start_seconds = time.perf_counter() - started
+
+    @property
+    def http_url(self) -> str:
+        scheme = "https" if self.config.http.tls_cert_file else "http"
+        return f"{scheme}://{self.config.http.host}:{self.http_port}/v1"
+
+    def _fronts(self) -> FrontAddresses:
+        return FrontAddresses(
+            self.config.gateway.host, self.gateway.port if self.gateway else None,
+            self.http.port if self.http else None, self.config.http.tls_cert_file is not None)
 
     async def wait_ready(self) -> None:
         await asyncio.to_thread(self.cluster.wait_ready)
@@ -107,7 +115,7 @@ class BatonServer:
             await self.gateway.set_serving(True)
             self.progress(f"serving on {self.target}")
         if self.http is not None:
-            self.progress(f"serving HTTP on http://{self.config.http.host}:{self.http.port}/v1")
+            self.progress(f"serving HTTP on {self.http_url}")
 
     async def stop(self) -> None:
         if self.gateway is not None:

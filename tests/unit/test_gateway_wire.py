@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -25,6 +24,7 @@ from engine.messages import EngineRequest, Placement, PrefillResult, TokenChunk
 from engine.models import prepare_model
 from protos.baton.v1 import inference_pb2 as pb
 from protos.baton.v1 import inference_pb2_grpc as pb_grpc
+from tests.tls import self_signed as _self_signed
 
 SERVED = "tiny"
 MAX_MODEL_LEN = 100
@@ -439,35 +439,6 @@ async def test_an_early_rejection_is_resource_exhausted_with_a_retry_after_hint(
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert info.value.details() == "predicted TTFT 900.0 ms exceeds ttft_slo_ms 500"
     assert dict(info.value.trailing_metadata())["retry-after-ms"] == "2250"
-
-
-def _self_signed(tmp_path, name: str) -> tuple[Path, Path]:
-    """A throw-away CA-less certificate for 127.0.0.1 (its own root), as PEM files."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    cert_file, key_file = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_file, key_file
 
 
 async def test_tls_is_one_switch_and_plaintext_or_untrusted_clients_are_refused(tokenizer, tmp_path):

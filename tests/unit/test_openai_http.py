@@ -509,3 +509,61 @@ async def test_taken_port_is_a_config_error(server, router, tokenizer):
 
     with pytest.raises(ConfigError, match=f"could not bind 127.0.0.1:{server.port}"):
         await start_http(app, "127.0.0.1", server.port)
+
+
+async def test_tls_is_one_switch_and_plain_http_or_untrusted_clients_are_refused(tokenizer, tmp_path):
+    from conductor.config import HttpConfig
+    from tests.tls import self_signed
+
+    cert, key = self_signed(tmp_path, "front")
+    other_ca, _ = self_signed(tmp_path, "impostor")
+    config = HttpConfig(port=0, tls_cert_file=str(cert), tls_key_file=str(key))
+    app = build_app(FakeRouter(), tokenizer, SERVED, MAX_MODEL_LEN, frozenset({API_KEY}))
+    running = await start_http(app, config.host, config.port, tls=config.tls_files())
+    try:
+        async with httpx.AsyncClient(verify=str(cert), timeout=10) as https:
+            health = await https.get(f"https://127.0.0.1:{running.port}/health")
+            assert (health.status_code, health.json()) == (200, {"status": "ok"})
+            completion = await https.post(
+                f"https://127.0.0.1:{running.port}/v1/completions", headers=AUTH,
+                json={"model": SERVED, "prompt": "hi", "max_tokens": 4})
+            assert completion.json()["choices"][0]["text"] == "abcd"
+        async with httpx.AsyncClient(timeout=5) as plain:
+            with pytest.raises(httpx.HTTPError):  # plaintext HTTP to the TLS port
+                await plain.get(f"http://127.0.0.1:{running.port}/health")
+        async with httpx.AsyncClient(verify=str(other_ca), timeout=5) as untrusting:
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                await untrusting.get(f"https://127.0.0.1:{running.port}/health")
+        async with openai.AsyncOpenAI(
+            base_url=f"https://127.0.0.1:{running.port}/v1", api_key=API_KEY, max_retries=0,
+            http_client=httpx.AsyncClient(verify=str(cert)),
+        ) as client:
+            models = await client.models.list()
+            assert [m.id for m in models.data] == [SERVED]
+    finally:
+        await running.stop(grace_s=1.0)
+
+
+def test_http_tls_needs_both_files_and_a_loadable_pair(tmp_path):
+    from pydantic import ValidationError
+
+    from conductor.config import HttpConfig, load_config
+    from tests.tls import self_signed
+
+    with pytest.raises(ValidationError, match="http TLS needs both tls_cert_file and tls_key_file"):
+        HttpConfig(tls_key_file="key.pem")
+    cert, key = self_signed(tmp_path, "front")
+    _, other_key = self_signed(tmp_path, "other")
+    for cert_file, key_file, field in ((tmp_path / "c.pem", key, "tls_cert_file"),
+                                       (cert, tmp_path / "k.pem", "tls_key_file")):
+        with pytest.raises(ConfigError, match=f"^http.{field}: cannot read .*: No such file"):
+            load_config(None, {"http.tls_cert_file": str(cert_file),
+                               "http.tls_key_file": str(key_file)}).http.tls_files()
+    (tmp_path / "c.pem").write_text("not a certificate\n")
+    with pytest.raises(ConfigError, match="http.tls_cert_file .*c.pem and http.tls_key_file: not a "
+                                          "PEM certificate chain and its private key"):
+        HttpConfig(tls_cert_file=str(tmp_path / "c.pem"), tls_key_file=str(key)).tls_files()
+    with pytest.raises(ConfigError, match="not a PEM certificate chain and its private key"):
+        HttpConfig(tls_cert_file=str(cert), tls_key_file=str(other_key)).tls_files()  # not its key
+    assert HttpConfig().tls_files() is None
+    assert HttpConfig(tls_cert_file=str(cert), tls_key_file=str(key)).tls_files() == (str(cert), str(key))

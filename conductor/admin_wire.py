@@ -1,0 +1,111 @@
+"""``baton.v1.Admin`` messages to and from the structs the conductor returns.
+
+The Admin service sends what the conductor actor's ``pool_status``, ``scale``, ``drain`` and
+``pin_prefix`` return; the CLI turns the replies back into those same structs, so ``baton
+status`` prints one table (and one ``--json`` object) whichever way it reached the cluster.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from conductor.conductor import SoftPin
+from conductor.gateway_actor import FrontAddresses
+from conductor.pools import DrainResult, InstanceRow, PoolStatus, ScaleResult, StoreRow
+from conductor.state import PlacementCounters
+from protos.baton.v1 import admin_pb2 as apb
+
+INSTANCE_FIELDS = tuple(f for f in InstanceRow.__struct_fields__
+                        if f not in ("recent_ttft_ms", "recent_itl_ms"))
+STORE_FIELDS = tuple(f for f in StoreRow.__struct_fields__ if f != "counters")
+
+
+class StatusView(msgspec.Struct, frozen=True):
+    """What ``baton status`` shows: the conductor's pools, where the fronts serve, the name."""
+
+    pools: PoolStatus
+    fronts: FrontAddresses | None
+    cluster_name: str
+
+
+def status_to_pb(view: StatusView) -> apb.StatusResponse:
+    pools = view.pools
+    reply = apb.StatusResponse(cluster_name=view.cluster_name, policy=pools.policy,
+                               recent_events=pools.recent_events)
+    for pool, phases in pools.pool_sizes.items():
+        reply.pool_sizes[pool].instances_by_phase.update(phases)
+    for row in pools.instances:
+        message = reply.instances.add(**{f: getattr(row, f) for f in INSTANCE_FIELDS})
+        if row.recent_ttft_ms is not None:
+            message.recent_ttft_ms = row.recent_ttft_ms
+        if row.recent_itl_ms is not None:
+            message.recent_itl_ms = row.recent_itl_ms
+    for store in pools.stores:
+        reply.stores.add(counters=store.counters, **{f: getattr(store, f) for f in STORE_FIELDS})
+    counters = msgspec.structs.asdict(pools.counters)
+    reply.placements_by_prefill_instance.update(counters.pop("by_prefill_instance"))
+    reply.placement_counters.update({k: v for k, v in counters.items() if isinstance(v, int)})
+    if view.fronts is not None:
+        fronts = reply.fronts
+        fronts.host_ip, fronts.http_tls = view.fronts.host_ip, view.fronts.http_tls
+        if view.fronts.grpc_port is not None:
+            fronts.grpc_port = view.fronts.grpc_port
+        if view.fronts.http_port is not None:
+            fronts.http_port = view.fronts.http_port
+    return reply
+
+
+def _optional(message, field: str):
+    return getattr(message, field) if message.HasField(field) else None
+
+
+def status_from_pb(reply: apb.StatusResponse) -> StatusView:
+    instances = [
+        InstanceRow(**{f: getattr(m, f) for f in INSTANCE_FIELDS},
+                    recent_ttft_ms=_optional(m, "recent_ttft_ms"),
+                    recent_itl_ms=_optional(m, "recent_itl_ms"))
+        for m in reply.instances
+    ]
+    stores = [StoreRow(**{f: getattr(m, f) for f in STORE_FIELDS}, counters=dict(m.counters))
+              for m in reply.stores]
+    counters = msgspec.convert({**reply.placement_counters,
+                                "by_prefill_instance": dict(reply.placements_by_prefill_instance)},
+                               PlacementCounters)
+    pools = PoolStatus(
+        policy=reply.policy,
+        pool_sizes={pool: dict(p.instances_by_phase) for pool, p in reply.pool_sizes.items()},
+        instances=instances, stores=stores, counters=counters,
+        recent_events=list(reply.recent_events))
+    fronts = None
+    if reply.HasField("fronts"):
+        f = reply.fronts
+        fronts = FrontAddresses(f.host_ip, _optional(f, "grpc_port"), _optional(f, "http_port"),
+                                f.http_tls)
+    return StatusView(pools, fronts, reply.cluster_name)
+
+
+def scale_to_pb(results: list[ScaleResult]) -> apb.ScaleResponse:
+    return apb.ScaleResponse(pools=[apb.PoolChange(**msgspec.structs.asdict(r)) for r in results])
+
+
+def scale_from_pb(reply: apb.ScaleResponse) -> list[ScaleResult]:
+    return [ScaleResult(p.role, p.size_before, p.size_after, list(p.added), list(p.removed),
+                        list(p.pending), list(p.failed)) for p in reply.pools]
+
+
+def drain_to_pb(result: DrainResult) -> apb.DrainResponse:
+    return apb.DrainResponse(**msgspec.structs.asdict(result))
+
+
+def drain_from_pb(reply: apb.DrainResponse) -> DrainResult:
+    return DrainResult(reply.instance_id, reply.drained_requests, reply.drain_s)
+
+
+def soft_pin_to_pb(pin: SoftPin) -> apb.SoftPin:
+    return apb.SoftPin(name=pin.name, num_blocks=pin.num_blocks, num_tokens=pin.num_tokens,
+                       present_blocks_by_node=pin.present_blocks_by_node)
+
+
+def soft_pin_from_pb(reply: apb.SoftPin) -> SoftPin:
+    return SoftPin(reply.name, reply.num_blocks, reply.num_tokens,
+                   dict(reply.present_blocks_by_node))
