@@ -103,6 +103,7 @@ class Conductor:
         self._store_sub.setsockopt(zmq.LINGER, 0)
         self._replay_endpoints: dict[str, str] = {}
         self._store_topics: dict[bytes, str] = {}
+        self._store_endpoints: dict[str, str] = {}  # node → where its current process publishes
         self._prefill_events: dict[str, asyncio.Event] = {}
         self._tasks: list[asyncio.Task] = []
         self._events_received = 0
@@ -136,19 +137,61 @@ class Conductor:
     async def add_store_node(self, node_id: str, events_endpoint: str, replay_endpoint: str = "",
                              actor_name: str = "") -> None:
         """Subscribe to a store node's tier events (the node binds, the conductor connects).
-        Adding a node already known does nothing (every worker on a node announces its store)."""
+        Adding a node already known at the same endpoint does nothing (every worker on a node
+        announces its store); at another endpoint it is a new process of that node: see
+        ``replace_store_node``."""
         self._start_tasks()
         if actor_name:
             self._store_actors[node_id] = actor_name
-        if f"baton.store.{node_id}".encode() in self._store_topics:
+        known = self._store_endpoints.get(node_id)
+        if known == events_endpoint:
+            return
+        if known is not None:
+            await self.replace_store_node(node_id, events_endpoint, replay_endpoint, actor_name)
             return
         self._store_topics[f"baton.store.{node_id}".encode()] = node_id
         self.state.index.add_node(node_id)
-        if replay_endpoint:
-            self._replay_endpoints[node_id] = replay_endpoint
-        self._store_sub.connect(events_endpoint)
+        self._connect_store(node_id, events_endpoint, replay_endpoint)
         if self._soft_pins and actor_name:
             await self._push_soft_pins({node_id: actor_name})
+
+    async def store_node_lost(self, node_id: str) -> None:
+        """A store node's process is gone: forget every block the index had on it (its host
+        tier went with it) and stop listening to it. Placement goes on by load alone there
+        until ``replace_store_node``."""
+        self.state.index.clear_node(node_id)
+        endpoint = self._store_endpoints.pop(node_id, None)
+        if endpoint is not None:
+            self._disconnect_store(endpoint)
+        log.warning("store node %s lost: its index entries are dropped", node_id)
+
+    async def replace_store_node(self, node_id: str, events_endpoint: str,
+                                 replay_endpoint: str = "", actor_name: str = "") -> None:
+        """A new process of store node ``node_id`` publishes at ``events_endpoint``: drop what
+        the old one said, listen to the new one from its first batch (``add_node``: batches
+        the subscription missed while connecting are a gap from 0, replayed), and give it the
+        operators' soft pins."""
+        await self.store_node_lost(node_id)
+        if actor_name:
+            self._store_actors[node_id] = actor_name
+        self._store_topics[f"baton.store.{node_id}".encode()] = node_id
+        self.state.index.add_node(node_id)
+        self._connect_store(node_id, events_endpoint, replay_endpoint)
+        if self._soft_pins and actor_name:
+            await self._push_soft_pins({node_id: actor_name})
+        log.info("store node %s replaced: listening at %s", node_id, events_endpoint)
+
+    def _connect_store(self, node_id: str, events_endpoint: str, replay_endpoint: str) -> None:
+        if replay_endpoint:
+            self._replay_endpoints[node_id] = replay_endpoint
+        self._store_endpoints[node_id] = events_endpoint
+        self._store_sub.connect(events_endpoint)
+
+    def _disconnect_store(self, endpoint: str) -> None:
+        try:
+            self._store_sub.disconnect(endpoint)
+        except zmq.ZMQError:
+            pass  # never connected, or already gone
 
     # ------------------------------------------------------------------ operator pins
 

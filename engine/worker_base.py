@@ -119,6 +119,7 @@ class EngineWorker:
                                                    namespace=self._store.namespace)
             result = await self._store_handle.pull.remote(keys, source)
         except Exception:  # noqa: BLE001 - the store actor is gone: recompute
+            self._store_handle = None  # look it up again next time: it may have been replaced
             log.warning("pull of request %s's KV from node %s failed", request.request_id, source,
                         exc_info=True)
             return 0
@@ -175,6 +176,8 @@ class EngineWorker:
             "hits_blocks": s.hits_blocks,
             "loaded_blocks": s.loaded_blocks,
             "saved_blocks": s.saved_blocks,
+            "failed_load_blocks": s.failed_load_blocks,
+            "dropped_save_blocks": s.dropped_save_blocks,
         }
 
     def shutdown(self) -> None:

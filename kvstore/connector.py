@@ -15,10 +15,17 @@ so a producer and a consumer in different processes agree on them. Only full blo
 The scheduler half pins the blocks it promises to vLLM (``get_num_new_matched_tokens``); the
 pin travels with the connector metadata to the worker half, which copies the blocks and
 releases the pin. Pins of requests that never got to load are released by the scheduler half.
+
+The store node may die and come back as a new process (``kvstore.client``): meanwhile a lookup
+is a miss and a save is dropped (``ConnectorStats.dropped_save_blocks``); every pin and every
+load names the arena it was granted in, so a load whose arena is no longer mapped fails block by
+block (``get_block_ids_with_load_errors``; vLLM recomputes them, ``kv_load_failure_policy``
+"recompute") instead of reading another store's bytes.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -31,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstore.client import StoreClient
+from kvstore.client import shared_store_client
 from kvstore.keys import BlockKey, KeyExtras, block_keys, hash_block, root_key
 
 if TYPE_CHECKING:
@@ -54,10 +61,15 @@ class ConnectorStats:
     loaded_bytes: int = 0
     load_seconds: float = 0.0
     """Wall time spent copying loaded blocks into the engine's KV cache (s)."""
+    failed_load_blocks: int = 0
+    """Promised blocks whose arena was gone by the time they were copied (recomputed)."""
+    dropped_save_blocks: int = 0
+    """Blocks not saved because the store was gone (between its death and its return)."""
     loaded_tokens_by_request: dict[str, int] = field(default_factory=dict)
     saved_blocks_by_request: dict[str, int] = field(default_factory=dict)
 
 
+log = logging.getLogger(__name__)
 _STATS: dict[str, ConnectorStats] = {}
 _INTERNAL_SUFFIX = re.compile(r"-[0-9a-zA-Z]{8}$")
 
@@ -99,6 +111,8 @@ class LoadSpec:
     block_ids: list[int]
     slots: list[int]
     keys: list[BlockKey]
+    arena_path: str
+    """The arena ``slots`` index (the store that pinned them)."""
 
 
 @dataclass
@@ -126,6 +140,7 @@ class _RequestState:
     saved_blocks: int = 0
     pinned: list[BlockKey] = field(default_factory=list)
     pinned_slots: list[int] = field(default_factory=list)
+    pinned_arena: str = ""
     first_load_block: int = 0
 
 
@@ -146,7 +161,7 @@ class BatonConnector(KVConnectorBase_V1):
         self._kv_layout = kv_layout_tag(str(vllm_config.model_config.dtype), self._block_size)
         self._saves = cfg.kv_role in ("kv_producer", "kv_both")
         self._loads = cfg.kv_role in ("kv_consumer", "kv_both")
-        self._store = StoreClient(extra["store_actor"], extra["namespace"])
+        self._store = shared_store_client(extra["store_actor"], extra["namespace"])
         self.stats = connector_stats(self._engine_id)
         # scheduler half
         self._requests: dict[str, _RequestState] = {}
@@ -155,6 +170,8 @@ class BatonConnector(KVConnectorBase_V1):
         self._layers: list[torch.Tensor] = []
         self._device = torch.device("cpu")
         self._arena_layers: torch.Tensor | None = None
+        self._arena_layers_path = ""
+        self._load_errors: set[int] = set()
 
     # ---------------------------------------------------------------- scheduler half
 
@@ -175,8 +192,8 @@ class BatonConnector(KVConnectorBase_V1):
         return state
 
     def _unpin(self, state: _RequestState) -> None:
-        self._store.release(state.pinned)
-        state.pinned, state.pinned_slots = [], []
+        self._store.release(state.pinned, state.pinned_arena)
+        state.pinned, state.pinned_slots, state.pinned_arena = [], [], ""
 
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
@@ -190,18 +207,20 @@ class BatonConnector(KVConnectorBase_V1):
         self.stats.lookups_blocks += len(candidates)
         if not candidates:
             return 0, False
-        slots = self._store.acquire(candidates)
+        held = self._store.acquire(candidates)
+        slots = held.slots
         self.stats.hits_blocks += len(slots)
         # vLLM must compute at least the last prompt token itself.
         covered = min((first_block + len(slots)) * self._block_size, state.num_prompt_tokens)
         load_end = min(covered, state.num_prompt_tokens - 1)
         num_external = load_end - num_computed_tokens
         if num_external <= 0:
-            self._store.release(candidates[: len(slots)])
+            self._store.release(candidates[: len(slots)], held.arena_path)
             return 0, False
         num_blocks = -(-num_external // self._block_size)
-        self._store.release(candidates[num_blocks : len(slots)])
+        self._store.release(candidates[num_blocks : len(slots)], held.arena_path)
         state.pinned, state.pinned_slots = candidates[:num_blocks], slots[:num_blocks]
+        state.pinned_arena = held.arena_path
         state.first_load_block = first_block
         return num_external, False
 
@@ -222,12 +241,14 @@ class BatonConnector(KVConnectorBase_V1):
                 block_ids=block_ids[start : start + len(state.pinned)],
                 slots=state.pinned_slots,
                 keys=state.pinned,
+                arena_path=state.pinned_arena,
             )
         )
         self.stats.loaded_tokens_by_request[external_request_id(request.request_id)] = (
             num_external_tokens
         )
-        state.pinned, state.pinned_slots = [], []  # the worker half releases them now
+        # the worker half releases them now
+        state.pinned, state.pinned_slots, state.pinned_arena = [], [], ""
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = BatonConnectorMetadata(loads=self._loads_ready)
@@ -310,9 +331,25 @@ class BatonConnector(KVConnectorBase_V1):
             )
         self._layers = layers
         self._device = layers[0].device
-        self._arena_layers = arena.slots.view(dtype).view(
-            arena.num_slots, len(layers), *block_shape
-        )
+
+    def _arena_view(self, arena_path: str) -> torch.Tensor | None:
+        """The arena named ``arena_path`` viewed as ``[slot, layer, *block_shape]`` in the
+        cache's dtype; None when the client no longer maps it (its store is gone)."""
+        if arena_path and arena_path == self._arena_layers_path:
+            return self._arena_layers
+        arena = self._store.arena_for(arena_path)
+        if arena is None:
+            return None
+        layer = self._layers[0]
+        if layer[0].numel() * layer.element_size() * len(self._layers) != arena.slot_bytes:
+            log.error("KV store arena %s holds slots of %d bytes, not this engine's blocks: "
+                      "not using it", arena_path, arena.slot_bytes)
+            return None
+        # the previous view goes with this assignment, and with it the old mapping
+        self._arena_layers = arena.slots.view(layer.dtype).view(
+            arena.num_slots, len(self._layers), *layer.shape[1:])
+        self._arena_layers_path = arena_path
+        return self._arena_layers
 
     def _blocks_first(self, t: torch.Tensor) -> torch.Tensor:
         if self._num_gpu_blocks is None or t.shape[0] == self._num_gpu_blocks:
@@ -341,19 +378,35 @@ class BatonConnector(KVConnectorBase_V1):
         self._ensure_layers(forward_context)
         if not meta.loads:
             return
-        released: list[BlockKey] = []
+        released: dict[str, list[BlockKey]] = {}
         started = time.perf_counter()
         for load in meta.loads:
+            arena_layers = self._arena_view(load.arena_path)
+            if arena_layers is None:  # pinned by a store that was replaced since: recompute
+                self._fail_load(load)
+                continue
             slots = torch.tensor(load.slots, dtype=torch.long)
             # the arena is host memory; on GPUs the engine's cache is device memory
             block_ids = torch.tensor(load.block_ids, dtype=torch.long, device=self._device)
             for index, layer in enumerate(self._layers):
-                layer[block_ids] = self._arena_layers[slots, index].to(self._device)
+                layer[block_ids] = arena_layers[slots, index].to(self._device)
             self.stats.loaded_blocks += len(load.slots)
             self.stats.loaded_bytes += len(load.slots) * sum(layer[0].nbytes for layer in self._layers)
-            released.extend(load.keys)
+            released.setdefault(load.arena_path, []).extend(load.keys)
         self.stats.load_seconds += time.perf_counter() - started
-        self._store.release(released)
+        for arena_path, keys in released.items():
+            self._store.release(keys, arena_path)
+
+    def _fail_load(self, load: LoadSpec) -> None:
+        log.warning("request %s: %d KV blocks were pinned in a store that is gone; recomputing "
+                    "them", load.request_id, len(load.block_ids))
+        self._load_errors.update(load.block_ids)
+        self.stats.failed_load_blocks += len(load.block_ids)
+        self.stats.loaded_tokens_by_request.pop(external_request_id(load.request_id), None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -366,20 +419,31 @@ class BatonConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, BatonConnectorMetadata)
         for save in meta.saves:
-            slots = self._store.reserve(save.keys, save.parents)
-            written = [(i, s) for i, s in enumerate(slots) if s is not None]
+            granted = self._store.reserve(save.keys, save.parents)
+            if not granted.arena_path:  # the store is gone
+                self.stats.dropped_save_blocks += len(save.keys)
+                continue
+            written = [(i, s) for i, s in enumerate(granted.slots) if s is not None]
             if not written:
+                continue
+            keys = [save.keys[i] for i, _ in written]
+            arena_layers = self._arena_view(granted.arena_path)
+            if arena_layers is None:
+                self._store.abort(keys, granted.arena_path)
+                self.stats.dropped_save_blocks += len(keys)
                 continue
             try:
                 src = torch.tensor([save.block_ids[i] for i, _ in written], dtype=torch.long,
                                    device=self._device)
                 dst = torch.tensor([s for _, s in written], dtype=torch.long)
                 for index, layer in enumerate(self._layers):
-                    self._arena_layers[dst, index] = layer[src].to("cpu")
+                    arena_layers[dst, index] = layer[src].to("cpu")
             except BaseException:
-                self._store.abort([save.keys[i] for i, _ in written])
+                self._store.abort(keys, granted.arena_path)
                 raise
-            self._store.commit([save.keys[i] for i, _ in written])
+            if not self._store.commit(keys, granted.arena_path):
+                self.stats.dropped_save_blocks += len(keys)
+                continue
             self.stats.saved_blocks += len(written)
             by_request = self.stats.saved_blocks_by_request
             external_id = external_request_id(save.request_id)

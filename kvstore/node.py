@@ -133,21 +133,25 @@ class KVStoreNode:
         self._warned_no_transfer = False
         self.pull_counters = {"pulled_blocks": 0, "pulled_bytes": 0, "pull_failures": 0}
         self._stop_heartbeat = threading.Event()
+        self.transfer_server: BlockServer | None = None
+        if config.transfer is not None:
+            self.transfer_server = BlockServer(self, config.transfer)
+            self.transfer_server.start()
+        self._registered = self._registered_once = False
+        self._publish_failing = False
         if redis_url and config.publish_to_redis:
             self._directory = BlockDirectory.from_url(redis_url)
-            self._directory.register(node_id, str(path), config.heartbeat_ttl_s)
+            try:
+                self._reregister(self._directory, config, reason="started")
+            except Exception as exc:  # noqa: BLE001 - Redis down: the heartbeat registers later
+                log.warning("store node %s could not register in Redis (%s); retrying at every "
+                            "heartbeat", node_id, exc)
             threading.Thread(
                 target=self._heartbeat_forever,
                 args=(BlockDirectory.from_url(redis_url), config),
                 name="baton-store-heartbeat",
                 daemon=True,
             ).start()
-        self.transfer_server: BlockServer | None = None
-        if config.transfer is not None:
-            self.transfer_server = BlockServer(self, config.transfer)
-            address = self.transfer_server.start()
-            if self._directory is not None:
-                self._directory.set_transfer_address(node_id, msgspec.json.encode(address))
         log.info("store node %s: %d slots of %d bytes in %s", node_id, num_slots, block_bytes, path)
 
     def arena_info(self) -> ArenaInfo:
@@ -406,8 +410,13 @@ class KVStoreNode:
             dropped = [k for k in removed_host if k not in demoted]
             dropped += [k for k in removed_disk if k not in self.store]
             self._directory.publish(self.node_id, removed=dropped)
-        except Exception:  # metadata is advisory; serving goes on without it
-            log.warning("could not publish block metadata to Redis", exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - metadata is advisory; serving goes on without it
+            if not self._publish_failing:  # once per outage, not once per block
+                log.warning("could not publish block metadata to Redis (%s); serving goes on, "
+                            "the node re-registers when Redis is back", exc)
+            self._publish_failing = True
+        else:
+            self._publish_failing = False
 
     def _record_disk_removals(self) -> None:
         if self.disk is not None:
@@ -417,19 +426,26 @@ class KVStoreNode:
         """Renew this node's liveness and remove the entries of nodes that stopped doing so."""
         while not self._stop_heartbeat.wait(config.heartbeat_interval_s):
             try:
-                if not directory.heartbeat(self.node_id, config.heartbeat_ttl_s):
+                if not self._registered or not directory.heartbeat(self.node_id,
+                                                                   config.heartbeat_ttl_s):
                     self._reregister(directory, config)
                 for dead in directory.reap_dead_nodes():
                     log.warning("store node %s stopped heartbeating; removed its block entries", dead)
             except Exception:
                 log.warning("Redis heartbeat failed; retrying", exc_info=True)
 
-    def _reregister(self, directory: BlockDirectory, config: KVStoreConfig) -> None:
-        """Put this node back into Redis with everything it holds: after a Redis restart (no
-        persistence) or a flush the metadata is rebuilt by the nodes themselves."""
+    def _reregister(self, directory: BlockDirectory, config: KVStoreConfig,
+                    reason: str = "Redis had lost it (restarted or flushed?)") -> None:
+        """Put this node into Redis with exactly what it holds: after a Redis restart (no
+        persistence) or a flush the metadata is rebuilt by the nodes themselves, and a node
+        that starts again under the same id (its process was lost) first drops the entries its
+        previous process left."""
         with self._lock:
             host = self.store.ready_keys()
             disk = [k for k in self.disk.keys() if k not in self.store] if self.disk else []
+        if not self._registered_once:  # drop what a previous process of this node left
+            directory.deregister(self.node_id)
+        self._registered = False
         directory.register(self.node_id, str(self.arena.path), config.heartbeat_ttl_s)
         if self.transfer_server is not None:
             directory.set_transfer_address(self.node_id, msgspec.json.encode(self.transfer_address()))
@@ -437,8 +453,10 @@ class KVStoreNode:
             directory.publish(self.node_id, stored=host[start:start + 1024], tier="host")
         for start in range(0, len(disk), 1024):
             directory.publish(self.node_id, stored=disk[start:start + 1024], tier="disk")
-        log.warning("Redis had lost store node %s (restarted or flushed?): re-registered it with "
-                    "%d host and %d disk blocks", self.node_id, len(host), len(disk))
+        self._registered = self._registered_once = True
+        log.log(logging.INFO if reason == "started" else logging.WARNING,
+                "store node %s registered in Redis (%s) with %d host and %d disk blocks",
+                self.node_id, reason, len(host), len(disk))
 
     def shutdown(self) -> None:
         self._stop_heartbeat.set()

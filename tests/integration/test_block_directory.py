@@ -142,3 +142,48 @@ def test_after_a_redis_restart_each_node_puts_its_blocks_back_by_itself(tmp_path
     finally:
         node.shutdown()
         server.stop()
+
+
+def test_a_node_started_again_under_its_id_drops_what_its_previous_process_left(tmp_path, redis_url):
+    """A store node killed without deregistering leaves its block entries; the node that takes
+    its id replaces them with what it holds (nothing yet), so no reader is sent to blocks that
+    died with the old process."""
+    old = _node(tmp_path, "n-again", redis_url)
+    lost = keys(10, 2)
+    _write(old, lost)
+    old._stop_heartbeat.set()  # killed: no deregistration
+    directory = BlockDirectory.from_url(redis_url)
+    assert directory.locate(lost) == [{"n-again": "host"}] * 2
+
+    (tmp_path / "new").mkdir()  # this test's two processes share a pid: one arena folder each
+    new = _node(tmp_path / "new", "n-again", redis_url)
+    try:
+        assert directory.locate(lost) == [{}, {}]
+        assert directory.nodes() == {"n-again": str(new.arena.path)}
+        kept = keys(11, 1)
+        _write(new, kept)
+        assert directory.locate(kept) == [{"n-again": "host"}]
+    finally:
+        new.shutdown()
+        old.arena.close()
+        old.arena.unlink()
+
+
+def test_a_node_started_while_redis_is_down_registers_once_it_is_back(tmp_path):
+    from kvstore.redis_server import free_port, start_local_redis
+
+    port = free_port()
+    node = _node(tmp_path, "n-late", f"redis://127.0.0.1:{port}/0")  # nothing listens yet
+    server = start_local_redis(port=port)
+    try:
+        chain = keys(12, 2)
+        _write(node, chain)  # published directly, or at registration
+        directory = BlockDirectory.from_url(server.url)
+        deadline = time.monotonic() + 5
+        while directory.nodes() == {} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert directory.nodes() == {"n-late": str(node.arena.path)}
+        assert directory.locate(chain) == [{"n-late": "host"}] * 2
+    finally:
+        node.shutdown()
+        server.stop()
