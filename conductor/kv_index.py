@@ -25,6 +25,8 @@ index itself does no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat
+from operator import and_, or_
 from typing import Iterable, Sequence
 
 import msgspec
@@ -92,7 +94,7 @@ class KvIndex:
         self._disk: dict[BlockKey, int] = {}
         self._node_members: dict[int, int] = {}
         """node bit → mask of the instances on it."""
-        self._members_of_mask: dict[int, int] = {}
+        self._members_of_mask: dict[int, int] = {0: 0}
         """Memo: node mask → mask of every instance on those nodes."""
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.num_untranslatable_blocks = 0
@@ -113,7 +115,7 @@ class KvIndex:
         self._instance_ids[bit] = instance_id
         node = self._node(node_id)
         self._node_members[node.bit] = self._node_members.get(node.bit, 0) | (1 << bit)
-        self._members_of_mask.clear()
+        self._members_of_mask = {0: 0}
 
     def remove_instance(self, instance_id: str) -> None:
         """Forget an instance that left: its device entries go with it."""
@@ -124,7 +126,7 @@ class KvIndex:
         node = self._nodes[inst.node_id]
         self._node_members[node.bit] &= ~(1 << inst.bit)
         del self._instances[instance_id], self._instance_ids[inst.bit]
-        self._members_of_mask.clear()
+        self._members_of_mask = {0: 0}
 
     def add_node(self, node_id: str) -> None:
         """Start tracking a store node whose stream starts now (at sequence 0)."""
@@ -296,6 +298,7 @@ class KvIndex:
     # ------------------------------------------------------------------ queries
 
     def _instances_on(self, node_mask: int) -> int:
+        """Every instance on the nodes of ``node_mask`` (memoised; 0 for 0)."""
         members = self._members_of_mask.get(node_mask)
         if members is None:
             members = 0
@@ -305,42 +308,61 @@ class KvIndex:
         return members
 
     def prefix_hits(self, keys: Sequence[BlockKey]) -> dict[str, PrefixHit]:
-        """Per instance with a non-empty leading run of ``keys``: its blocks by fastest tier."""
-        device, host, disk = self._device, self._host, self._disk
-        alive = -1
-        steps: list[tuple[int, int]] = []  # (device mask, host-reachable mask) per block of the run
+        """Per instance with a non-empty leading run of ``keys``: its blocks by fastest tier.
+
+        The hot path of every decision, so the per-key work runs in C: one ``dict.get`` per key
+        and tier through ``map``, and the running AND of reachability through ``accumulate``.
+        The running AND only loses bits, so it never increases: each distinct value is one
+        contiguous stretch, and an instance's run ends where its bit leaves it."""
+        if not keys:
+            return {}
+        num_keys = len(keys)
+        device = list(map(self._device.get, keys, repeat(0)))
+        host = self._reachable(self._host, keys) if self._host else None
+        disk = self._reachable(self._disk, keys) if self._disk else None
+        reach = device
+        if host is not None:
+            reach = list(map(or_, reach, host))
+        if disk is not None:
+            reach = list(map(or_, reach, disk))
+        alive = list(accumulate(reach, and_))
+        if not alive[0]:
+            return {}
         ends: dict[int, int] = {}
-        for i, key in enumerate(keys):
-            d = device.get(key, 0)
-            h = host.get(key, 0)
-            h = self._instances_on(h) if h else 0
-            s = disk.get(key, 0)
-            s = self._instances_on(s) if s else 0
-            reach = (d | h | s) & alive
-            dropped = (alive & ~reach) if i else 0  # alive starts as every bit: nothing to drop
-            for b in _bits(dropped):
-                ends[b] = i
-            alive = reach
-            if not alive:
-                break
-            steps.append((d, h))
-        else:
-            for b in _bits(alive if keys else 0):
-                ends[b] = len(keys)
+        pos = 0
+        while pos < num_keys and alive[pos]:
+            value = alive[pos]
+            end = pos + alive.count(value)
+            for b in _bits(value & ~alive[end] if end < num_keys else value):
+                ends[b] = end
+            pos = end
         hits: dict[str, PrefixHit] = {}
         for b, run in ends.items():
             instance_id = self._instance_ids.get(b)
-            if instance_id is None or run == 0:
+            if instance_id is None:
                 continue
             bit = 1 << b
+            if host is None and disk is None:  # every reachable block is on the device
+                hits[instance_id] = PrefixHit(run, 0, 0)
+                continue
             num_device = num_host = 0
-            for d, h in steps[:run]:
-                if d & bit:
+            for i in range(run):
+                if device[i] & bit:
                     num_device += 1
-                elif h & bit:
+                elif host is not None and host[i] & bit:
                     num_host += 1
             hits[instance_id] = PrefixHit(num_device, num_host, run - num_device - num_host)
         return hits
+
+    def _reachable(self, tier: dict[BlockKey, int], keys: Sequence[BlockKey]) -> list[int]:
+        """Per key, the instances that reach it through a store tier (every instance on a node
+        that holds it there)."""
+        node_masks = list(map(tier.get, keys, repeat(0)))
+        members = self._members_of_mask
+        reach = list(map(members.get, node_masks))
+        if None in reach:  # node masks not seen since membership last changed
+            reach = [self._instances_on(m) if r is None else r for m, r in zip(node_masks, reach)]
+        return reach
 
     def num_blocks(self) -> dict[str, int]:
         """Indexed keys per tier (a key held by several holders counts once)."""

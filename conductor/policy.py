@@ -107,17 +107,69 @@ class PoolArrays(msgspec.Struct, frozen=True):
     node_code: Mapping[str, int]
     position: Mapping[str, int]
     """instance id → its index in the pool."""
+    on_node: Sequence[object] = ()
+    """Per node code, the pool's mask (np.ndarray[bool]) of instances on that node."""
+    unpriced: set[int] = msgspec.field(default_factory=set)
+    """Positions whose queue is tokens without a priced time (``queued_prefill_ms`` <= 0 and
+    ``num_queued_prefill_tokens`` > 0): the policies price those tokens (``_queue_ms``)."""
 
     @classmethod
     def of(cls, views: Sequence["InstanceView"]) -> "PoolArrays":
         import numpy as np
 
         codes: dict[str, int] = {}
-        node_codes = [(-1 if not v.node_id else codes.setdefault(v.node_id, len(codes))) for v in views]
+        node_codes = np.array(
+            [(-1 if not v.node_id else codes.setdefault(v.node_id, len(codes))) for v in views],
+            dtype=np.int64)
         return cls(np.array([v.queued_prefill_ms for v in views], dtype=np.float64),
                    np.array([v.num_queued_prefill_tokens for v in views], dtype=np.int64),
-                   np.array(node_codes, dtype=np.int64), codes,
-                   {v.instance_id: i for i, v in enumerate(views)})
+                   node_codes, codes, {v.instance_id: i for i, v in enumerate(views)},
+                   [node_codes == code for code in range(len(codes))],
+                   {i for i, v in enumerate(views) if _unpriced(v)})
+
+    def patch(self, position: int, view: "InstanceView") -> None:
+        """Bring one position up to date with ``view`` (the maker's live arrays only)."""
+        self.queued_prefill_ms[position] = view.queued_prefill_ms
+        self.queued_prefill_tokens[position] = view.num_queued_prefill_tokens
+        if _unpriced(view):
+            self.unpriced.add(position)
+        else:
+            self.unpriced.discard(position)
+
+    def copy(self) -> "PoolArrays":
+        """A copy that later patches of this one do not reach."""
+        return msgspec.structs.replace(
+            self, queued_prefill_ms=self.queued_prefill_ms.copy(),
+            queued_prefill_tokens=self.queued_prefill_tokens.copy(), unpriced=set(self.unpriced))
+
+
+class LoadArrays(msgspec.Struct, frozen=True):
+    """The decode pool's load terms as arrays aligned with ``ClusterSnapshot.decode``, kept by
+    ``ConductorState`` like ``PoolArrays``: the choice by load is then a few vector operations."""
+
+    load: object  # np.ndarray[int64]: running + waiting sequences
+    kv_usage_frac: object  # np.ndarray[float64]
+    active_blocks: object  # np.ndarray[int64]: num_active_decode_blocks
+
+    @classmethod
+    def of(cls, views: Sequence["InstanceView"]) -> "LoadArrays":
+        import numpy as np
+
+        return cls(np.array([_load(v) for v in views], dtype=np.int64),
+                   np.array([v.kv_usage_frac for v in views], dtype=np.float64),
+                   np.array([v.num_active_decode_blocks for v in views], dtype=np.int64))
+
+    def patch(self, position: int, view: "InstanceView") -> None:
+        self.load[position] = view.num_running_reqs + view.num_waiting_reqs
+        self.kv_usage_frac[position] = view.kv_usage_frac
+        self.active_blocks[position] = view.num_active_decode_blocks
+
+    def copy(self) -> "LoadArrays":
+        return LoadArrays(self.load.copy(), self.kv_usage_frac.copy(), self.active_blocks.copy())
+
+
+def _unpriced(view: "InstanceView") -> bool:
+    return view.queued_prefill_ms <= 0 and view.num_queued_prefill_tokens > 0
 
 
 class ClusterSnapshot(msgspec.Struct, frozen=True):
@@ -131,6 +183,16 @@ class ClusterSnapshot(msgspec.Struct, frozen=True):
     prefix_hits: Mapping[str, PrefixHit] = msgspec.field(default_factory=dict)
     prefill_arrays: PoolArrays | None = None
     """``prefill`` as arrays (optional: policies fall back to a loop without them)."""
+    ready_prefill: tuple[InstanceView, ...] | None = None
+    """The ready instances of ``prefill`` in order, when the snapshot's maker keeps them (it is
+    ``prefill`` itself when all are ready); None: policies filter."""
+    ready_decode: tuple[InstanceView, ...] | None = None
+    """The same for ``decode``."""
+    decode_arrays: LoadArrays | None = None
+    """``decode`` as arrays (optional, like ``prefill_arrays``)."""
+    pool_index: Mapping[str, tuple[int, int]] | None = None
+    """Instance id → (0 for ``prefill`` or 1 for ``decode``, its index there), when the maker
+    keeps it; lets a policy go from a prefix hit to its view without scanning the pools."""
 
     def hit(self, instance_id: str) -> PrefixHit:
         return self.prefix_hits.get(instance_id, NO_HIT)
@@ -208,15 +270,19 @@ SERVES_WITHOUT_PREFILL_POOL = frozenset({"baton"})
 prefill pool (``prefill.num_instances: 0``) serves fully co-located with them."""
 
 
-def _ready(pool: tuple[InstanceView, ...], role: str) -> tuple[InstanceView, ...]:
+def _ready(snapshot: "ClusterSnapshot", role: str) -> tuple[InstanceView, ...]:
+    """The ready instances of one pool, in pool order (the pool itself when all are ready)."""
+    pool = snapshot.prefill if role == "prefill" else snapshot.decode
     if not pool and role == "prefill":
         raise NoWorkerReady(
             "the prefill pool has no instances; only the policies "
             f"{sorted(SERVES_WITHOUT_PREFILL_POOL)} serve co-located without one: set "
             "prefill.num_instances >= 1 or conductor.policy=baton"
         )
-    ready = [view for view in pool if view.ready]
-    ready = pool if len(ready) == len(pool) else tuple(ready)
+    ready = snapshot.ready_prefill if role == "prefill" else snapshot.ready_decode
+    if ready is None:
+        ready = [view for view in pool if view.ready]
+        ready = pool if len(ready) == len(pool) else tuple(ready)
     if not ready:
         raise NoWorkerReady(f"no {role} instance is ready; retry in a few seconds")
     return ready
@@ -234,7 +300,15 @@ def _rng(snapshot: ClusterSnapshot, request: PlacementRequest) -> _random.Random
 
 def _decode_by_load(snapshot: ClusterSnapshot) -> InstanceView:
     """Fewest running + waiting sequences, then lowest KV use, then fewest active blocks."""
-    ready = _ready(snapshot.decode, "decode")
+    ready = _ready(snapshot, "decode")
+    arrays = snapshot.decode_arrays
+    if arrays is not None and ready is snapshot.decode:  # all ready: the arrays line up
+        import numpy as np
+
+        tied = np.flatnonzero(arrays.load == arrays.load.min())
+        if len(tied) > 1:  # lexsort is stable: the first listed of equal keys comes first
+            tied = tied[np.lexsort((arrays.active_blocks[tied], arrays.kv_usage_frac[tied]))]
+        return ready[int(tied[0])]
     # the load alone usually decides: the full key is built only for the instances tied on it
     least = min([v.num_running_reqs + v.num_waiting_reqs for v in ready])
     tied = [v for v in ready if v.num_running_reqs + v.num_waiting_reqs == least]
@@ -249,8 +323,8 @@ def _decode_terms(view: InstanceView) -> str:
 
 def random(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
     """A uniform draw from each pool's ready instances, seeded by request id and placement count."""
-    prefill = _ready(snapshot.prefill, "prefill")
-    decode = _ready(snapshot.decode, "decode")
+    prefill = _ready(snapshot, "prefill")
+    decode = _ready(snapshot, "decode")
     rng = _rng(snapshot, request)
     p, d = rng.choice(prefill), rng.choice(decode)
     seed = f"seeded by {request.request_id!r}/{snapshot.num_placed}"
@@ -259,8 +333,8 @@ def random(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyC
 
 def round_robin(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
     """The n-th placement goes to instance n mod size of each pool (ready instances only)."""
-    prefill = _ready(snapshot.prefill, "prefill")
-    decode = _ready(snapshot.decode, "decode")
+    prefill = _ready(snapshot, "prefill")
+    decode = _ready(snapshot, "decode")
     p = prefill[snapshot.num_placed % len(prefill)]
     d = decode[snapshot.num_placed % len(decode)]
     return Placement(p.instance_id, d.instance_id, "round_robin", f"cursor={snapshot.num_placed}")
@@ -268,8 +342,8 @@ def round_robin(snapshot: ClusterSnapshot, request: PlacementRequest, config: Po
 
 def least_loaded(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
     """Fewest running + waiting requests in each pool; ties go to the first instance listed."""
-    p = min(_ready(snapshot.prefill, "prefill"), key=_load)
-    d = min(_ready(snapshot.decode, "decode"), key=_load)
+    p = min(_ready(snapshot, "prefill"), key=_load)
+    d = min(_ready(snapshot, "decode"), key=_load)
     return Placement(
         p.instance_id, d.instance_id, "least_loaded", f"prefill_load={_load(p)} decode_load={_load(d)}"
     )
@@ -285,7 +359,7 @@ def sglang_cache_aware(
     (all tiers) if it covers more than ``cache_threshold`` of the prompt; else to the instance with
     the smallest cache (``num_cached_blocks``), to spread new prefixes.
     """
-    prefill = _ready(snapshot.prefill, "prefill")
+    prefill = _ready(snapshot, "prefill")
     d = _decode_by_load(snapshot)
     loads = [_load(v) for v in prefill]
     lo, hi = min(loads), max(loads)
@@ -326,8 +400,8 @@ def dynamo_kv(snapshot: ClusterSnapshot, request: PlacementRequest, config: Poli
     ``dynamo_disk_hit_credit`` of a device hit; ``decode_blocks`` = its active KV blocks. Decode
     instances are chosen by the same rule with no prefill term.
     """
-    prefill = _ready(snapshot.prefill, "prefill")
-    decode = _ready(snapshot.decode, "decode")
+    prefill = _ready(snapshot, "prefill")
+    decode = _ready(snapshot, "decode")
     rng = _rng(snapshot, request)
     request_blocks = -(-request.num_prompt_tokens // config.block_size_tokens)
     prefill_blocks = []
@@ -462,13 +536,31 @@ _NO_HIT_ID = "\x00no-hit"
 """An instance id no snapshot holds: a stand-in for 'an instance without a hit'."""
 
 
-def _best_hit_source(snapshot: ClusterSnapshot, views: Sequence[InstanceView]) -> InstanceView | None:
-    """``_best_source`` over the instances with a hit (None when no instance has one)."""
+def _best_hit_source(snapshot: ClusterSnapshot, include_decode: bool) -> InstanceView | None:
+    """``_best_source`` over the ready instances with a hit, listed prefill pool first, then the
+    decode pool when ``include_decode`` (None when no such instance has a hit). With the
+    snapshot's ``pool_index`` it visits only the hits: the largest (run, device blocks), then
+    the first listed, exactly as the scan of the pools picks."""
     hits = snapshot.prefix_hits
     if not any(hit.num_blocks for hit in hits.values()):
         return None
-    holders = [v for v in views if v.instance_id in hits and hits[v.instance_id].num_blocks]
-    return _best_source(snapshot, holders) if holders else None
+    index = snapshot.pool_index
+    if index is None:
+        views = _ready(snapshot, "prefill") + (
+            tuple(v for v in snapshot.decode if v.ready) if include_decode else ())
+        holders = [v for v in views if v.instance_id in hits and hits[v.instance_id].num_blocks]
+        return _best_source(snapshot, holders) if holders else None
+    pools = (snapshot.prefill, snapshot.decode)
+    best, best_key = None, None
+    for instance_id, hit in hits.items():
+        where = index.get(instance_id)
+        if where is None or not hit.num_blocks or (where[0] and not include_decode):
+            continue
+        view = pools[where[0]][where[1]]
+        key = (hit.num_blocks, hit.num_blocks_device, -where[0], -where[1])
+        if view.ready and (best_key is None or key > best_key):
+            best, best_key = view, key
+    return best
 
 
 def _cheapest(prefill: Sequence[InstanceView], scan: _Scan,
@@ -515,36 +607,51 @@ def _cheapest_vectorized(prefill: Sequence[InstanceView], arrays: PoolArrays, sc
                          option_for_hit: Callable[[InstanceView], PrefillPrice],
                          always_pull: bool) -> tuple[InstanceView, float, InstanceView | None, float]:
     """``_cheapest`` over the pool's arrays: the same float operations in the same order, so
-    the same totals, and ``argmin`` keeps the first listed of equal ones, as the loop does."""
+    the same totals, and ``argmin`` keeps the first listed of equal ones, as the loop does.
+    Every numpy call costs about a microsecond at this size, so there are as few as possible:
+    ``0.0 + q`` is ``q`` for a queue term (never -0.0), and ``min(t, t_pull)`` is the loop's
+    'pull only when strictly faster' in value."""
     import numpy as np
 
     if not prefill:
         return None, math.inf, None, math.inf
     config, recompute_ms, best = scan.config, scan.recompute_ms, scan.best
     q = arrays.queued_prefill_ms
-    stale = (q <= 0) & (arrays.queued_prefill_tokens > 0)
-    if stale.any():  # a view without a priced queue: price its tokens, as _queue_ms does
+    if arrays.unpriced:  # a view without a priced queue: price its tokens, as _queue_ms does
         q = q.copy()
-        for i in np.flatnonzero(stale):
+        for i in arrays.unpriced:
             q[i] = _queue_ms(prefill[i], config)
-    t = (0.0 + q) + recompute_ms
-    pulled = np.zeros(len(prefill), dtype=bool)
-    if best is not None:
-        best_node = best.node_id
-        same_transfer, same_prefill = scan.pull_terms(InstanceView(_NO_HIT_ID, node_id=best_node))
-        other_transfer, other_prefill = scan.pull_terms(InstanceView(_NO_HIT_ID, node_id=""))
-        t_pull = (other_transfer + q) + other_prefill
-        if best_node and best_node in arrays.node_code:
-            same = arrays.node_codes == arrays.node_code[best_node]
-            t_pull = np.where(same, (same_transfer + q) + same_prefill, t_pull)
-        pulled = np.ones(len(prefill), dtype=bool) if always_pull else t_pull < t
-        t = np.where(pulled, t_pull, t)
+    t = q + recompute_ms
+    if best is None:  # no ready instance holds any of the prompt: nothing to pull, no hit
+        i = int(np.argmin(t))
+        return prefill[i], float(t[i]), prefill[i], float(t[i])
+    best_node = best.node_id
+    same_transfer, same_prefill = scan.pull_terms(InstanceView(_NO_HIT_ID, node_id=best_node))
+    other_transfer, other_prefill = scan.pull_terms(InstanceView(_NO_HIT_ID, node_id=""))
+    t_pull = (other_transfer + q) + other_prefill
+    code = arrays.node_code.get(best_node) if best_node else None
+    if code is not None:
+        t_pull = np.where(arrays.on_node[code], (same_transfer + q) + same_prefill, t_pull)
+    if always_pull:
+        pulled, t = None, t_pull
+    else:
+        pulled, t = t_pull < t, np.minimum(t, t_pull)
+    local_hits = []  # (position, T) of instances with a hit that use their own prefix
     for instance_id, hit in scan.snapshot.prefix_hits.items():
         i = arrays.position.get(instance_id)
         if i is not None and hit.num_blocks:
             option = option_for_hit(prefill[i])
-            t[i], pulled[i] = option.total_ms, bool(option.num_pulled_blocks)
+            t[i] = option.total_ms
+            if pulled is not None:
+                pulled[i] = bool(option.num_pulled_blocks)
+            elif not option.num_pulled_blocks:
+                local_hits.append((i, option.total_ms))
     i = int(np.argmin(t))
+    if pulled is None:  # every instance without a hit pulls: the local options are the hits'
+        local = min(local_hits, key=lambda it: (it[1], it[0]), default=None)
+        if local is None:
+            return prefill[i], float(t[i]), None, math.inf
+        return prefill[i], float(t[i]), prefill[local[0]], local[1]
     local = np.where(pulled, math.inf, t)
     j = int(np.argmin(local))
     local_t = float(local[j])
@@ -560,7 +667,7 @@ def mooncake_options(snapshot: ClusterSnapshot, request: PlacementRequest,
     ``best_len / local_len > kvcache_balancing_threshold`` (a local run of 0 with a best run > 0
     always pulls), else it uses its local prefix.
     """
-    prefill = _ready(snapshot.prefill, "prefill")
+    prefill = _ready(snapshot, "prefill")
     best = _best_source(snapshot, prefill)
     best_len = snapshot.hit(best.instance_id).num_blocks
     threshold = config.mooncake_kvcache_balancing_threshold
@@ -575,9 +682,9 @@ def mooncake_options(snapshot: ClusterSnapshot, request: PlacementRequest,
 def mooncake(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
     """Mooncake's FAST'25 Algorithm 1: the least T = transfer + queue + prefill; decode by load;
     ``Overloaded`` when even that misses ``ttft_slo_ms``."""
-    prefill = _ready(snapshot.prefill, "prefill")
+    prefill = _ready(snapshot, "prefill")
     d = _decode_by_load(snapshot)
-    best = _best_hit_source(snapshot, prefill)
+    best = _best_hit_source(snapshot, include_decode=False)
     scan = _Scan(snapshot, request, config, best)
     best_len = snapshot.hit(best.instance_id).num_blocks if best else 0
     threshold = config.mooncake_kvcache_balancing_threshold
@@ -603,7 +710,7 @@ def baton_options(snapshot: ClusterSnapshot, request: PlacementRequest,
     costs less than the prefill it saves (at equal queue). Queue-time differences between
     instances are weighed by the choice across instances that follows.
     """
-    prefill = _ready(snapshot.prefill, "prefill")
+    prefill = _ready(snapshot, "prefill")
     best = _best_source(snapshot, prefill + tuple(v for v in snapshot.decode if v.ready))
     return [_baton_option(snapshot, request, config, view, best) for view in prefill]
 
@@ -630,7 +737,7 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
     prefills on its decode instance (co-located serving). Rejects with ``Overloaded`` past
     ``ttft_slo_ms``.
     """
-    prefill = _ready(snapshot.prefill, "prefill") if snapshot.prefill else ()
+    prefill = _ready(snapshot, "prefill") if snapshot.prefill else ()
     d = _decode_by_load(snapshot)
     cached_on_decode = min(snapshot.hit(d.instance_id).num_blocks * config.block_size_tokens,
                            request.num_prompt_tokens)
@@ -642,9 +749,7 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
                f"uncached suffix {suffix_tokens} tokens < short_prefill_tokens {config.short_prefill_tokens}")
         reason = f"colocated: {why}; {chosen.describe()}; {_decode_terms(d)}"
         return _placed(chosen, d, "baton", reason)
-    best = None
-    if any(hit.num_blocks for hit in snapshot.prefix_hits.values()):  # else skip the pool copy
-        best = _best_hit_source(snapshot, prefill + tuple(v for v in snapshot.decode if v.ready))
+    best = _best_hit_source(snapshot, include_decode=True)
     scan = _Scan(snapshot, request, config, best)
 
     def option_for_hit(view: InstanceView) -> PrefillPrice:

@@ -27,6 +27,7 @@ from conductor.policy import (
     SERVES_WITHOUT_PREFILL_POOL,
     ClusterSnapshot,
     InstanceView,
+    LoadArrays,
     Overloaded,
     PlacementRequest,
     PolicyConfig,
@@ -129,9 +130,15 @@ class ConductorState:
         """Instance id → its index in its pool's list."""
         self._busy: OrderedDict[str, None] = OrderedDict()
         """Instances with prefills in flight, least recently refreshed first."""
-        self._prefill_arrays: PoolArrays | None = None
-        """The prefill pool's queue terms as arrays (``PoolArrays``), patched with the views."""
-        self._prefill_arrays_snapshot: PoolArrays | None = None
+        self._arrays: dict[str, PoolArrays | LoadArrays | None] = {"prefill": None, "decode": None}
+        """The prefill pool's queue terms (``PoolArrays``) and the decode pool's loads
+        (``LoadArrays``) as arrays, patched with the views."""
+        self._arrays_snapshot: dict[str, PoolArrays | LoadArrays | None] = {}
+        self._unready: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        """Per role, the instances whose view is not ready (most of the time: none)."""
+        self._ready_pools: dict[str, tuple[InstanceView, ...]] = {}
+        self._pool_index: dict[str, tuple[int, int]] = {}
+        """Instance id → (0 prefill / 1 decode, its index in that pool's list)."""
         self._inflight_keys: dict[bytes, str] = {}
         """Block key → the in-flight prefill computing it (the first one placed)."""
         self.counters = PlacementCounters()
@@ -142,8 +149,7 @@ class ConductorState:
     def register(self, instance_id: str, role: str, node_id: str, model_id: str, kv_layout: str) -> None:
         assert role in ("prefill", "decode"), role
         self._instances[instance_id] = _Instance(role, node_id)
-        self._pool_lists.clear()
-        self._positions.clear()
+        self._membership_changed(instance_id)
         self.index.add_instance(instance_id, node_id, model_id, kv_layout)
         self._refresh_view(instance_id)
 
@@ -157,10 +163,17 @@ class ConductorState:
             self.finished(request_id)
         self._views.pop(instance_id, None)
         self._busy.pop(instance_id, None)
+        self._membership_changed(instance_id)
+        self.index.remove_instance(instance_id)
+
+    def _membership_changed(self, instance_id: str) -> None:
+        """Both pools are rebuilt (lists, positions, arrays) at the next snapshot."""
+        for role in ("prefill", "decode"):
+            self._unready[role].discard(instance_id)
+            self._pools[role] = None
         self._pool_lists.clear()
         self._positions.clear()
-        self._pools[inst.role] = None
-        self.index.remove_instance(instance_id)
+        self._pool_index.clear()
 
     def set_ready(self, instance_id: str, ready: bool) -> None:
         inst = self._instances[instance_id]
@@ -261,26 +274,30 @@ class ConductorState:
         inst.view_at_s = now
         if instance_id in self._busy:
             self._busy.move_to_end(instance_id)
-        self._views[instance_id] = InstanceView(
+        # positional, in InstanceView's field order: keyword parsing was a visible share of this
+        self._views[instance_id] = view = InstanceView(
             instance_id,
-            num_running_reqs=len(inst.prefills) + len(inst.decodes),
-            num_waiting_reqs=inst.num_waiting_reqs,
-            ready=inst.ready and not inst.draining,
-            num_queued_prefill_tokens=inst.queued_tokens,
-            queued_prefill_ms=self._queued_ms(inst, now),
-            num_active_decode_blocks=inst.decode_blocks + inst.queued_blocks,
-            kv_usage_frac=inst.kv_usage_frac,
-            num_cached_blocks=self.index.num_device_blocks(instance_id),
-            node_id=inst.node_id,
+            len(inst.prefills) + len(inst.decodes),  # num_running_reqs
+            inst.num_waiting_reqs,
+            inst.ready and not inst.draining,  # ready
+            inst.queued_tokens,  # num_queued_prefill_tokens
+            self._queued_ms(inst, now) if inst.prefills else 0.0,  # queued_prefill_ms
+            inst.decode_blocks + inst.queued_blocks,  # num_active_decode_blocks
+            inst.kv_usage_frac,
+            self.index.num_device_blocks(instance_id),  # num_cached_blocks
+            inst.node_id,
         )
         position = self._positions.get(instance_id)
         if position is not None:  # patch the pool in place; membership is unchanged
             view = self._views[instance_id]
             self._pool_lists[inst.role][position] = view
-            arrays = self._prefill_arrays
-            if inst.role == "prefill" and arrays is not None:
-                arrays.queued_prefill_ms[position] = view.queued_prefill_ms
-                arrays.queued_prefill_tokens[position] = view.num_queued_prefill_tokens
+            arrays = self._arrays[inst.role]
+            if arrays is not None:
+                arrays.patch(position, view)
+        if view.ready:
+            self._unready[inst.role].discard(instance_id)
+        else:
+            self._unready[inst.role].add(instance_id)
         self._pools[inst.role] = None
 
     def snapshot(self, prefix_hits: dict | None = None) -> ClusterSnapshot:
@@ -293,23 +310,24 @@ class ConductorState:
             if self._instances[instance_id].view_at_s >= stale_before:
                 break
             self._refresh_view(instance_id, now)
-        for role in ("prefill", "decode"):
+        for pool_code, role in enumerate(("prefill", "decode")):
             if self._pools[role] is None:
                 views = self._pool_lists.get(role)
                 if views is None:  # membership changed: rebuild the pool in instance-id order
                     ids = self.instance_ids(role)
                     views = self._pool_lists[role] = [self._views[i] for i in ids]
                     self._positions.update({i: n for n, i in enumerate(ids)})
-                    if role == "prefill":
-                        self._prefill_arrays = PoolArrays.of(views)
-                self._pools[role] = tuple(views)
-                if role == "prefill":  # the snapshot's own copy: later patches do not reach it
-                    live = self._prefill_arrays
-                    self._prefill_arrays_snapshot = msgspec.structs.replace(
-                        live, queued_prefill_ms=live.queued_prefill_ms.copy(),
-                        queued_prefill_tokens=live.queued_prefill_tokens.copy())
+                    self._pool_index.update({i: (pool_code, n) for n, i in enumerate(ids)})
+                    self._arrays[role] = (PoolArrays if role == "prefill" else LoadArrays).of(views)
+                pool = self._pools[role] = tuple(views)
+                self._ready_pools[role] = (tuple(v for v in pool if v.ready) if self._unready[role]
+                                           else pool)
+                # the snapshot's own copy: later patches do not reach it
+                self._arrays_snapshot[role] = self._arrays[role].copy()
         return ClusterSnapshot(self._pools["prefill"], self._pools["decode"], self.counters.placed,
-                               prefix_hits or {}, self._prefill_arrays_snapshot)
+                               prefix_hits or {}, self._arrays_snapshot["prefill"],
+                               self._ready_pools["prefill"], self._ready_pools["decode"],
+                               self._arrays_snapshot["decode"], dict(self._pool_index))
 
     # ------------------------------------------------------------------ decisions
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 from conductor.kv_index import KvIndex, StreamGap
@@ -152,3 +154,49 @@ def test_losing_the_very_first_batch_of_a_new_stream_is_a_gap(index):
     k = keys()
     assert index.ingest_store("node-c", 2, payload(stored(k[:1], None, [], medium="CPU"))) == \
         StreamGap("node-c", 0, 2)
+
+
+def walk_prefix_hits(index: KvIndex, key_list) -> dict[str, PrefixHit]:
+    """The definition ``prefix_hits`` must match: walk the keys in order; an instance's run ends
+    at the first key it reaches in no tier; each block counts in its fastest tier."""
+    runs: dict[str, list[str]] = {}
+    for instance_id in index.instance_ids():
+        inst = index._instances[instance_id]
+        node_bit = 1 << index._nodes[inst.node_id].bit
+        tiers = []
+        for key in key_list:
+            if index._device.get(key, 0) >> inst.bit & 1:
+                tiers.append("device")
+            elif index._host.get(key, 0) & node_bit:
+                tiers.append("host")
+            elif index._disk.get(key, 0) & node_bit:
+                tiers.append("disk")
+            else:
+                break
+        if tiers:
+            runs[instance_id] = tiers
+    return {i: PrefixHit(t.count("device"), t.count("host"), t.count("disk")) for i, t in runs.items()}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_prefix_hits_matches_the_walk_on_random_holdings(data):
+    """Random holdings of a 12-block prompt across 5 instances on 2 nodes, in all three tiers
+    (runs with holes, store-only holders, nodes with no instance): the vectorised walk gives
+    exactly what the key-by-key definition gives."""
+    index = KvIndex()
+    for i in range(5):
+        index.add_instance(f"p{i}", f"node-{i % 2}", MODEL, LAYOUT)
+    index.add_node("node-empty")
+    prompt = list(range(48))
+    prompt_keys = keys(prompt)
+    for instance_id in index.instance_ids():
+        held = data.draw(st.lists(st.booleans(), min_size=12, max_size=12))
+        index.note_device_blocks(instance_id, [k for k, h in zip(prompt_keys, held) if h])
+    for node in ("node-0", "node-1", "node-empty"):
+        for medium in ("CPU", "DISK"):
+            held = data.draw(st.lists(st.booleans(), min_size=12, max_size=12))
+            hashes = [k for k, h in zip(prompt_keys, held) if h]
+            index.apply_store_events(node, [stored(hashes, None, [], medium=medium)])
+    length = data.draw(st.integers(0, 12))
+    assert index.prefix_hits(prompt_keys[:length]) == walk_prefix_hits(index, prompt_keys[:length])

@@ -23,6 +23,8 @@ from conductor.policy import (
     Overloaded,
     PlacementRequest,
     PolicyConfig,
+    LoadArrays,
+    _decode_by_load,
     PoolArrays,
     PrefixHit,
     baton,
@@ -471,6 +473,38 @@ def reference_choice(name, snapshot, request, config):
     return chosen
 
 
+def with_makers_fields(snapshot: ClusterSnapshot) -> ClusterSnapshot:
+    """``snapshot`` with the fields ``ConductorState`` adds for speed: the ready subsets, the
+    pool index and (when every prefill instance is ready) the pool's arrays."""
+    prefill_ready = tuple(v for v in snapshot.prefill if v.ready)
+    decode_ready = tuple(v for v in snapshot.decode if v.ready)
+    all_ready = len(prefill_ready) == len(snapshot.prefill)
+    index = {v.instance_id: (0, n) for n, v in enumerate(snapshot.prefill)}
+    index.update({v.instance_id: (1, n) for n, v in enumerate(snapshot.decode)})
+    return msgspec.structs.replace(
+        snapshot,
+        ready_prefill=snapshot.prefill if all_ready else prefill_ready,
+        ready_decode=snapshot.decode if len(decode_ready) == len(snapshot.decode) else decode_ready,
+        pool_index=index, prefill_arrays=PoolArrays.of(snapshot.prefill) if all_ready else None,
+        decode_arrays=LoadArrays.of(snapshot.decode))
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=100, deadline=None)
+@given(scenario=scenarios())
+def test_the_makers_fields_change_no_decision(name, scenario):
+    """A snapshot carrying the state's precomputed fields decides exactly as the bare one."""
+    snapshot, request = scenario
+    config = PolicyConfig(short_prefill_tokens=0)
+    try:
+        bare = POLICIES[name](snapshot, request, config)
+    except NoWorkerReady as e:
+        with pytest.raises(NoWorkerReady, match=str(e)):
+            POLICIES[name](with_makers_fields(snapshot), request, config)
+        return
+    assert POLICIES[name](with_makers_fields(snapshot), request, config) == bare
+
+
 @pytest.mark.parametrize("name", ["baton", "mooncake"])
 @pytest.mark.parametrize("arrays", [False, True], ids=["loop", "vectorized"])
 @settings(max_examples=200, deadline=None)
@@ -484,8 +518,7 @@ def test_the_one_pass_scan_chooses_exactly_what_full_pricing_chooses(name, array
     if arrays:  # all ready (the vector scan's case) and queues that often tie
         prefill = tuple(msgspec.structs.replace(v, ready=True, queued_prefill_ms=q)
                         for v, q in zip(snapshot.prefill, tie_prone_queues))
-        snapshot = msgspec.structs.replace(snapshot, prefill=prefill,
-                                           prefill_arrays=PoolArrays.of(prefill))
+        snapshot = with_makers_fields(msgspec.structs.replace(snapshot, prefill=prefill))
     config = PolicyConfig(short_prefill_tokens=0)
     try:
         placement = POLICIES[name](snapshot, request, config)
@@ -497,3 +530,21 @@ def test_the_one_pass_scan_chooses_exactly_what_full_pricing_chooses(name, array
         chosen.transfer_ms, chosen.queue_ms, chosen.prefill_ms)
     assert placement.expected_cached_blocks == chosen.num_cached_blocks
     assert placement.pulled_from == chosen.pulled_from
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1), st.sampled_from([0.0, 0.5, 1.0]),
+                          st.sampled_from([0, 10])), min_size=1, max_size=8))
+def test_the_decode_choice_over_arrays_is_the_first_least_loaded(loads):
+    """Tie-prone loads: the array choice is the first listed instance with the least
+    (running + waiting, KV use, active blocks), exactly as the loop over views."""
+    decode = tuple(InstanceView(f"d{i}", running, waiting, True, kv_usage_frac=kv,
+                                num_active_decode_blocks=blocks)
+                   for i, (running, waiting, kv, blocks) in enumerate(loads))
+    snapshot = ClusterSnapshot((), decode)
+    expected = min(decode, key=lambda v: (v.num_running_reqs + v.num_waiting_reqs,
+                                          v.kv_usage_frac, v.num_active_decode_blocks))
+    assert _decode_by_load(snapshot) == expected
+    with_arrays = msgspec.structs.replace(snapshot, ready_decode=decode,
+                                          decode_arrays=LoadArrays.of(decode))
+    assert _decode_by_load(with_arrays) == expected
