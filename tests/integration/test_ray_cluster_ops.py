@@ -1,8 +1,9 @@
 """Operating Baton on a multi-node Ray cluster: ``baton up``, ``scale``, ``drain``, ``status``,
 ``down`` as real subprocesses against a Ray cluster of three "nodes" on this machine (a head, a
 prefill node advertising ``baton_prefill``, a decode node advertising ``baton_decode``), while
-concurrent gRPC streams run; then the metrics the Grafana dashboard uses, scraped from the
-gateway actor's ``/metrics``."""
+concurrent gRPC streams run (a status and a scale go through the gateway's Admin service with
+``--endpoint`` and the admin key instead of Ray); then the metrics the Grafana dashboard uses,
+scraped from the gateway actor's ``/metrics``."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.engine
 BATON = [sys.executable, "-m", "conductor.cli"]
 REPO = Path(__file__).resolve().parents[2]
 NAME, NAMESPACE = "opstest", "opstest"
+ADMIN_KEY = "opstest-admin-key-5f1e"
 SHARED_PREFIX = " ".join(f"agent step {i}: read the file, run the tests, fix the bug." for i in range(30))
 
 
@@ -113,7 +115,13 @@ class Traffic:
         await asyncio.gather(*self._tasks)
 
 
+def _admin(grpc_port: int, tmp_path: Path) -> list[str]:
+    """Options that send an operator verb through the gateway's Admin service instead of Ray."""
+    return ["--endpoint", f"127.0.0.1:{grpc_port}", "--admin-key-file", str(tmp_path / "admin.key")]
+
+
 def _config(tmp_path: Path) -> Path:
+    (tmp_path / "admin.key").write_text(f"{ADMIN_KEY}\n")
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump({
         "name": NAME,
@@ -123,7 +131,7 @@ def _config(tmp_path: Path) -> Path:
         # decode pulls each prompt's KV from the prefill node's store (no shm: not one machine)
         "kvstore": {"transfer": {"backend": "tcp", "same_node_shared_memory": False}},
         "conductor": {"tuning": {"short_prefill_tokens": 0}},  # every request disaggregated
-        "gateway": {"port": 0},
+        "gateway": {"port": 0, "admin_key_file": str(tmp_path / "admin.key")},
         "http": {"port": 0},
         "ray": {"namespace": NAMESPACE},
     }))
@@ -167,6 +175,14 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     nodes = {r["role"]: r["node_id"] for r in status["status"]["instances"]}
     assert nodes["prefill"] != nodes["decode"]  # each pool on its own Ray node, each with a store
     assert sorted(s["node_id"] for s in status["status"]["stores"]) == sorted(nodes.values())
+    # the same status through the gateway's Admin service, without Ray
+    rc, out, err = await _acli(ray_cluster, "status", "--json", *_admin(grpc_port, tmp_path))
+    assert rc == 0, err
+    remote = json.loads(out)
+    assert remote["status"]["pool_sizes"] == status["status"]["pool_sizes"]
+    assert [(r["instance_id"], r["node_id"], r["phase"]) for r in remote["status"]["instances"]] == \
+        [(r["instance_id"], r["node_id"], r["phase"]) for r in status["status"]["instances"]]
+    assert remote["fronts"] == status["fronts"] and remote["fronts"]["grpc_port"] == grpc_port
 
     _mark("status ok")
     # operators soft-pin the shared system prompt before traffic arrives
@@ -229,7 +245,8 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     assert f"decode: 1 -> 2; added opstest-decode-{next_decode}" in out, out
     _mark("scaled p1 d2")
     await asyncio.sleep(2)
-    rc, out, err = await _acli(ray_cluster, *_ops("scale", "--decode", "1"))
+    # this scale-down goes through the Admin service: the same drain, in the conductor
+    rc, out, err = await _acli(ray_cluster, "scale", "--decode", "1", *_admin(grpc_port, tmp_path))
     assert rc == 0, err
     assert re.search(r"decode: 2 -> 1; drained and removed opstest-decode-\d", out), out
     await asyncio.sleep(1)
@@ -241,16 +258,25 @@ async def test_up_scale_drain_status_metrics_down(ray_cluster, tmp_path):
     assert _ready_sizes(status) == {"prefill": 1, "decode": 1}
     assert status["status"]["pool_sizes"] == {"prefill": {"ready": 1}, "decode": {"ready": 1}}
     assert status["status"]["counters"]["placed"] >= traffic.ok + 1
+    assert any("scale decode 2 -> 1: operator request (Admin API from" in line
+               for line in status["status"]["recent_events"])
 
     _mark("final status")
     # operator errors have their exit codes
-    unknown, last, not_up = await asyncio.gather(
+    wrong_key = tmp_path / "wrong.key"
+    wrong_key.write_text("not-the-admin-key\n")
+    unknown, last, not_up, remote_last, bad_key = await asyncio.gather(
         _acli(ray_cluster, *_ops("drain", "opstest-decode-99")),
         _acli(ray_cluster, *_ops("drain", _instances(status, "decode")[0])),
-        _acli(ray_cluster, "status", "--name", "nosuch", "--namespace", NAMESPACE))
+        _acli(ray_cluster, "status", "--name", "nosuch", "--namespace", NAMESPACE),
+        _acli(ray_cluster, "drain", _instances(status, "decode")[0], *_admin(grpc_port, tmp_path)),
+        _acli(ray_cluster, "status", "--endpoint", f"127.0.0.1:{grpc_port}",
+              "--admin-key-file", str(wrong_key)))
     assert unknown[0] == 4 and "no instance 'opstest-decode-99'" in unknown[2]
     assert last[0] == 5 and "last ready decode instance" in last[2]
     assert not_up[0] == 3 and "is not up" in not_up[2]
+    assert remote_last[0] == 5 and "last ready decode instance" in remote_last[2]
+    assert bad_key[0] == 2 and "refused the admin key" in bad_key[2]
     table = await _acli(ray_cluster, *_ops("status"))
     assert table[0] == 0 and "opstest-prefill-" in table[1] and "placements:" in table[1]
 
