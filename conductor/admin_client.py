@@ -137,4 +137,4 @@ def _error_of(exc: grpc.aio.AioRpcError, endpoint: str) -> BatonError:
         return UnknownInstance(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(details)
-    return AdminCallFailed(f"{code.name}: {details}")
+    return AdminCallFailed(f"{details} ({code.name})")

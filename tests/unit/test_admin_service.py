@@ -374,6 +374,9 @@ async def test_cli_operates_through_the_admin_service(gateway, conductor, tmp_pa
     for what, (result, code) in codes.items():
         assert result.exit_code == code, (what, result.output)
     assert "refused the admin key" in codes["wrong key"][0].stderr
+    assert codes["refused scale"][0].stderr.startswith(
+        "error: this cluster was not started with `baton up`")
+    assert "no instance 't-decode-9' in this cluster" in codes["unknown instance"][0].stderr
     assert API_KEY not in codes["wrong key"][0].output
     assert "no admin key: pass --admin-key-file FILE or set $BATON_ADMIN_KEY" in codes["no key"][0].stderr
     assert "no Baton gateway answers at 127.0.0.1:1" in codes["unreachable"][0].stderr
