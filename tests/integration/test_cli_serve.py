@@ -1,5 +1,7 @@
 """The two commands a user runs: ``baton serve`` in the foreground and ``baton generate``
-against it, as real subprocesses; Ctrl-C (SIGINT) stops everything it started."""
+against it, as real subprocesses; Ctrl-C (SIGINT) stops everything it started. The server runs
+with an admin key and HTTPS, so ``baton status --endpoint`` and an HTTPS health check go through
+``baton serve``'s own fronts."""
 
 from __future__ import annotations
 
@@ -9,10 +11,14 @@ import re
 import signal
 import subprocess
 import sys
+import ssl
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.tls import self_signed
 
 pytestmark = pytest.mark.engine
 
@@ -38,16 +44,35 @@ def _arenas() -> set[str]:
 
 def test_serve_generate_and_ctrl_c(tmp_path):
     log = tmp_path / "serve.log"
+    cert, key = self_signed(tmp_path, "front")
+    admin_key = tmp_path / "admin.key"
+    admin_key.write_text("clitest-admin-key\n")
     with open(log, "w") as out:
         proc = subprocess.Popen(
             BATON + ["serve", "--model", "tiny", "--port", "0", "--http-port", "0", "--set", "name=clitest",
-                     "--set", "kvstore.host_capacity_bytes=67108864"],
+                     "--set", "kvstore.host_capacity_bytes=67108864",
+                     "--set", f"gateway.admin_key_file={admin_key}",
+                     "--set", f"http.tls_cert_file={cert}", "--set", f"http.tls_key_file={key}"],
             stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
         )
     try:
         port = _wait_for_line(proc, log, r"serving on 127\.0\.0\.1:(\d+)", 240).group(1)
+        http_port = _wait_for_line(proc, log, r"serving HTTP on https://127\.0\.0\.1:(\d+)/v1", 10).group(1)
         target = f"127.0.0.1:{port}"
         assert len(_arenas()) == 1
+
+        health = urllib.request.urlopen(f"https://127.0.0.1:{http_port}/health", timeout=10,
+                                        context=ssl.create_default_context(cafile=str(cert)))
+        assert health.status == 200
+        status = subprocess.run(
+            BATON + ["status", "--json", "--endpoint", target, "--admin-key-file", str(admin_key)],
+            capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "RAY_ADDRESS": ""},
+        )
+        assert status.returncode == 0, status.stderr
+        shown = json.loads(status.stdout)
+        assert shown["status"]["pool_sizes"] == {"prefill": {"ready": 1}, "decode": {"ready": 1}}
+        assert shown["fronts"] == {"host_ip": "127.0.0.1", "grpc_port": int(port),
+                                   "http_port": int(http_port), "http_tls": True}
 
         as_json = subprocess.run(
             BATON + ["generate", "--target", target, "--json", "--max-tokens", "6", "Why is the sky blue?"],
@@ -95,6 +120,15 @@ def test_serve_rejects_a_bad_config_with_exit_code_2(tmp_path):
                          timeout=120, cwd=REPO)
     assert run.returncode == 2
     assert "prefill.num_instances" in run.stderr and "unknown policy 'nope'" in run.stderr
+    # secrets and certificates are read before anything starts
+    run = subprocess.run(BATON + ["serve", "--set", f"gateway.admin_key_file={tmp_path}/none",
+                                  "--set", f"http.tls_cert_file={bad}", "--set", f"http.tls_key_file={bad}"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 2 and "gateway.admin_key_file: cannot read" in " ".join(run.stderr.split())
+    run = subprocess.run(BATON + ["serve", "--set", f"http.tls_cert_file={bad}",
+                                  "--set", f"http.tls_key_file={bad}"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 2 and "not a PEM certificate chain" in " ".join(run.stderr.split())
 
 
 def test_generate_against_nothing_fails_cleanly():
