@@ -24,7 +24,7 @@ import numpy as np
 from conductor.kv_index import KvIndex
 from conductor.policy import PlacementRequest, PolicyConfig
 from conductor.state import ConductorState
-from kvstore.events import BlockStored, KVEventBatch
+from kvstore.events import MEDIUM_HOST, BlockStored, KVEventBatch
 from kvstore.keys import KeyExtras, block_keys
 
 MODEL, LAYOUT = "bench-model", "bfloat16:16"
@@ -34,9 +34,10 @@ INSTANCES_PER_NODE = 8
 
 
 def _fill(index: KvIndex, prefill_ids: list[str], num_blocks: int, rng: random.Random,
-          progress=None) -> tuple[list[array.array], float]:
+          progress=None) -> tuple[list[array.array], float, float]:
     """Publish chains of ``CHAIN_BLOCKS`` blocks to random instances until ``num_blocks`` blocks
-    are indexed; returns the chains' token lists and the ingest rate (blocks/s)."""
+    are indexed, and a quarter of them to their node's host tier; returns the chains' tokens and
+    the ingest rates (blocks/s) of the engine streams and of the store streams."""
     encoder = msgspec.msgpack.Encoder()
     chains: list[array.array] = []
     seqs = {i: 0 for i in prefill_ids}
@@ -65,7 +66,26 @@ def _fill(index: KvIndex, prefill_ids: list[str], num_blocks: int, rng: random.R
         if progress and n % 1000 == 0:
             progress(n * CHAIN_BLOCKS)
     rate = num_chains * CHAIN_BLOCKS / (time.perf_counter() - started)
-    return chains, rate
+    # a quarter of the chains also sit in their holder's node's host tier (the store keeps what
+    # the engines evict), announced by the store's own stream, already in Baton keys
+    node_of = {i: f"node-{n // INSTANCES_PER_NODE}" for n, i in enumerate(prefill_ids)}
+    store_batches: dict[str, list[bytes]] = {}
+    extras = KeyExtras(MODEL, "", "", LAYOUT)
+    for c in range(0, num_chains, 4):
+        keys = block_keys(chains[c], BLOCK_TOKENS, extras)
+        event = BlockStored(block_hashes=keys, parent_block_hash=None, token_ids=[],
+                            block_size=BLOCK_TOKENS, lora_id=None, medium=MEDIUM_HOST, lora_name=None)
+        node = node_of[prefill_ids[c % len(prefill_ids)]]
+        store_batches.setdefault(node, []).append(encoder.encode(KVEventBatch(ts=0.0, events=[event])))
+    num_store_blocks = 0
+    started = time.perf_counter()
+    for node, payloads in store_batches.items():
+        index.add_node(node)
+        for seq, payload in enumerate(payloads):
+            assert index.ingest_store(node, seq, payload) is None
+            num_store_blocks += CHAIN_BLOCKS
+    store_rate = num_store_blocks / (time.perf_counter() - started)
+    return chains, rate, store_rate
 
 
 def bench_decisions(num_prefill: int, num_blocks: int, num_decisions: int, seed: int = 0,
@@ -79,7 +99,7 @@ def bench_decisions(num_prefill: int, num_blocks: int, num_decisions: int, seed:
         state.register(instance_id, "prefill" if instance_id in prefill_ids else "decode",
                        f"node-{n // INSTANCES_PER_NODE}", MODEL, LAYOUT)
         state.set_ready(instance_id, True)
-    chains, ingest_rate = _fill(state.index, prefill_ids, num_blocks, rng, progress)
+    chains, ingest_rate, store_ingest_rate = _fill(state.index, prefill_ids, num_blocks, rng, progress)
     extras = KeyExtras(MODEL, "", "", LAYOUT)
     requests = []
     for i in range(num_decisions):
@@ -105,7 +125,9 @@ def bench_decisions(num_prefill: int, num_blocks: int, num_decisions: int, seed:
         "p99": round(float(np.percentile(lat, 99)), 1),
         "num_decode_instances": len(decode_ids),
         "indexed_blocks": state.index.num_blocks()["device"],
+        "host_indexed_blocks": state.index.num_blocks()["host"],
         "ingest_blocks_per_s": round(ingest_rate),
+        "store_ingest_blocks_per_s": round(store_ingest_rate),
     }
 
 
@@ -113,16 +135,21 @@ def run(json_path: Path | None, num_blocks: int = 1_000_000, num_decisions: int 
         sizes: tuple[int, ...] = (64, 256, 1024), echo=print) -> dict:
     results: dict = {"decision_us": {}, "ingest_blocks_per_s": 0, "policy": "baton",
                      "request_blocks": CHAIN_BLOCKS, "indexed_blocks": num_blocks}
-    rates = []
+    rates, store_rates = [], []
     for size in sizes:
         r = bench_decisions(size, num_blocks, num_decisions)
         results["decision_us"][str(size)] = {"p50": r["p50"], "p99": r["p99"],
                                              "num_decode_instances": r["num_decode_instances"]}
         rates.append(r["ingest_blocks_per_s"])
+        store_rates.append(r["store_ingest_blocks_per_s"])
         echo(f"{size:5d} prefill instances ({r['num_decode_instances']} decode), "
-             f"{r['indexed_blocks']:,} blocks indexed: decision p50 {r['p50']:.0f} us, "
-             f"p99 {r['p99']:.0f} us; ingest {r['ingest_blocks_per_s']:,} blocks/s")
+             f"{r['indexed_blocks']:,} device + {r['host_indexed_blocks']:,} host blocks indexed: "
+             f"decision p50 {r['p50']:.0f} us, p99 {r['p99']:.0f} us; ingest "
+             f"{r['ingest_blocks_per_s']:,} blocks/s (engine events), "
+             f"{r['store_ingest_blocks_per_s']:,} blocks/s (store events)")
     results["ingest_blocks_per_s"] = round(float(np.median(rates)))
+    results["ingest_runs_blocks_per_s"] = rates
+    results["store_ingest_blocks_per_s"] = round(float(np.median(store_rates)))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(results, indent=2) + "\n")

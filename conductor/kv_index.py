@@ -65,6 +65,17 @@ class _Node:
     disk_keys: set = field(default_factory=set)
 
 
+_FIRST_CHUNK, _CHUNK = 1, 8
+
+
+def _chunks(num_keys: int) -> Iterable[tuple[int, int]]:
+    """[start, stop) of the lookup chunks of ``prefix_hits``: the first key alone, then 8."""
+    if num_keys:
+        yield 0, min(_FIRST_CHUNK, num_keys)
+    for start in range(_FIRST_CHUNK, num_keys, _CHUNK):
+        yield start, min(start + _CHUNK, num_keys)
+
+
 def _bits(mask: int) -> Iterable[int]:
     while mask:
         low = mask & -mask
@@ -312,22 +323,36 @@ class KvIndex:
 
         The hot path of every decision, so the per-key work runs in C: one ``dict.get`` per key
         and tier through ``map``, and the running AND of reachability through ``accumulate``.
-        The running AND only loses bits, so it never increases: each distinct value is one
-        contiguous stretch, and an instance's run ends where its bit leaves it."""
-        if not keys:
+        With a million keys indexed each lookup is a cache miss, so keys are looked up in
+        chunks (the first alone: most new prompts miss on it) and the walk stops with the chunk
+        in which the last run ends. The running AND only loses bits, so it never increases:
+        each distinct value is one contiguous stretch, and an instance's run ends where its bit
+        leaves it."""
+        device: list[int] = []
+        host: list[int] | None = [] if self._host else None
+        disk: list[int] | None = [] if self._disk else None
+        alive: list[int] = []
+        running = -1
+        for start, stop in _chunks(len(keys)):
+            chunk = keys[start:stop]
+            reach = list(map(self._device.get, chunk, repeat(0)))
+            device += reach
+            if host is not None:
+                reachable = self._reachable(self._host, chunk)
+                host += reachable
+                reach = list(map(or_, reach, reachable))
+            if disk is not None:
+                reachable = self._reachable(self._disk, chunk)
+                disk += reachable
+                reach = list(map(or_, reach, reachable))
+            alive += accumulate(reach, and_, initial=running)
+            del alive[start]  # the initial value
+            running = alive[-1]
+            if not running:
+                break
+        if not alive or not alive[0]:
             return {}
-        num_keys = len(keys)
-        device = list(map(self._device.get, keys, repeat(0)))
-        host = self._reachable(self._host, keys) if self._host else None
-        disk = self._reachable(self._disk, keys) if self._disk else None
-        reach = device
-        if host is not None:
-            reach = list(map(or_, reach, host))
-        if disk is not None:
-            reach = list(map(or_, reach, disk))
-        alive = list(accumulate(reach, and_))
-        if not alive[0]:
-            return {}
+        num_keys = len(alive)
         ends: dict[int, int] = {}
         pos = 0
         while pos < num_keys and alive[pos]:

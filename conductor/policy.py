@@ -305,7 +305,8 @@ def _decode_by_load(snapshot: ClusterSnapshot) -> InstanceView:
     if arrays is not None and ready is snapshot.decode:  # all ready: the arrays line up
         import numpy as np
 
-        tied = np.flatnonzero(arrays.load == arrays.load.min())
+        load = arrays.load
+        tied = (load == load.min()).nonzero()[0]
         if len(tied) > 1:  # lexsort is stable: the first listed of equal keys comes first
             tied = tied[np.lexsort((arrays.active_blocks[tied], arrays.kv_usage_frac[tied]))]
         return ready[int(tied[0])]
@@ -459,25 +460,33 @@ def price(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
     ``remote_disk``; pulled device/host blocks over ``same_node`` when both share a non-empty
     ``node_id``, else ``remote_host``. Device blocks on ``view`` itself cost nothing.
     """
-    local = snapshot.hit(view.instance_id)
+    remote = snapshot.hit(source.instance_id) if source is not None else None
+    same_node = source is not None and bool(source.node_id) and source.node_id == view.node_id
+    transfer_ms, prefill_ms, num_cached, num_pulled = _price_terms(
+        request, config, snapshot.hit(view.instance_id), remote, same_node)
+    return PrefillPrice(view.instance_id, transfer_ms, _queue_ms(view, config), prefill_ms,
+                        num_cached, num_pulled, source.instance_id if num_pulled else "")
+
+
+def _price_terms(request: PlacementRequest, config: PolicyConfig, local: PrefixHit,
+                 remote: PrefixHit | None, same_node: bool) -> tuple[float, float, int, int]:
+    """``price`` without the queue: (transfer ms, prefill ms, cached blocks, pulled blocks), which
+    depend only on the two runs and whether the pull stays on the node."""
     bytes_per_block = config.block_size_tokens * config.kv_bytes_per_token
     t = config.transfer
-    host, disk = local.num_blocks_host, local.num_blocks_disk
-    transfer_ms = (t.t_transfer_ms(host * bytes_per_block, "same_node")
-                   + t.t_transfer_ms(disk * bytes_per_block, "remote_disk"))
+    transfer_ms = (t.t_transfer_ms(local.num_blocks_host * bytes_per_block, "same_node")
+                   + t.t_transfer_ms(local.num_blocks_disk * bytes_per_block, "remote_disk"))
     num_cached_blocks, num_pulled = local.num_blocks, 0
-    if source is not None:
-        remote = snapshot.hit(source.instance_id)
+    if remote is not None:
         device, host, disk = remote.tiers_in(local.num_blocks, remote.num_blocks)
-        path = "same_node" if source.node_id and source.node_id == view.node_id else "remote_host"
+        path = "same_node" if same_node else "remote_host"
         transfer_ms += (t.t_transfer_ms((device + host) * bytes_per_block, path)
                         + t.t_transfer_ms(disk * bytes_per_block, "remote_disk"))
         num_pulled = device + host + disk
         num_cached_blocks += num_pulled
     cached_tokens = min(num_cached_blocks * config.block_size_tokens, request.num_prompt_tokens)
     prefill_ms = config.prefill_cost.t_prefill_ms(request.num_prompt_tokens - cached_tokens, cached_tokens)
-    return PrefillPrice(view.instance_id, transfer_ms, _queue_ms(view, config), prefill_ms,
-                        num_cached_blocks, num_pulled, source.instance_id if num_pulled else "")
+    return transfer_ms, prefill_ms, num_cached_blocks, num_pulled
 
 
 def _best_source(snapshot: ClusterSnapshot, views: Sequence[InstanceView]) -> InstanceView:
@@ -513,27 +522,40 @@ class _Scan:
     plus one of two constants (recompute everything, or pull the best run over the same-node or
     the remote path). Totals are computed in the same order as ``price`` so both agree to the
     last bit; ``*_options`` remain the reference the tests compare against.
+
+    ``price`` here memoises the queue-free terms: the instances of one node that reach a store
+    hit share one run, so they share every term but the queue.
     """
 
     def __init__(self, snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
                  best: InstanceView | None) -> None:
         self.snapshot, self.request, self.config, self.best = snapshot, request, config, best
         self.recompute_ms = config.prefill_cost.t_prefill_ms(request.num_prompt_tokens, 0)
-        self._pull: dict[bool, tuple[float, float]] = {}
+        self.best_len = snapshot.hit(best.instance_id).num_blocks if best is not None else 0
+        """The best run's length (blocks)."""
+        self._terms: dict[tuple, tuple[float, float, int, int]] = {}
 
-    def pull_terms(self, view: InstanceView) -> tuple[float, float]:
-        """(transfer, prefill) ms for a no-hit ``view`` pulling the best run."""
-        best = self.best
-        same_node = bool(best.node_id) and best.node_id == view.node_id
-        terms = self._pull.get(same_node)
+    def terms(self, local: PrefixHit, source: InstanceView | None,
+              same_node: bool) -> tuple[float, float, int, int]:
+        key = (local, source.instance_id if source is not None else None, same_node)
+        terms = self._terms.get(key)
         if terms is None:
-            full = price(self.snapshot, self.request, self.config, view, best)
-            terms = self._pull[same_node] = (full.transfer_ms, full.prefill_ms)
+            remote = self.snapshot.hit(source.instance_id) if source is not None else None
+            terms = self._terms[key] = _price_terms(self.request, self.config, local, remote, same_node)
         return terms
 
+    def price(self, view: InstanceView, source: InstanceView | None = None) -> PrefillPrice:
+        """Exactly ``price(snapshot, request, config, view, source)``."""
+        same_node = source is not None and bool(source.node_id) and source.node_id == view.node_id
+        transfer_ms, prefill_ms, num_cached, num_pulled = self.terms(
+            self.snapshot.hit(view.instance_id), source, same_node)
+        return PrefillPrice(view.instance_id, transfer_ms, _queue_ms(view, self.config), prefill_ms,
+                            num_cached, num_pulled, source.instance_id if num_pulled else "")
 
-_NO_HIT_ID = "\x00no-hit"
-"""An instance id no snapshot holds: a stand-in for 'an instance without a hit'."""
+    def pull_terms(self, same_node: bool) -> tuple[float, float]:
+        """(transfer, prefill) ms for an instance without a hit pulling the best run."""
+        transfer_ms, prefill_ms, _, _ = self.terms(NO_HIT, self.best, same_node)
+        return transfer_ms, prefill_ms
 
 
 def _best_hit_source(snapshot: ClusterSnapshot, include_decode: bool) -> InstanceView | None:
@@ -542,10 +564,10 @@ def _best_hit_source(snapshot: ClusterSnapshot, include_decode: bool) -> Instanc
     snapshot's ``pool_index`` it visits only the hits: the largest (run, device blocks), then
     the first listed, exactly as the scan of the pools picks."""
     hits = snapshot.prefix_hits
-    if not any(hit.num_blocks for hit in hits.values()):
-        return None
     index = snapshot.pool_index
     if index is None:
+        if not any(hit.num_blocks for hit in hits.values()):
+            return None
         views = _ready(snapshot, "prefill") + (
             tuple(v for v in snapshot.decode if v.ready) if include_decode else ())
         holders = [v for v in views if v.instance_id in hits and hits[v.instance_id].num_blocks]
@@ -554,10 +576,13 @@ def _best_hit_source(snapshot: ClusterSnapshot, include_decode: bool) -> Instanc
     best, best_key = None, None
     for instance_id, hit in hits.items():
         where = index.get(instance_id)
-        if where is None or not hit.num_blocks or (where[0] and not include_decode):
+        if where is None or (where[0] and not include_decode):
+            continue
+        num_blocks = hit.num_blocks
+        if not num_blocks:
             continue
         view = pools[where[0]][where[1]]
-        key = (hit.num_blocks, hit.num_blocks_device, -where[0], -where[1])
+        key = (num_blocks, hit.num_blocks_device, -where[0], -where[1])
         if view.ready and (best_key is None or key > best_key):
             best, best_key = view, key
     return best
@@ -577,8 +602,8 @@ def _cheapest(prefill: Sequence[InstanceView], scan: _Scan,
     # What an instance without a hit pays to pull the best run depends only on whether it
     # shares the source's node: both prices are computed once, outside the loop.
     if best is not None:
-        same_transfer, same_prefill = scan.pull_terms(InstanceView(_NO_HIT_ID, node_id=best_node))
-        other_transfer, other_prefill = scan.pull_terms(InstanceView(_NO_HIT_ID, node_id=""))
+        same_transfer, same_prefill = scan.pull_terms(bool(best_node))
+        other_transfer, other_prefill = scan.pull_terms(False)
     best_view, best_t, local_view, local_t = None, math.inf, None, math.inf
     for view in prefill:  # the hot loop of placement at scale: kept flat on purpose
         if view.instance_id in holders:
@@ -623,11 +648,11 @@ def _cheapest_vectorized(prefill: Sequence[InstanceView], arrays: PoolArrays, sc
             q[i] = _queue_ms(prefill[i], config)
     t = q + recompute_ms
     if best is None:  # no ready instance holds any of the prompt: nothing to pull, no hit
-        i = int(np.argmin(t))
+        i = int(t.argmin())
         return prefill[i], float(t[i]), prefill[i], float(t[i])
     best_node = best.node_id
-    same_transfer, same_prefill = scan.pull_terms(InstanceView(_NO_HIT_ID, node_id=best_node))
-    other_transfer, other_prefill = scan.pull_terms(InstanceView(_NO_HIT_ID, node_id=""))
+    same_transfer, same_prefill = scan.pull_terms(bool(best_node))
+    other_transfer, other_prefill = scan.pull_terms(False)
     t_pull = (other_transfer + q) + other_prefill
     code = arrays.node_code.get(best_node) if best_node else None
     if code is not None:
@@ -646,14 +671,14 @@ def _cheapest_vectorized(prefill: Sequence[InstanceView], arrays: PoolArrays, sc
                 pulled[i] = bool(option.num_pulled_blocks)
             elif not option.num_pulled_blocks:
                 local_hits.append((i, option.total_ms))
-    i = int(np.argmin(t))
+    i = int(t.argmin())
     if pulled is None:  # every instance without a hit pulls: the local options are the hits'
         local = min(local_hits, key=lambda it: (it[1], it[0]), default=None)
         if local is None:
             return prefill[i], float(t[i]), None, math.inf
         return prefill[i], float(t[i]), prefill[local[0]], local[1]
     local = np.where(pulled, math.inf, t)
-    j = int(np.argmin(local))
+    j = int(local.argmin())
     local_t = float(local[j])
     return (prefill[i], float(t[i]),
             prefill[j] if local_t < math.inf else None, local_t)
@@ -692,11 +717,10 @@ def mooncake(snapshot: ClusterSnapshot, request: PlacementRequest, config: Polic
     def option_for_hit(view: InstanceView) -> PrefillPrice:
         local_len = snapshot.hit(view.instance_id).num_blocks
         pull = best_len > local_len and best_len / local_len > threshold
-        return price(snapshot, request, config, view, best if pull else None)
+        return scan.price(view, best if pull else None)
 
     view, _, _, _ = _cheapest(prefill, scan, option_for_hit, always_pull=True)
-    chosen = option_for_hit(view) if snapshot.hit(view.instance_id).num_blocks else price(
-        snapshot, request, config, view, best)
+    chosen = option_for_hit(view) if snapshot.hit(view.instance_id).num_blocks else scan.price(view, best)
     _admit(chosen, config)
     return _placed(chosen, d, "mooncake", f"{chosen.describe()}; {_decode_terms(d)}")
 
@@ -716,11 +740,15 @@ def baton_options(snapshot: ClusterSnapshot, request: PlacementRequest,
 
 
 def _baton_option(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
-                  view: InstanceView, best: InstanceView | None) -> PrefillPrice:
-    """``view``'s local price, or the pulled one when it is strictly faster."""
-    local = price(snapshot, request, config, view)
-    if best is not None and snapshot.hit(best.instance_id).num_blocks > snapshot.hit(view.instance_id).num_blocks:
-        pulled = price(snapshot, request, config, view, best)
+                  view: InstanceView, best: InstanceView | None,
+                  scan: _Scan | None = None) -> PrefillPrice:
+    """``view``'s local price, or the pulled one when it is strictly faster (priced through
+    ``scan``'s memo when given: the same numbers)."""
+    local = scan.price(view) if scan is not None else price(snapshot, request, config, view)
+    best_len = (scan.best_len if scan is not None else
+                snapshot.hit(best.instance_id).num_blocks if best is not None else 0)
+    if best is not None and best_len > local.num_cached_blocks:
+        pulled = scan.price(view, best) if scan is not None else price(snapshot, request, config, view, best)
         if pulled.total_ms < local.total_ms:
             return pulled
     return local
@@ -753,12 +781,12 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
     scan = _Scan(snapshot, request, config, best)
 
     def option_for_hit(view: InstanceView) -> PrefillPrice:
-        return _baton_option(snapshot, request, config, view, best)
+        return _baton_option(snapshot, request, config, view, best, scan)
 
     view, best_t, local_view, local_t = _cheapest(prefill, scan, option_for_hit, always_pull=False)
     if local_view is not None and local_t <= best_t * (1 + config.baton_replication_margin_frac):
         view = local_view
-    chosen = _baton_option(snapshot, request, config, view, best)
+    chosen = _baton_option(snapshot, request, config, view, best, scan)
     _admit(chosen, config)
     return _placed(chosen, d, "baton", f"{chosen.describe()}; {_decode_terms(d)}")
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Callable
 
 import msgspec
@@ -289,7 +290,6 @@ class ConductorState:
         )
         position = self._positions.get(instance_id)
         if position is not None:  # patch the pool in place; membership is unchanged
-            view = self._views[instance_id]
             self._pool_lists[inst.role][position] = view
             arrays = self._arrays[inst.role]
             if arrays is not None:
@@ -365,8 +365,9 @@ class ConductorState:
         self._instances[placement.prefill_instance].add_prefill(prefill, bs)
         self._busy[placement.prefill_instance] = None
         self._prefills[request.request_id] = prefill
-        for key in request.block_keys[placement.expected_cached_blocks:]:
-            self._inflight_keys.setdefault(key, request.request_id)
+        # the first placed prefill of a key owns it; deque(maxlen=0) runs the map in C
+        deque(map(self._inflight_keys.setdefault, request.block_keys[placement.expected_cached_blocks:],
+                  repeat(request.request_id)), maxlen=0)
         decode = self._instances[placement.decode_instance]
         num_blocks = -(-(request.num_prompt_tokens + request.max_tokens) // bs)
         decode.decodes[request.request_id] = num_blocks
