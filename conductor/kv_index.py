@@ -235,9 +235,8 @@ class KvIndex:
                         continue
                 keys = chain_keys(parent, event.token_ids, event.block_size)
                 mapping.update(zip(event.block_hashes, keys))
-                get = device.get
-                for key in keys:
-                    device[key] = get(key, 0) | bit
+                # in C: OR the bit into each key's holders (new keys hold 0)
+                device.update(zip(keys, map(or_, map(device.get, keys, repeat(0)), repeat(bit))))
             elif isinstance(event, BlockRemoved):
                 keep = ~bit
                 for vllm_hash in event.block_hashes:
