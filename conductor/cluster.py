@@ -2,7 +2,9 @@
 
 ``LocalCluster`` is what ``baton serve`` and the integration tests use: Redis (local unless a URL
 is configured), Ray (local unless an address is configured), one KV store node, the conductor,
-the prefill and decode pools, each worker a Ray actor hosting a vLLM engine.
+the prefill and decode pools, each worker a Ray actor hosting a vLLM engine. For failure drills
+(``baton chaos``) it replaces a killed worker (``replace_worker``) or store node
+(``replace_store``) and restarts its Redis (``restart_redis``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from engine.worker_base import ConductorWiring
 from engine.models import PreparedModel, prepare_model
 from kvstore.node import KVStoreNode
 from kvstore.events import with_event_endpoints
-from kvstore.redis_server import LocalRedis, start_local_redis
+from kvstore.redis_server import LocalRedis, RedisUnavailable, start_local_redis
 from prefill_worker.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,7 @@ class LocalCluster:
     engine_start_s: dict[str, float] = field(default_factory=dict)
     _actors: list = field(default_factory=list)
     _owns_ray: bool = False
+    _store_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __enter__(self) -> "LocalCluster":
         self.start()
@@ -199,7 +202,63 @@ class LocalCluster:
         self._actors.append(store)
         self._store = store
         ray.get(self.conductor.add_store_node.remote("node0", kv.events_endpoint,
-                                                     kv.events_replay_endpoint or ""))
+                                                     kv.events_replay_endpoint or "",
+                                                     self.store_actor_name))
+
+    @property
+    def store(self):
+        """The store node actor now serving (a new one after ``replace_store``)."""
+        return self._store
+
+    def kill_store(self, timeout_s: float = 60.0) -> None:
+        """Kill the store node's process without warning and tell the conductor it is lost (as
+        a failure detector would), then wait until Ray has released its name. Workers are not
+        told: their connectors find out at their next call and recompute until ``start_store``.
+        For failure drills (``baton chaos``) and tests."""
+        with self._store_lock:
+            old = self._store
+            try:
+                ray.kill(old, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            if old in self._actors:
+                self._actors.remove(old)
+            ray.get(self.conductor.store_node_lost.remote("node0"))
+            deadline = time.monotonic() + timeout_s
+            while True:  # the name is free once Ray has seen the old actor die
+                try:
+                    ray.get_actor(self.store_actor_name, namespace=self.namespace)
+                except ValueError:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"store actor {self.store_actor_name} still registered "
+                                       f"{timeout_s} s after it was killed")
+                time.sleep(0.1)
+
+    def start_store(self) -> None:
+        """Start a new store node under the same actor name (a new process, an empty arena);
+        the conductor follows its event stream, the workers' connectors find it by themselves."""
+        with self._store_lock:
+            self._start_store()
+
+    def replace_store(self) -> float:
+        """``kill_store`` then ``start_store``; returns the seconds the node was gone."""
+        started = time.monotonic()
+        self.kill_store()
+        self.start_store()
+        return time.monotonic() - started
+
+    def restart_redis(self, down_s: float = 1.0) -> None:
+        """Stop the local redis-server and start a new one on the same port after ``down_s``:
+        it comes back empty (no snapshot), and every store node re-registers with what it holds
+        at its next heartbeat. For failure drills; needs the local Redis (no ``redis.url``)."""
+        if self.redis is None:
+            raise RedisUnavailable("restart_redis needs the cluster's own redis-server "
+                                   "(redis.url is set)")
+        port, password = self.redis.port, self.redis.password
+        self.redis.stop()
+        time.sleep(down_s)
+        self.redis = start_local_redis(port=port, password=password)
 
     def _start_workers(self) -> None:
         cfg = self.config

@@ -129,7 +129,9 @@ class StoreClient:
                 return None
             if self.arena is None or str(self.arena.path) != arena_path:
                 self._attach()
-            return self.arena if self.arena is not None and str(self.arena.path) == arena_path else None
+            if self.arena is not None and str(self.arena.path) == arena_path:
+                return self.arena
+            return None
 
     # ------------------------------------------------------------------ mechanism
 
