@@ -36,6 +36,9 @@ from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, AllBlocksCleared, BlockRemo
 from kvstore.keys import BlockKey, KeyExtras, chain_keys, root_key
 
 
+MAX_SHARED_MASKS = 1 << 16
+
+
 class StreamGap(msgspec.Struct, frozen=True):
     """Events were lost on a stream: ``expected_seq`` was due, ``got_seq`` arrived."""
 
@@ -107,6 +110,9 @@ class KvIndex:
         """node bit → mask of the instances on it."""
         self._members_of_mask: dict[int, int] = {0: 0}
         """Memo: node mask → mask of every instance on those nodes."""
+        self._masks: dict[int, int] = {}
+        """Every holder mask in use, once: the tiers' values point here, so a million entries
+        share a few thousand int objects (less memory, and a hot object per lookup)."""
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.num_untranslatable_blocks = 0
         """Blocks announced with a parent the index never saw (their chain cannot be keyed)."""
@@ -177,11 +183,10 @@ class KvIndex:
         node.last_seq = None
         self.num_resyncs += 1
 
-    @staticmethod
-    def _drop(tier: dict[BlockKey, int], key: BlockKey, keep: int) -> None:
+    def _drop(self, tier: dict[BlockKey, int], key: BlockKey, keep: int) -> None:
         mask = tier.get(key, 0) & keep
         if mask:
-            tier[key] = mask
+            tier[key] = self._masks.setdefault(mask, mask)
         else:
             tier.pop(key, None)
 
@@ -215,8 +220,15 @@ class KvIndex:
         if gap is not None:
             return gap
         inst.last_seq = seq
+        self._bound_masks()
         self.apply_engine_events(instance_id, self._decoder.decode(payload).events)
         return None
+
+    def _bound_masks(self) -> None:
+        """Forget the shared masks when there are too many distinct ones (entries keep theirs;
+        only later ones stop sharing with them)."""
+        if len(self._masks) > MAX_SHARED_MASKS:
+            self._masks.clear()
 
     def apply_engine_events(self, instance_id: str, events: Sequence) -> None:
         inst = self._instances[instance_id]
@@ -235,8 +247,9 @@ class KvIndex:
                         continue
                 keys = chain_keys(parent, event.token_ids, event.block_size)
                 mapping.update(zip(event.block_hashes, keys))
-                # in C: OR the bit into each key's holders (new keys hold 0)
-                device.update(zip(keys, map(or_, map(device.get, keys, repeat(0)), repeat(bit))))
+                # in C: OR the bit into each key's holders (new keys hold 0), one object per mask
+                masks = list(map(or_, map(device.get, keys, repeat(0)), repeat(bit)))
+                device.update(zip(keys, map(self._masks.setdefault, masks, masks)))
             elif isinstance(event, BlockRemoved):
                 keep = ~bit
                 for vllm_hash in event.block_hashes:
@@ -256,6 +269,7 @@ class KvIndex:
         if gap is not None:
             return gap
         node.last_seq = seq
+        self._bound_masks()
         self.apply_store_events(node_id, self._decoder.decode(payload).events)
         return None
 
@@ -268,9 +282,9 @@ class KvIndex:
                               else (self._host, node.host_keys))
                 assert event.medium in (MEDIUM_HOST, MEDIUM_DISK), event.medium
                 if isinstance(event, BlockStored):
-                    for key in event.block_hashes:
-                        tier[key] = tier.get(key, 0) | bit
-                        keys.add(key)
+                    masks = list(map(or_, map(tier.get, event.block_hashes, repeat(0)), repeat(bit)))
+                    tier.update(zip(event.block_hashes, map(self._masks.setdefault, masks, masks)))
+                    keys.update(event.block_hashes)
                 else:
                     for key in event.block_hashes:
                         self._drop(tier, key, ~bit)
@@ -288,8 +302,8 @@ class KvIndex:
         if inst is None:
             return
         bit = 1 << inst.bit
-        for key in keys:
-            self._device[key] = self._device.get(key, 0) | bit
+        masks = list(map(or_, map(self._device.get, keys, repeat(0)), repeat(bit)))
+        self._device.update(zip(keys, map(self._masks.setdefault, masks, masks)))
         inst.noted.update(keys)
 
     def forget_device_blocks(self, instance_id: str, keys: Sequence[BlockKey]) -> None:

@@ -200,3 +200,20 @@ def test_prefix_hits_matches_the_walk_on_random_holdings(data):
             index.apply_store_events(node, [stored(hashes, None, [], medium=medium)])
     length = data.draw(st.integers(0, 12))
     assert index.prefix_hits(prompt_keys[:length]) == walk_prefix_hits(index, prompt_keys[:length])
+
+
+def test_entries_with_the_same_holders_share_one_mask_object():
+    """A million entries held by the same few instances point at a few int objects (bit 11:
+    not one of the small ints Python keeps once anyway)."""
+    index = KvIndex()
+    for i in range(12):
+        index.add_instance(f"p{i}", f"node-{i}", MODEL, LAYOUT)
+    index.ingest_engine("p11", 0, payload(stored(range(1, 7), None, PROMPT)))
+    other = list(range(500, 524))
+    index.ingest_engine("p11", 1, payload(stored(range(11, 17), None, other)))
+    values = [index._device[k] for k in keys() + keys(other)]
+    assert len({id(v) for v in values}) == 1 and values[0] == 1 << 11
+    index.apply_store_events("node-11", [stored(keys(), None, [], medium="CPU")])
+    index.apply_store_events("node-11", [stored(keys(other), None, [], medium="CPU")])
+    host_values = [index._host[k] for k in keys() + keys(other)]
+    assert len({id(v) for v in host_values}) == 1
