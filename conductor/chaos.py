@@ -1,10 +1,20 @@
-"""``baton chaos``: sustained streaming load while workers are killed and replaced at random.
+"""``baton chaos``: sustained streaming load while workers, the store node and Redis fail.
 
 Starts a whole local cluster (as ``baton serve`` does), computes each prompt's greedy answer once
 on a plain vLLM engine in this process (the reference), then for ``duration_s`` keeps
-``concurrency`` gRPC streams going over a pool of prompts that share prefixes, while every
-``kill_every_s`` a random prefill or decode worker is killed without warning and a fresh one
-started in its place. Every request ends in exactly one bucket:
+``concurrency`` gRPC streams going over a pool of prompts that share prefixes, while three fault
+schedules run side by side:
+
+- every ``kill_every_s`` a random prefill or decode worker is killed without warning and a
+  fresh one started in its place;
+- about every ``kill_store_every_s`` (a random draw between half and one and a half times it)
+  the KV store node is killed without warning and a new one started: the engines recompute
+  while it is gone and find the new one by themselves;
+- about every ``restart_redis_every_s`` (drawn the same way) Redis is stopped and started again,
+  empty, on the same port a second later: the store node re-registers.
+
+``0`` turns a schedule off. ``ChaosReport.faults`` counts what was injected, by kind. Every
+request ends in exactly one bucket:
 
 - ``completed``: the answer equals the reference token for token;
 - ``wrong``: an answer that differs (must be 0);
@@ -14,9 +24,9 @@ started in its place. Every request ends in exactly one bucket:
 
 ``retried`` counts requests the router placed again because their prefill worker died before
 answering (they then end in one of the buckets above). ``leaked``, measured once the load has
-stopped and the books had time to close: KV blocks still pinned in the store, requests still
-booked in the conductor, and sequences still running or waiting in the surviving engines (must
-be 0). Store nodes are not killed: the local cluster has one, and every worker depends on it.
+stopped and the books had time to close: KV blocks still pinned in the store node serving then
+(the last one started), requests still booked in the conductor, and sequences still running or
+waiting in the surviving engines (must be 0).
 """
 
 from __future__ import annotations
@@ -49,6 +59,9 @@ class ChaosReport(msgspec.Struct):
     leaked: int = 0
     failed_by_status: dict[str, int] = {}
     kills: list[str] = []
+    """The workers killed, in order."""
+    faults: dict[str, int] = {}
+    """Faults injected by kind: prefill_worker, decode_worker, store_node, redis."""
     leaks: dict[str, int] = {}
     duration_s: float = 0.0
 
@@ -124,7 +137,7 @@ async def _chaos_loop(server: BatonServer, deadline: float, kill_every_s: float,
     start its replacement in the background (an engine takes tens of seconds to come up)."""
     cluster = server.cluster
     replacing: list[asyncio.Future] = []
-    while time.monotonic() + kill_every_s < deadline:
+    while kill_every_s > 0 and time.monotonic() + kill_every_s < deadline:
         await asyncio.sleep(kill_every_s)
         up = [[i for i in ids if i in cluster.engine_start_s] for ids in (cluster.prefill_ids,
                                                                           cluster.decode_ids)]
@@ -134,19 +147,40 @@ async def _chaos_loop(server: BatonServer, deadline: float, kill_every_s: float,
         victim = rng.choice(rng.choice(pools))
         progress(f"killing {victim}")
         report.kills.append(victim)
+        kind = "prefill_worker" if victim in cluster.prefill_ids else "decode_worker"
+        report.faults[kind] = report.faults.get(kind, 0) + 1
         ray.kill(cluster.actor(victim), no_restart=True)
         replacing.append(asyncio.ensure_future(asyncio.to_thread(cluster.replace_worker, victim)))
     for new_id in await asyncio.gather(*replacing):
         progress(f"{new_id} replaced a killed worker")
 
 
+async def _fault_loop(kind: str, inject: Callable[[], object], every_s: float, deadline: float,
+                      rng: random.Random, report: ChaosReport,
+                      progress: Callable[[str], None]) -> None:
+    """Inject one fault of ``kind`` (``inject`` runs in a thread and returns when it is over:
+    the store node or Redis is back) at random intervals of ``every_s`` give or take half."""
+    if every_s <= 0:
+        return
+    while True:
+        wait_s = every_s * rng.uniform(0.5, 1.5)
+        if time.monotonic() + wait_s >= deadline:
+            return
+        await asyncio.sleep(wait_s)
+        started = time.monotonic()
+        progress(f"injecting a fault: {kind}")
+        report.faults[kind] = report.faults.get(kind, 0) + 1
+        await asyncio.to_thread(inject)
+        progress(f"{kind} back after {time.monotonic() - started:.1f} s")
+
+
 async def _leaks(server: BatonServer, settle_s: float = 30.0) -> dict[str, int]:
-    """What is still held once the load stopped, after up to ``settle_s`` for books to close."""
+    """What is still held once the load stopped, after up to ``settle_s`` for books to close.
+    Pins are read from the store node serving now (the last one started)."""
     cluster = server.cluster
     deadline = time.monotonic() + settle_s
     while True:
-        status = await cluster.conductor.pool_status.remote()
-        stores = {s.node_id: s.host_pinned_blocks for s in status.stores}
+        stores = {"node0": (await cluster.store.stats.remote()).pinned_blocks}
         books = await cluster.conductor.status.remote()
         prefills, decodes = books.num_in_flight_prefills, books.num_in_flight_decodes
         in_engines = 0
@@ -162,7 +196,9 @@ async def _leaks(server: BatonServer, settle_s: float = 30.0) -> dict[str, int]:
 
 async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int = 4,
                     kill_every_s: float = 10.0, max_tokens: int = 16, num_prompts: int = 12,
-                    seed: int = 0, progress: Callable[[str], None] = lambda _m: None) -> ChaosReport:
+                    seed: int = 0, progress: Callable[[str], None] = lambda _m: None,
+                    kill_store_every_s: float = 20.0,
+                    restart_redis_every_s: float = 25.0) -> ChaosReport:
     server = BatonServer(config, progress=progress)
     await server.start()
     report = ChaosReport()
@@ -174,11 +210,21 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
         retried_before = retries._value.get()
         started = time.monotonic()
         deadline = started + duration_s
-        progress(f"load: {concurrency} streams for {duration_s:.0f} s, a worker killed every "
-                 f"{kill_every_s:.0f} s")
+        cluster = server.cluster
+        if restart_redis_every_s > 0 and cluster.redis is None:
+            progress("redis.url is set: Redis is not the cluster's own, so it is not restarted")
+            restart_redis_every_s = 0
+        progress(f"load: {concurrency} streams for {duration_s:.0f} s; faults about every: worker "
+                 f"{kill_every_s:.0f} s, store node {kill_store_every_s:.0f} s, Redis "
+                 f"{restart_redis_every_s:.0f} s (0: never)")
+        report.faults = {"prefill_worker": 0, "decode_worker": 0, "store_node": 0, "redis": 0}
         rng = random.Random(seed)
         await asyncio.gather(
             _chaos_loop(server, deadline, kill_every_s, random.Random(seed + 1), report, progress),
+            _fault_loop("store_node", cluster.replace_store, kill_store_every_s, deadline,
+                        random.Random(seed + 2), report, progress),
+            _fault_loop("redis", cluster.restart_redis, restart_redis_every_s, deadline,
+                        random.Random(seed + 3), report, progress),
             *(_client_loop(server, prompts, references, max_tokens, deadline,
                            random.Random(rng.random()), report) for _ in range(concurrency)),
         )
@@ -192,14 +238,16 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
 
 
 def main(config: ClusterConfig, duration_s: float, concurrency: int, kill_every_s: float,
-         json_path: Path | None, seed: int, progress: Callable[[str], None]) -> ChaosReport:
+         json_path: Path | None, seed: int, progress: Callable[[str], None],
+         kill_store_every_s: float = 20.0, restart_redis_every_s: float = 25.0) -> ChaosReport:
     report = asyncio.run(run_chaos(config, duration_s, concurrency, kill_every_s, seed=seed,
-                                   progress=progress))
+                                   progress=progress, kill_store_every_s=kill_store_every_s,
+                                   restart_redis_every_s=restart_redis_every_s))
     data = msgspec.to_builtins(report)
     print(json.dumps({k: data[k] for k in ("sent", "completed", "retried", "failed_clean", "lost",
                                            "wrong", "leaked")}))
-    print(f"kills: {', '.join(report.kills) or 'none'}; failed by status: {report.failed_by_status}; "
-          f"leaks: {report.leaks}")
+    print(f"faults: {report.faults}; workers killed: {', '.join(report.kills) or 'none'}; "
+          f"failed by status: {report.failed_by_status}; leaks: {report.leaks}")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,6 +1,7 @@
 """``baton chaos`` on real parts: a local cluster (tiny model, 2 prefill + 2 decode) under four
-concurrent streams while workers are killed and replaced. Every request is accounted for, no
-answer differs from a plain engine's, none is lost, and nothing is left pinned or booked."""
+concurrent streams while workers are killed and replaced, the KV store node is killed and
+replaced, and Redis is restarted. Every request is accounted for, no answer differs from a plain
+engine's, none is lost, and nothing is left pinned (in the last store node) or booked."""
 
 from __future__ import annotations
 
@@ -12,17 +13,20 @@ from conductor.config import load_config
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
 
-async def test_killing_workers_under_load_loses_nothing_and_leaks_nothing(tiny_model):
+async def test_killing_workers_and_the_store_and_restarting_redis_loses_and_leaks_nothing(tiny_model):
     config = load_config(None, {"engine.model": "tiny", "name": "chaostest", "gateway.port": 0,
                                 "http.enabled": False, "prefill.num_instances": 2,
                                 "decode.num_instances": 2, "kvstore.host_capacity_bytes": 256 << 20,
                                 "conductor.tuning.short_prefill_tokens": 0})
 
-    report = await run_chaos(config, duration_s=30, concurrency=4, kill_every_s=6, seed=3)
+    report = await run_chaos(config, duration_s=30, concurrency=4, kill_every_s=6, seed=3,
+                             kill_store_every_s=10, restart_redis_every_s=12)
 
     assert report.sent == report.completed + report.failed_clean + report.lost + report.wrong
     assert (report.lost, report.wrong, report.leaked) == (0, 0, 0), report
     assert report.completed > 0 and len(report.kills) >= 2
+    assert report.faults["store_node"] >= 1 and report.faults["redis"] >= 1, report.faults
+    assert report.faults["prefill_worker"] + report.faults["decode_worker"] == len(report.kills)
     assert set(report.failed_by_status) <= {"UNAVAILABLE"}  # a decode worker died mid-stream
     assert report.leaks == {"pinned_blocks": 0, "booked_prefills": 0, "booked_decodes": 0,
                             "engine_sequences": 0}
