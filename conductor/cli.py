@@ -141,13 +141,20 @@ def chaos(
     decode: int = typer.Option(2, help="Decode instances (at least 2: one may be down)."),
     model: str = typer.Option("tiny", help="'tiny' (fast) or 'smollm2'."),
     concurrency: int = typer.Option(4, help="Concurrent streams."),
-    kill_every: float = typer.Option(10.0, help="Seconds between worker kills."),
+    kill_every: float = typer.Option(10.0, help="Seconds between worker kills (0: none)."),
+    kill_store_every: float = typer.Option(
+        20.0, help="About every S seconds (S/2 to 3S/2, drawn at random) the KV store node is "
+        "killed and a new one started (0: never)."),
+    restart_redis_every: float = typer.Option(
+        25.0, help="About every S seconds (drawn the same way) Redis is stopped and started "
+        "again, empty, a second later (0: never)."),
     seed: int = typer.Option(0, help="Seed of the prompts, the streams and the victims."),
     set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
 ) -> None:
     """Failure drill: a local cluster under sustained streaming load while prefill and decode
-    workers are killed at random and replaced. Prints and writes sent, completed, retried,
-    failed_clean, lost, wrong and leaked; exit code 1 when lost, wrong or leaked is not 0."""
+    workers are killed at random and replaced, the KV store node is killed and replaced, and
+    Redis is restarted. Prints and writes sent, completed, retried, failed_clean, lost, wrong and
+    leaked, and the faults injected by kind; exit code 1 when lost, wrong or leaked is not 0."""
     from conductor.chaos import main as run_chaos
     from conductor.config import load_config
     from conductor.errors import ConfigError
@@ -161,7 +168,8 @@ def chaos(
     try:
         cfg = load_config(config, overrides)
         report = run_chaos(cfg, duration, concurrency, kill_every, json_path, seed,
-                           lambda msg: err.print(f"[cyan]chaos[/cyan] {msg}"))
+                           lambda msg: err.print(f"[cyan]chaos[/cyan] {msg}"),
+                           kill_store_every, restart_redis_every)
     except ConfigError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
