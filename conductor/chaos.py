@@ -8,8 +8,8 @@ schedules run side by side:
 - every ``kill_every_s`` a random prefill or decode worker is killed without warning and a
   fresh one started in its place;
 - about every ``kill_store_every_s`` (a random draw between half and one and a half times it)
-  the KV store node is killed without warning and a new one started: the engines recompute
-  while it is gone and find the new one by themselves;
+  the KV store node is killed without warning; the cluster's watchdog starts a new one, and the
+  engines recompute while it is gone and find the new one by themselves;
 - about every ``restart_redis_every_s`` (drawn the same way) Redis is stopped and started again,
   empty, on the same port a second later: the store node re-registers.
 
@@ -155,6 +155,18 @@ async def _chaos_loop(server: BatonServer, deadline: float, kill_every_s: float,
         progress(f"{new_id} replaced a killed worker")
 
 
+def _lose_store(cluster, timeout_s: float = 120.0) -> None:
+    """Kill the store node without warning, as a crash would, and return once the cluster's
+    watchdog has started a new one."""
+    old = cluster.store
+    ray.kill(old, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while cluster.store is old:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no new store node {timeout_s:.0f} s after the old one was killed")
+        time.sleep(0.1)
+
+
 async def _fault_loop(kind: str, inject: Callable[[], object], every_s: float, deadline: float,
                       rng: random.Random, report: ChaosReport,
                       progress: Callable[[str], None]) -> None:
@@ -221,7 +233,7 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
         rng = random.Random(seed)
         await asyncio.gather(
             _chaos_loop(server, deadline, kill_every_s, random.Random(seed + 1), report, progress),
-            _fault_loop("store_node", cluster.replace_store, kill_store_every_s, deadline,
+            _fault_loop("store_node", lambda: _lose_store(cluster), kill_store_every_s, deadline,
                         random.Random(seed + 2), report, progress),
             _fault_loop("redis", cluster.restart_redis, restart_redis_every_s, deadline,
                         random.Random(seed + 3), report, progress),

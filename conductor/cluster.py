@@ -2,9 +2,10 @@
 
 ``LocalCluster`` is what ``baton serve`` and the integration tests use: Redis (local unless a URL
 is configured), Ray (local unless an address is configured), one KV store node, the conductor,
-the prefill and decode pools, each worker a Ray actor hosting a vLLM engine. For failure drills
-(``baton chaos``) it replaces a killed worker (``replace_worker``) or store node
-(``replace_store``) and restarts its Redis (``restart_redis``).
+the prefill and decode pools, each worker a Ray actor hosting a vLLM engine. A store node that
+dies is replaced by a watchdog thread (``store_watch_interval_s``). For failure drills
+(``baton chaos``) it replaces a killed worker (``replace_worker``), holds the store node down
+(``kill_store`` / ``start_store``) and restarts its Redis (``restart_redis``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import ray
+from ray.exceptions import RayActorError
 
 from conductor.config import ClusterConfig
 from conductor.errors import ConfigError
@@ -109,9 +111,14 @@ class LocalCluster:
     prefill_ids: list[str] = field(default_factory=list)
     decode_ids: list[str] = field(default_factory=list)
     engine_start_s: dict[str, float] = field(default_factory=dict)
+    store_watch_interval_s: float = 1.0
+    """Seconds between the watchdog's liveness checks of the store node (0: no watchdog)."""
     _actors: list = field(default_factory=list)
     _owns_ray: bool = False
-    _store_lock: threading.Lock = field(default_factory=threading.Lock)
+    _store = None
+    _store_lock: threading.RLock = field(default_factory=threading.RLock)
+    _store_held_down: bool = False
+    _stopping: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> "LocalCluster":
         self.start()
@@ -146,6 +153,9 @@ class LocalCluster:
         )
         self._actors.append(self.conductor)
         self._start_store()
+        if self.store_watch_interval_s > 0:
+            threading.Thread(target=self._watch_store, name="baton-store-watchdog",
+                             daemon=True).start()
         self._start_workers()
         if wait_ready:
             self.wait_ready()
@@ -200,46 +210,75 @@ class LocalCluster:
         )
         ray.get(store.arena_info.remote())
         self._actors.append(store)
-        self._store = store
         ray.get(self.conductor.add_store_node.remote("node0", kv.events_endpoint,
                                                      kv.events_replay_endpoint or "",
                                                      self.store_actor_name))
+        self._store = store
 
     @property
     def store(self):
-        """The store node actor now serving (a new one after ``replace_store``)."""
+        """The store node actor now serving (a new one once the previous one was replaced)."""
         return self._store
 
     def kill_store(self, timeout_s: float = 60.0) -> None:
-        """Kill the store node's process without warning and tell the conductor it is lost (as
-        a failure detector would), then wait until Ray has released its name. Workers are not
-        told: their connectors find out at their next call and recompute until ``start_store``.
-        For failure drills (``baton chaos``) and tests."""
+        """Kill the store node's process without warning and keep it down (the watchdog does not
+        replace it) until ``start_store``. Workers are not told: their connectors find out at
+        their next call and recompute meanwhile. For failure drills and tests."""
         with self._store_lock:
-            old = self._store
-            try:
-                ray.kill(old, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-            if old in self._actors:
-                self._actors.remove(old)
-            ray.get(self.conductor.store_node_lost.remote("node0"))
-            deadline = time.monotonic() + timeout_s
-            while True:  # the name is free once Ray has seen the old actor die
-                try:
-                    ray.get_actor(self.store_actor_name, namespace=self.namespace)
-                except ValueError:
-                    return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"store actor {self.store_actor_name} still registered "
-                                       f"{timeout_s} s after it was killed")
-                time.sleep(0.1)
+            self._store_held_down = True
+            self._retire_store(timeout_s)
 
     def start_store(self) -> None:
         """Start a new store node under the same actor name (a new process, an empty arena);
         the conductor follows its event stream, the workers' connectors find it by themselves."""
         with self._store_lock:
+            self._store_held_down = False
             self._start_store()
+
+    def _retire_store(self, timeout_s: float) -> None:
+        """Kill the store node (if it still runs), have the conductor drop its index entries,
+        and wait until Ray has released its name. Holds ``_store_lock``."""
+        old = self._store
+        try:
+            ray.kill(old, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        if old in self._actors:
+            self._actors.remove(old)
+        ray.get(self.conductor.store_node_lost.remote("node0"))
+        deadline = time.monotonic() + timeout_s
+        while True:  # the name is free once Ray has seen the old actor die
+            try:
+                ray.get_actor(self.store_actor_name, namespace=self.namespace)
+            except ValueError:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"store actor {self.store_actor_name} still registered "
+                                   f"{timeout_s} s after it was killed")
+            time.sleep(0.1)
+
+    def _watch_store(self) -> None:
+        """Replace the store node when it dies (a call to it raises ``RayActorError``; a slow
+        answer is not a death), unless a drill holds it down."""
+        while not self._stopping.wait(self.store_watch_interval_s):
+            store = self._store
+            try:
+                ray.get(store.arena_info.remote(), timeout=30)
+                continue
+            except RayActorError:
+                pass
+            except Exception:  # noqa: BLE001 - slow, or Ray is going away: not a death
+                continue
+            with self._store_lock:
+                if self._store is not store or self._store_held_down or self._stopping.is_set():
+                    continue
+                log.warning("KV store node %s died; starting a new one", self.store_actor_name)
+                self.progress("the KV store node died; starting a new one")
+                try:
+                    self._retire_store(60.0)
+                    self._start_store()
+                except Exception:  # noqa: BLE001 - try again at the next check
+                    log.exception("could not replace the KV store node")
 
     def replace_store(self) -> float:
         """``kill_store`` then ``start_store``; returns the seconds the node was gone."""
@@ -341,6 +380,9 @@ class LocalCluster:
         return ray.get_actor(instance_id, namespace=self.namespace)
 
     def stop(self) -> None:
+        self._stopping.set()  # before the store goes: the watchdog must not replace it
+        with self._store_lock:  # a replacement under way finishes first
+            pass
         for actor in reversed(self._actors):
             try:
                 ray.get(actor.shutdown.remote(), timeout=10) if hasattr(actor, "shutdown") else None

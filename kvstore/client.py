@@ -12,9 +12,10 @@ the same actor name, with a new arena file. The client outlives it:
   ``call_timeout_s``, detaches the client. While detached, ``acquire`` finds nothing (the engine
   recomputes), ``reserve`` grants no slot (the save is dropped and counted), and ``release``,
   ``commit`` and ``abort`` do nothing: the dead store's pins and reservations died with it;
-- while detached, each call first looks the actor up again (at most every
-  ``reattach_interval_s``); a new store means a new arena, which the client maps instead of the
-  old one (the old mapping goes once no view of it is left);
+- a call that finds its store dead looks the actor up again at once, and while detached each
+  call does (at most every ``reattach_interval_s``): a client that was idle while the node was
+  replaced moves to the new one without missing. A new store means a new arena, which the
+  client maps instead of the old one (the old mapping goes once no view of it is left);
 - every slot handed out is tagged with the arena it belongs to (``StoreSlots.arena_path``, which
   names one store process): a pin or reservation of a store that is gone is never released or
   committed in its successor (that would free another request's pin), and no byte is read from
@@ -136,16 +137,20 @@ class StoreClient:
     # ------------------------------------------------------------------ mechanism
 
     def _granting(self, method: str, *args) -> StoreSlots:
+        """A call that grants slots. When it finds the store dead, a new store that is already
+        up (the client was idle while the node was replaced) is asked at once."""
         with self._lock:
             if not self._ensure_attached():
                 return StoreSlots("", [])
-            path = self.arena_path
-            try:
-                slots = self._call(method, *args)
-            except _STORE_GONE as exc:
-                self._detach(method, exc)
-                return StoreSlots("", [])
-            return StoreSlots(path, slots)
+            for attempt in range(2):
+                path = self.arena_path
+                try:
+                    return StoreSlots(path, self._call(method, *args))
+                except _STORE_GONE as exc:
+                    self._detach(method, exc)
+                    if attempt or not self._attach() or self.arena_path == path:
+                        return StoreSlots("", [])  # no new store (yet)
+            raise AssertionError("unreachable")
 
     def _settling(self, method: str, keys: Sequence[BlockKey], arena_path: str) -> bool:
         if not keys:

@@ -27,15 +27,19 @@ def ray_cluster():
     ray.shutdown()
 
 
-def start_store():
+def wait_gone() -> None:
+    """Until Ray has seen the killed store die (``ray.kill`` returns before) and freed its name."""
     deadline = time.monotonic() + 30
-    while True:  # the name is free once Ray has seen the previous actor die
+    while True:
         try:
             ray.get_actor(NAME, namespace=NAMESPACE)
         except ValueError:
-            break
+            return
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def start_store():
     config = KVStoreConfig(host_capacity_bytes=1 << 20, arena_dir="/dev/shm")
     store = (ray.remote(KVStoreNode).options(name=NAME, namespace=NAMESPACE, num_cpus=0)
              .remote("n0", "storeclient", config, BLOCK_BYTES, None, 4))
@@ -65,6 +69,7 @@ def test_the_client_recomputes_while_the_store_is_gone_and_finds_the_new_one(ray
     assert held == StoreSlots(old_path, held.slots) and len(held.slots) == 2
 
     ray.kill(old_store, no_restart=True)
+    wait_gone()
 
     assert client.acquire(chain) == StoreSlots("", [])  # a miss: the engine recomputes
     assert client.reserve(chain, [None, chain[0]]) == StoreSlots("", [None, None])  # dropped
@@ -79,7 +84,7 @@ def test_the_client_recomputes_while_the_store_is_gone_and_finds_the_new_one(ray
 
     new_store = start_store()
     time.sleep(0.1)  # past the reattach interval
-    assert client.acquire(chain).slots == []  # found by itself: attached, and the store is empty
+    assert client.acquire(chain) == StoreSlots(client.arena_path, [])  # found by itself; empty
     assert client.attached and client.stats.reattaches == 1
     new_path = client.arena_path
     assert new_path not in ("", old_path)
@@ -92,4 +97,13 @@ def test_the_client_recomputes_while_the_store_is_gone_and_finds_the_new_one(ray
     client.release(chain[:1], new_path)
     assert ray.get(new_store.stats.remote()).pinned_blocks == 0
     assert client.arena_for(old_path) is None  # the old arena is no longer mapped
-    ray.get(new_store.shutdown.remote())
+
+    # idle while the node is replaced again: the first call goes to the newest store, no miss
+    ray.kill(new_store, no_restart=True)
+    wait_gone()
+    third_store = start_store()
+    third_path = save(client, chain[:1], fill=5)
+    assert third_path not in (new_path, old_path) and client.stats.reattaches == 2
+    assert client.acquire(chain[:1]).arena_path == third_path
+    client.release(chain[:1], third_path)
+    ray.get(third_store.shutdown.remote())

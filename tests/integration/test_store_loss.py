@@ -17,6 +17,7 @@ import time
 
 import pytest
 import pytest_asyncio
+import ray
 
 from conductor import client
 from kvstore.keys import KeyExtras, block_keys
@@ -149,3 +150,19 @@ async def test_a_redis_restart_under_load_loses_no_request_and_the_store_re_regi
     for prompt, _end in finished:
         keys = block_keys(prompt, scheme.block_size_tokens, extras)
         assert directory.locate(keys) == [{"node0": "host"}] * len(keys)
+
+
+async def test_a_store_node_that_dies_on_its_own_is_replaced_by_the_cluster(server, reference):
+    cluster = server.cluster
+    old = cluster.store
+    ray.kill(old, no_restart=True)  # a crash: nobody tells the cluster
+    deadline = time.monotonic() + 60
+    while cluster.store is old and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert cluster.store is not old  # the watchdog started a new one
+
+    prompt = fresh_prompt()
+    result = await client.generate(server.target, token_ids=prompt, max_tokens=MAX_TOKENS)
+    assert result["usage"]["loaded_tokens"] == len(prompt) - 1  # loaded from the new store
+    assert result["token_ids"] == await plain_generate(reference, prompt, MAX_TOKENS, "ref-crash")
+    assert (await cluster.store.stats.remote()).pinned_blocks == 0
