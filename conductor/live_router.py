@@ -26,10 +26,32 @@ log = logging.getLogger(__name__)
 
 MAX_PREFILL_ATTEMPTS = 3
 """Placements one request may get when its prefill worker dies before answering."""
+MAX_DECODE_CONTINUATIONS = 2
+"""Times one stream may move to another decode instance after its decode worker died."""
 
 
 class PrefillWorkerDied(Exception):
     """The prefill actor died before answering: nothing reached the client, so it is re-placed."""
+
+
+class DecodeWorkerDied(Exception):
+    """The decode actor died mid-stream, after ``delivered`` tokens reached the client."""
+
+    def __init__(self, instance_id: str, delivered: int) -> None:
+        super().__init__(f"decode instance {instance_id} died after {delivered} tokens were delivered")
+        self.instance_id, self.delivered = instance_id, delivered
+
+
+def continuation(request: EngineRequest, generated: list[int]) -> EngineRequest:
+    """The rest of ``request`` after ``generated`` tokens reached the client: those tokens join
+    the prompt (their KV is recomputed; the prompt's own KV is in the store) and the budget
+    shrinks by as many. Under greedy decoding the continuation is the tokens the lost instance
+    would have produced; a sampled one is a fresh draw from the same distribution."""
+    sampling = msgspec.structs.replace(request.sampling,
+                                       max_tokens=request.sampling.max_tokens - len(generated))
+    return msgspec.structs.replace(
+        request, prompt_token_ids=request.prompt_token_ids + tuple(generated), sampling=sampling,
+        kv_source_node="")
 
 
 class LiveRouter:
@@ -89,11 +111,55 @@ class LiveRouter:
         timer = metrics.RequestTimer(time.perf_counter())
         placement_request = await self._placement_request(request)
         timer.kv_bytes_per_token = getattr(self._scheme, "kv_bytes_per_token", 0)
+        placement, prefilled = await self._place_and_prefill(request, placement_request)
+        generated: list[int] = []
+        current = request
+        try:
+            for moves in range(MAX_DECODE_CONTINUATIONS + 1):
+                try:
+                    async for event in self._serve(current, placement, prefilled, first=moves == 0):
+                        if isinstance(event, Placed):
+                            timer.placed(event.placement, event.prefill)
+                        else:
+                            generated.extend(event.token_ids)
+                            if moves and event.finish_reason is not None:
+                                event = _as_original(event, len(request.prompt_token_ids))
+                            timer.chunk(event, time.perf_counter())
+                        yield event
+                    return
+                except DecodeWorkerDied as exc:
+                    failure = (f"decode instance {exc.instance_id} died after {len(generated)} tokens "
+                               "were delivered; the request can be retried")
+                    if moves == MAX_DECODE_CONTINUATIONS:
+                        raise WorkerFailed(f"{failure} (moved {moves} times already)") from exc
+                    died = exc
+                # Tokens already reached the client: continue the stream from them on another
+                # decode instance instead of failing it.
+                self._conductor.finished.remote(request.request_id)
+                metrics.RETRIES.labels("decode_worker_died").inc()
+                if len(generated) >= request.sampling.max_tokens:  # died before its last word
+                    yield TokenChunk((), "", finish_reason="length")
+                    return
+                log.warning("request %s: %s; continuing on another decode instance",
+                            request.request_id, died)
+                current = continuation(request, generated)
+                try:
+                    placement, prefilled = await self._place_and_prefill(
+                        current, await self._placement_request(current))
+                except (NoWorkerReady, Overloaded, WorkerFailed) as error:
+                    raise WorkerFailed(f"{failure}; no other decode instance could continue it: "
+                                       f"{error}") from error
+        finally:  # however it ended, the conductor's books must close
+            self._conductor.finished.remote(request.request_id)
+
+    async def _place_and_prefill(self, request: EngineRequest,
+                                 placement_request: PlacementRequest) -> tuple[Placement, PrefillResult]:
+        """Place and prefill, placing again (up to ``MAX_PREFILL_ATTEMPTS``) when the prefill
+        worker dies before answering: nothing reached the client from it."""
         for attempt in range(MAX_PREFILL_ATTEMPTS):
             placement = await self._place(placement_request)
             try:
-                prefilled = await self._prefill(request, placement)
-                break
+                return placement, await self._prefill(request, placement)
             except PrefillWorkerDied as exc:
                 # nothing reached the client yet: close the books and place it again elsewhere
                 self._conductor.finished.remote(request.request_id)
@@ -104,15 +170,7 @@ class LiveRouter:
             except BaseException:
                 self._conductor.finished.remote(request.request_id)
                 raise
-        try:
-            async for event in self._serve(request, placement, prefilled):
-                if isinstance(event, Placed):
-                    timer.placed(event.placement, event.prefill)
-                else:
-                    timer.chunk(event, time.perf_counter())
-                yield event
-        finally:  # however it ended, the conductor's books must close
-            self._conductor.finished.remote(request.request_id)
+        raise AssertionError("unreachable")
 
     async def _place(self, placement_request: PlacementRequest) -> Placement:
         try:
@@ -150,8 +208,9 @@ class LiveRouter:
         return result
 
     async def _serve(self, request: EngineRequest, placement: Placement,
-                     prefilled: PrefillResult) -> AsyncIterator[RouterEvent]:
-        yield Placed(placement, prefilled)
+                     prefilled: PrefillResult, first: bool = True) -> AsyncIterator[RouterEvent]:
+        if first:  # a continuation keeps the stream's one Placed
+            yield Placed(placement, prefilled)
         if prefilled.node_id:  # the decode worker pulls the prompt's KV if it is elsewhere
             request = msgspec.structs.replace(request, kv_source_node=prefilled.node_id)
         try:
@@ -171,14 +230,20 @@ class LiveRouter:
                 yield chunk
         except RayActorError as exc:
             self._report_dead(placement.decode_instance, exc)
-            raise WorkerFailed(
-                f"decode instance {placement.decode_instance} died after {delivered} tokens were "
-                "delivered; the request can be retried") from exc
+            raise DecodeWorkerDied(placement.decode_instance, delivered) from exc
         except RayTaskError as exc:
             raise _unwrap(exc) from exc
         finally:
             if not finished:
                 ray.cancel(chunks)
+
+
+def _as_original(chunk: TokenChunk, num_prompt_tokens: int) -> TokenChunk:
+    """A continuation's last chunk, its prompt accounting capped to the original prompt (the
+    continuation's prompt also held the tokens generated before the move)."""
+    return msgspec.structs.replace(
+        chunk, num_loaded_tokens=min(chunk.num_loaded_tokens, num_prompt_tokens),
+        num_cached_tokens=min(chunk.num_cached_tokens, num_prompt_tokens))
 
 
 def _unwrap(exc: RayTaskError) -> Exception:
