@@ -174,7 +174,7 @@ class ConductorState:
             self._pools[role] = None
         self._pool_lists.clear()
         self._positions.clear()
-        self._pool_index.clear()
+        self._pool_index = {}  # a new one: snapshots keep the old
 
     def set_ready(self, instance_id: str, ready: bool) -> None:
         inst = self._instances[instance_id]
@@ -300,7 +300,10 @@ class ConductorState:
             self._unready[inst.role].add(instance_id)
         self._pools[inst.role] = None
 
-    def snapshot(self, prefix_hits: dict | None = None) -> ClusterSnapshot:
+    def snapshot(self, prefix_hits: dict | None = None, private: bool = False) -> ClusterSnapshot:
+        """The pools now. A snapshot is the caller's to keep: later changes do not reach it.
+        ``private`` (``place``, which hands it to a pure policy and drops it before changing
+        anything) skips copying the arrays, which later patches would otherwise reach."""
         now = self._clock()
         stale_before = now - QUEUE_REFRESH_S
         # Busy instances' queue term decays with time: refresh the stalest two, so one decision
@@ -322,19 +325,27 @@ class ConductorState:
                 pool = self._pools[role] = tuple(views)
                 self._ready_pools[role] = (tuple(v for v in pool if v.ready) if self._unready[role]
                                            else pool)
-                # the snapshot's own copy: later patches do not reach it
-                self._arrays_snapshot[role] = self._arrays[role].copy()
+                self._arrays_snapshot[role] = None  # copied when a kept snapshot needs it
+        arrays = {}
+        for role in ("prefill", "decode"):
+            if private:
+                arrays[role] = self._arrays[role]
+            else:  # the snapshot's own copy: later patches do not reach it
+                if self._arrays_snapshot.get(role) is None:
+                    self._arrays_snapshot[role] = self._arrays[role].copy()
+                arrays[role] = self._arrays_snapshot[role]
+        # the pool index is replaced, never changed, once a snapshot holds it
         return ClusterSnapshot(self._pools["prefill"], self._pools["decode"], self.counters.placed,
-                               prefix_hits or {}, self._arrays_snapshot["prefill"],
+                               prefix_hits or {}, arrays["prefill"],
                                self._ready_pools["prefill"], self._ready_pools["decode"],
-                               self._arrays_snapshot["decode"], dict(self._pool_index))
+                               arrays["decode"], self._pool_index)
 
     # ------------------------------------------------------------------ decisions
 
     def place(self, request: PlacementRequest) -> Placement:
         """Choose, price, admit and book one request; ``Overloaded`` or ``NoWorkerReady`` if not."""
         hits = self.index.prefix_hits(request.block_keys) if request.block_keys else {}
-        snapshot = self.snapshot(hits)
+        snapshot = self.snapshot(hits, private=True)
         try:
             placement = self._policy(snapshot, request, self.config)
             placement = with_prices(snapshot, request, self.config, placement)

@@ -228,3 +228,20 @@ def test_the_cluster_prices_with_the_model_facts_and_the_configured_profile(tmp_
     path.write_text("{}")
     with pytest.raises(ConfigError, match="is not a Baton cost profile"):
         policy_config_for(load_config(None, {"conductor.profile_path": str(path)}), model)
+
+
+def test_a_kept_snapshot_is_not_changed_by_later_decisions_or_membership():
+    state, clock = make()
+    kept = state.snapshot()
+    queues = kept.prefill_arrays.queued_prefill_ms.copy()
+    loads = kept.decode_arrays.load.copy()
+    index = dict(kept.pool_index)
+    state.place(request("a", PROMPT))  # books work on p0 and d0: the live arrays change
+    state.register("p2", "prefill", "n0", "m", "L")
+    state.snapshot()
+    assert list(kept.prefill_arrays.queued_prefill_ms) == list(queues) == [0.0, 0.0]
+    assert list(kept.decode_arrays.load) == list(loads) == [0]
+    assert dict(kept.pool_index) == index == {"p0": (0, 0), "p1": (0, 1), "d0": (1, 0)}
+    now = state.snapshot()
+    assert now.prefill_arrays.queued_prefill_ms[0] == 128.0 and now.decode_arrays.load[0] == 1
+    assert now.pool_index["p2"] == (0, 2)
