@@ -115,7 +115,8 @@ class LocalCluster:
     """Seconds between the watchdog's liveness checks of the store node (0: no watchdog)."""
     _actors: list = field(default_factory=list)
     _owns_ray: bool = False
-    _store = None
+    _store: object = None
+    _watchdog: threading.Thread | None = None
     _store_lock: threading.RLock = field(default_factory=threading.RLock)
     _store_held_down: bool = False
     _stopping: threading.Event = field(default_factory=threading.Event)
@@ -154,8 +155,9 @@ class LocalCluster:
         self._actors.append(self.conductor)
         self._start_store()
         if self.store_watch_interval_s > 0:
-            threading.Thread(target=self._watch_store, name="baton-store-watchdog",
-                             daemon=True).start()
+            self._watchdog = threading.Thread(target=self._watch_store, daemon=True,
+                                              name="baton-store-watchdog")
+            self._watchdog.start()
         self._start_workers()
         if wait_ready:
             self.wait_ready()
@@ -383,6 +385,8 @@ class LocalCluster:
         self._stopping.set()  # before the store goes: the watchdog must not replace it
         with self._store_lock:  # a replacement under way finishes first
             pass
+        if self._watchdog is not None:  # no call to Ray from it once Ray is shut down
+            self._watchdog.join(timeout=5)
         for actor in reversed(self._actors):
             try:
                 ray.get(actor.shutdown.remote(), timeout=10) if hasattr(actor, "shutdown") else None
