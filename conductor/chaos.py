@@ -18,12 +18,14 @@ request ends in exactly one bucket:
 
 - ``completed``: the answer equals the reference token for token;
 - ``wrong``: an answer that differs (must be 0);
-- ``failed_clean``: a gRPC error with a defined status (e.g. UNAVAILABLE when the decode worker
-  died mid-stream: the message says how many tokens were delivered);
+- ``failed_clean``: a gRPC error with a defined status (e.g. UNAVAILABLE when a decode worker
+  died mid-stream and no other could continue it: the message says how many tokens were
+  delivered);
 - ``lost``: neither an answer nor an error before the client's deadline (must be 0).
 
 ``retried`` counts requests the router placed again because their prefill worker died before
-answering (they then end in one of the buckets above). ``leaked``, measured once the load has
+answering, or moved to another decode instance because theirs died mid-stream (they then end in
+one of the buckets above). ``leaked``, measured once the load has
 stopped and the books had time to close: KV blocks still pinned in the store node serving then
 (the last one started), requests still booked in the conductor, and sequences still running or
 waiting in the surviving engines (must be 0).
@@ -218,8 +220,9 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
         prompts = prompt_pool(num_prompts, seed)
         progress(f"computing {len(prompts)} reference answers on a plain engine")
         references = await _references(server.cluster.model, prompts, max_tokens)
-        retries = metrics.RETRIES.labels("prefill_worker_died")
-        retried_before = retries._value.get()
+        retries = [metrics.RETRIES.labels(reason)
+                   for reason in ("prefill_worker_died", "decode_worker_died")]
+        retried_before = sum(r._value.get() for r in retries)
         started = time.monotonic()
         deadline = started + duration_s
         cluster = server.cluster
@@ -241,7 +244,7 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
                            random.Random(rng.random()), report) for _ in range(concurrency)),
         )
         report.duration_s = round(time.monotonic() - started, 1)
-        report.retried = int(retries._value.get() - retried_before)
+        report.retried = int(sum(r._value.get() for r in retries) - retried_before)
         report.leaks = await _leaks(server)
         report.leaked = sum(report.leaks.values())
     finally:
