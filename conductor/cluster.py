@@ -350,13 +350,12 @@ class LocalCluster:
             (self.prefill_ids if role == "prefill" else self.decode_ids).remove(instance_id)
             new_id = f"{self.config.name}-{role}-{self._next_index[role]}"
             self._next_index[role] += 1
-            actor = self._start_worker(role, new_id, "nobind")
+            self._start_worker(role, new_id, "nobind")
             ready = self._pending.pop(new_id)
         ray.get(self.conductor.remove.remote(instance_id))
         self.engine_start_s[new_id] = ray.get(ready, timeout=timeout_s)
         ray.get(self.conductor.mark_ready.remote(new_id))
         self.progress(f"{new_id} ready (engine start {self.engine_start_s[new_id]:.1f} s)")
-        del actor
         return new_id
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:

@@ -35,11 +35,11 @@ class PrefillWorkerDied(Exception):
 
 
 class DecodeWorkerDied(Exception):
-    """The decode actor died mid-stream, after ``delivered`` tokens reached the client."""
+    """The decode actor died mid-stream (the stream knows how many tokens reached the client)."""
 
-    def __init__(self, instance_id: str, delivered: int) -> None:
-        super().__init__(f"decode instance {instance_id} died after {delivered} tokens were delivered")
-        self.instance_id, self.delivered = instance_id, delivered
+    def __init__(self, instance_id: str) -> None:
+        super().__init__(f"decode instance {instance_id} died mid-stream")
+        self.instance_id = instance_id
 
 
 def continuation(request: EngineRequest, generated: list[int]) -> EngineRequest:
@@ -132,16 +132,15 @@ class LiveRouter:
                                "were delivered; the request can be retried")
                     if moves == MAX_DECODE_CONTINUATIONS:
                         raise WorkerFailed(f"{failure} (moved {moves} times already)") from exc
-                    died = exc
                 # Tokens already reached the client: continue the stream from them on another
                 # decode instance instead of failing it.
                 self._conductor.finished.remote(request.request_id)
-                metrics.RETRIES.labels("decode_worker_died").inc()
                 if len(generated) >= request.sampling.max_tokens:  # died before its last word
                     yield TokenChunk((), "", finish_reason="length")
                     return
+                metrics.RETRIES.labels("decode_worker_died").inc()
                 log.warning("request %s: %s; continuing on another decode instance",
-                            request.request_id, died)
+                            request.request_id, failure)
                 current = continuation(request, generated)
                 try:
                     placement, prefilled = await self._place_and_prefill(
@@ -221,16 +220,14 @@ class LiveRouter:
             ) from exc
         chunks = decode.generate.options(num_returns="streaming").remote(request)
         finished = False
-        delivered = 0
         try:
             async for ref in chunks:
                 chunk: TokenChunk = await ref
                 finished = chunk.finish_reason is not None
-                delivered += len(chunk.token_ids)
                 yield chunk
         except RayActorError as exc:
             self._report_dead(placement.decode_instance, exc)
-            raise DecodeWorkerDied(placement.decode_instance, delivered) from exc
+            raise DecodeWorkerDied(placement.decode_instance) from exc
         except RayTaskError as exc:
             raise _unwrap(exc) from exc
         finally:

@@ -103,8 +103,8 @@ class PoolArrays(msgspec.Struct, frozen=True):
 
     queued_prefill_ms: object  # np.ndarray[float64]: view.queued_prefill_ms
     queued_prefill_tokens: object  # np.ndarray[int64]: view.num_queued_prefill_tokens
-    node_codes: object  # np.ndarray[int64]: a small int per node_id ('' is -1)
     node_code: Mapping[str, int]
+    """node_id → a small int ('' has none)."""
     position: Mapping[str, int]
     """instance id → its index in the pool."""
     on_node: Sequence[object] = ()
@@ -123,7 +123,7 @@ class PoolArrays(msgspec.Struct, frozen=True):
             dtype=np.int64)
         return cls(np.array([v.queued_prefill_ms for v in views], dtype=np.float64),
                    np.array([v.num_queued_prefill_tokens for v in views], dtype=np.int64),
-                   node_codes, codes, {v.instance_id: i for i, v in enumerate(views)},
+                   codes, {v.instance_id: i for i, v in enumerate(views)},
                    [node_codes == code for code in range(len(codes))],
                    {i for i, v in enumerate(views) if _unpriced(v)})
 

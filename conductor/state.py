@@ -127,8 +127,6 @@ class ConductorState:
         self._decodes: dict[str, str] = {}
         self._pool_lists: dict[str, list[InstanceView]] = {}
         """Each pool's views in instance-id order (rebuilt when membership changes)."""
-        self._positions: dict[str, int] = {}
-        """Instance id → its index in its pool's list."""
         self._busy: OrderedDict[str, None] = OrderedDict()
         """Instances with prefills in flight, least recently refreshed first."""
         self._arrays: dict[str, PoolArrays | LoadArrays | None] = {"prefill": None, "decode": None}
@@ -139,7 +137,8 @@ class ConductorState:
         """Per role, the instances whose view is not ready (most of the time: none)."""
         self._ready_pools: dict[str, tuple[InstanceView, ...]] = {}
         self._pool_index: dict[str, tuple[int, int]] = {}
-        """Instance id → (0 prefill / 1 decode, its index in that pool's list)."""
+        """Instance id → (0 prefill / 1 decode, its index in that pool's list); replaced, never
+        changed, once a snapshot holds it."""
         self._inflight_keys: dict[bytes, str] = {}
         """Block key → the in-flight prefill computing it (the first one placed)."""
         self.counters = PlacementCounters()
@@ -173,7 +172,6 @@ class ConductorState:
             self._unready[role].discard(instance_id)
             self._pools[role] = None
         self._pool_lists.clear()
-        self._positions.clear()
         self._pool_index = {}  # a new one: snapshots keep the old
 
     def set_ready(self, instance_id: str, ready: bool) -> None:
@@ -288,8 +286,9 @@ class ConductorState:
             self.index.num_device_blocks(instance_id),  # num_cached_blocks
             inst.node_id,
         )
-        position = self._positions.get(instance_id)
-        if position is not None:  # patch the pool in place; membership is unchanged
+        where = self._pool_index.get(instance_id)
+        if where is not None:  # patch the pool in place; membership is unchanged
+            position = where[1]
             self._pool_lists[inst.role][position] = view
             arrays = self._arrays[inst.role]
             if arrays is not None:
@@ -319,7 +318,6 @@ class ConductorState:
                 if views is None:  # membership changed: rebuild the pool in instance-id order
                     ids = self.instance_ids(role)
                     views = self._pool_lists[role] = [self._views[i] for i in ids]
-                    self._positions.update({i: n for n, i in enumerate(ids)})
                     self._pool_index.update({i: (pool_code, n) for n, i in enumerate(ids)})
                     self._arrays[role] = (PoolArrays if role == "prefill" else LoadArrays).of(views)
                 pool = self._pools[role] = tuple(views)
