@@ -12,7 +12,10 @@ Fed by two kinds of event streams, both in vLLM's KV-event wire format:
   load what the node's store holds, so a store hit counts for each of them.
 
 Holders are bitmasks (one bit per instance, one per node), so matching a 64-block prompt against
-a thousand instances is a few dozen integer ANDs. ``prefix_hits`` returns, per instance, the
+a thousand instances is a few dozen integer ANDs. The tiers are ``KeyTable``s and engine blocks
+are keyed straight from their raw msgpack tokens, both in C (``conductor/_kvtable.c``): a
+million-key dict of ``bytes`` costs three dependent cache misses per lookup, and decoding and
+hashing tokens in Python cost most of the ingestion time. ``prefix_hits`` returns, per instance, the
 leading run of the prompt's blocks it can reach and in which tier (``conductor.policy.PrefixHit``).
 
 Never trusting a stale entry: every stream carries sequence numbers; a gap (lost events) or a
@@ -31,12 +34,47 @@ from typing import Iterable, Sequence
 
 import msgspec
 
+from conductor._kvtable import KeyTable, chain_keys_msgpack
 from conductor.policy import PrefixHit
-from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.keys import BlockKey, KeyExtras, chain_keys, root_key
 
 
 MAX_SHARED_MASKS = 1 << 16
+
+
+class _RawBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    """``kvstore.events.BlockStored`` as the index decodes it: the token ids stay raw msgpack,
+    parsed and chain-hashed in C (``chain_keys_msgpack``) without becoming Python ints."""
+
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[list | None] | None = None
+
+
+class _RawEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """``kvstore.events.KVEventBatch`` with ``_RawBlockStored`` events."""
+
+    ts: float
+    events: list[_RawBlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+_STORED = (BlockStored, _RawBlockStored)
+
+
+def _event_keys(parent: BlockKey, event: BlockStored | _RawBlockStored) -> list[BlockKey]:
+    """The chain keys of a stored event's full blocks; ``ValueError`` if a token id is not a
+    uint32. Raw tokens (from ``ingest_engine``) are parsed and hashed in C; a list (events built
+    in Python, as the simulator's) goes through ``kvstore.keys.chain_keys``: the same keys."""
+    if isinstance(event.token_ids, msgspec.Raw):
+        return chain_keys_msgpack(parent, event.token_ids, event.block_size)
+    return chain_keys(parent, event.token_ids, event.block_size)
 
 
 class StreamGap(msgspec.Struct, frozen=True):
@@ -103,9 +141,9 @@ class KvIndex:
         self._instances: dict[str, _Instance] = {}
         self._nodes: dict[str, _Node] = {}
         self._instance_ids: dict[int, str] = {}
-        self._device: dict[BlockKey, int] = {}
-        self._host: dict[BlockKey, int] = {}
-        self._disk: dict[BlockKey, int] = {}
+        self._device = KeyTable()
+        self._host = KeyTable()
+        self._disk = KeyTable()
         self._node_members: dict[int, int] = {}
         """node bit → mask of the instances on it."""
         self._members_of_mask: dict[int, int] = {0: 0}
@@ -113,7 +151,7 @@ class KvIndex:
         self._masks: dict[int, int] = {}
         """Every holder mask in use, once: the tiers' values point here, so a million entries
         share a few thousand int objects (less memory, and a hot object per lookup)."""
-        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._decoder = msgspec.msgpack.Decoder(_RawEventBatch)
         self.num_untranslatable_blocks = 0
         """Blocks announced with a parent the index never saw (their chain cannot be keyed)."""
         self.num_resyncs = 0
@@ -161,10 +199,8 @@ class KvIndex:
         """Drop every device entry of an instance (its stream restarted or lost events)."""
         inst = self._instances[instance_id]
         keep = ~(1 << inst.bit)
-        for key in inst.vllm_to_key.values():
-            self._drop(self._device, key, keep)
-        for key in inst.noted:
-            self._drop(self._device, key, keep)
+        self._device.and_keep(inst.vllm_to_key.values(), keep, self._masks)
+        self._device.and_keep(inst.noted, keep, self._masks)
         inst.vllm_to_key.clear()
         inst.noted.clear()
         inst.last_seq = None
@@ -174,21 +210,12 @@ class KvIndex:
         """Drop every host and disk entry of a store node (lost, restarted, or out of sync)."""
         node = self._node(node_id)
         keep = ~(1 << node.bit)
-        for key in node.host_keys:
-            self._drop(self._host, key, keep)
-        for key in node.disk_keys:
-            self._drop(self._disk, key, keep)
+        self._host.and_keep(node.host_keys, keep, self._masks)
+        self._disk.and_keep(node.disk_keys, keep, self._masks)
         node.host_keys.clear()
         node.disk_keys.clear()
         node.last_seq = None
         self.num_resyncs += 1
-
-    def _drop(self, tier: dict[BlockKey, int], key: BlockKey, keep: int) -> None:
-        mask = tier.get(key, 0) & keep
-        if mask:
-            tier[key] = self._masks.setdefault(mask, mask)
-        else:
-            tier.pop(key, None)
 
     # ------------------------------------------------------------------ ingestion
 
@@ -235,7 +262,7 @@ class KvIndex:
         bit = 1 << inst.bit
         device, mapping = self._device, inst.vllm_to_key
         for event in events:
-            if isinstance(event, BlockStored):
+            if isinstance(event, _STORED):
                 if event.parent_block_hash is None:
                     salt = _cache_salt(event.extra_keys, event.lora_name is not None)
                     parent = root_key(KeyExtras(inst.model_id, salt, event.lora_name or "",
@@ -245,17 +272,16 @@ class KvIndex:
                     if parent is None:
                         self.num_untranslatable_blocks += len(event.block_hashes)
                         continue
-                keys = chain_keys(parent, event.token_ids, event.block_size)
+                try:
+                    keys = _event_keys(parent, event)
+                except ValueError:  # token ids that are not uint32: nothing to key them by
+                    self.num_untranslatable_blocks += len(event.block_hashes)
+                    continue
                 mapping.update(zip(event.block_hashes, keys))
-                # in C: OR the bit into each key's holders (new keys hold 0), one object per mask
-                masks = list(map(or_, map(device.get, keys, repeat(0)), repeat(bit)))
-                device.update(zip(keys, map(self._masks.setdefault, masks, masks)))
+                device.or_bit(keys, bit, self._masks)
             elif isinstance(event, BlockRemoved):
-                keep = ~bit
-                for vllm_hash in event.block_hashes:
-                    key = mapping.pop(vllm_hash, None)
-                    if key is not None:
-                        self._drop(device, key, keep)
+                gone = [k for k in map(mapping.pop, event.block_hashes, repeat(None)) if k is not None]
+                device.and_keep(gone, ~bit, self._masks)
             elif isinstance(event, AllBlocksCleared):
                 self.clear_instance(instance_id)
                 self.num_resyncs -= 1  # a clean restart announced by the engine, not a repair
@@ -277,18 +303,16 @@ class KvIndex:
         node = self._node(node_id)
         bit = 1 << node.bit
         for event in events:
-            if isinstance(event, (BlockStored, BlockRemoved)):
+            if isinstance(event, (*_STORED, BlockRemoved)):
                 tier, keys = ((self._disk, node.disk_keys) if event.medium == MEDIUM_DISK
                               else (self._host, node.host_keys))
                 assert event.medium in (MEDIUM_HOST, MEDIUM_DISK), event.medium
-                if isinstance(event, BlockStored):
-                    masks = list(map(or_, map(tier.get, event.block_hashes, repeat(0)), repeat(bit)))
-                    tier.update(zip(event.block_hashes, map(self._masks.setdefault, masks, masks)))
-                    keys.update(event.block_hashes)
+                if isinstance(event, BlockRemoved):
+                    tier.and_keep(event.block_hashes, ~bit, self._masks)
+                    keys.difference_update(event.block_hashes)
                 else:
-                    for key in event.block_hashes:
-                        self._drop(tier, key, ~bit)
-                        keys.discard(key)
+                    tier.or_bit(event.block_hashes, bit, self._masks)
+                    keys.update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.clear_node(node_id)
                 self.num_resyncs -= 1
@@ -301,9 +325,7 @@ class KvIndex:
         inst = self._instances.get(instance_id)
         if inst is None:
             return
-        bit = 1 << inst.bit
-        masks = list(map(or_, map(self._device.get, keys, repeat(0)), repeat(bit)))
-        self._device.update(zip(keys, map(self._masks.setdefault, masks, masks)))
+        self._device.or_bit(keys, 1 << inst.bit, self._masks)
         inst.noted.update(keys)
 
     def forget_device_blocks(self, instance_id: str, keys: Sequence[BlockKey]) -> None:
@@ -311,10 +333,8 @@ class KvIndex:
         inst = self._instances.get(instance_id)
         if inst is None:
             return
-        keep = ~(1 << inst.bit)
         gone = set(keys)
-        for key in gone:
-            self._drop(self._device, key, keep)
+        self._device.and_keep(gone, ~(1 << inst.bit), self._masks)
         inst.noted -= gone
         for vllm_hash in [h for h, k in inst.vllm_to_key.items() if k in gone]:
             del inst.vllm_to_key[vllm_hash]
@@ -334,11 +354,11 @@ class KvIndex:
     def prefix_hits(self, keys: Sequence[BlockKey]) -> dict[str, PrefixHit]:
         """Per instance with a non-empty leading run of ``keys``: its blocks by fastest tier.
 
-        The hot path of every decision, so the per-key work runs in C: one ``dict.get`` per key
-        and tier through ``map``, and the running AND of reachability through ``accumulate``.
-        With a million keys indexed each lookup is a cache miss, so keys are looked up in
-        chunks (the first alone: most new prompts miss on it) and the walk stops with the chunk
-        in which the last run ends. The running AND only loses bits, so it never increases:
+        The hot path of every decision, so the per-key work runs in C: one ``get_many`` per
+        chunk and tier (prefetching the chunk's slots, so their cache misses overlap), and the
+        running AND of reachability through ``accumulate``. Keys are looked up in chunks (the
+        first alone: most new prompts miss on it) and the walk stops with the chunk in which the
+        last run ends. The running AND only loses bits, so it never increases:
         each distinct value is one contiguous stretch, and an instance's run ends where its bit
         leaves it."""
         device: list[int] = []
@@ -347,15 +367,14 @@ class KvIndex:
         alive: list[int] = []
         running = -1
         for start, stop in _chunks(len(keys)):
-            chunk = keys[start:stop]
-            reach = list(map(self._device.get, chunk, repeat(0)))
+            reach = self._device.get_many(keys, start, stop)
             device += reach
             if host is not None:
-                reachable = self._reachable(self._host, chunk)
+                reachable = self._reachable(self._host, keys, start, stop)
                 host += reachable
                 reach = list(map(or_, reach, reachable))
             if disk is not None:
-                reachable = self._reachable(self._disk, chunk)
+                reachable = self._reachable(self._disk, keys, start, stop)
                 disk += reachable
                 reach = list(map(or_, reach, reachable))
             alive += accumulate(reach, and_, initial=running)
@@ -392,10 +411,10 @@ class KvIndex:
             hits[instance_id] = PrefixHit(num_device, num_host, run - num_device - num_host)
         return hits
 
-    def _reachable(self, tier: dict[BlockKey, int], keys: Sequence[BlockKey]) -> list[int]:
-        """Per key, the instances that reach it through a store tier (every instance on a node
-        that holds it there)."""
-        node_masks = list(map(tier.get, keys, repeat(0)))
+    def _reachable(self, tier: KeyTable, keys: Sequence[BlockKey], start: int, stop: int) -> list[int]:
+        """Per key of ``keys[start:stop]``, the instances that reach it through a store tier
+        (every instance on a node that holds it there)."""
+        node_masks = tier.get_many(keys, start, stop)
         members = self._members_of_mask
         reach = list(map(members.get, node_masks))
         if None in reach:  # node masks not seen since membership last changed

@@ -1,0 +1,735 @@
+/* The KV index's hot loops in C: a hash table keyed by 16-byte block keys, and engine-event
+ * translation (msgpack token ids -> BLAKE2b chain keys).
+ *
+ * Why C: a million-key Python dict of 16-byte ``bytes`` keys costs three dependent cache misses
+ * per lookup (index slot, entry, key object) and the per-block Python work of decoding tokens
+ * into ints and hashing them through hashlib dominated ingestion. Here a key lives inline in its
+ * slot (one miss, and a batch of lookups prefetches all its slots first so the misses overlap),
+ * and tokens go from the raw msgpack bytes straight into BLAKE2b.
+ *
+ * KeyTable: open addressing with linear probing and backward-shift deletion (no tombstones), a
+ * power-of-two capacity kept at most 70% full. A slot holds the key's two 64-bit halves and a
+ * strong reference to its value, always a Python int (a holder bitmask); NULL marks an empty
+ * slot. Values are interned through a dict the caller passes, so a million entries share a few
+ * thousand int objects. Ints cannot form reference cycles, so the type does not take part in GC.
+ *
+ * BLAKE2b follows RFC 7693 (unkeyed, 16-byte digest, 16-byte personalisation in the parameter
+ * block), equal bit for bit to hashlib.blake2b(digest_size=16, person=...): the tests check it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KEY_BYTES 16
+#define DIGEST_BYTES 16
+#define PERSON_BYTES 16
+#define BLOCK_PERSON "baton.block.v1"
+#define LOOKAHEAD 16 /* slots prefetched ahead of a batch of lookups */
+
+/* ------------------------------------------------------------------ BLAKE2b (RFC 7693) */
+
+static const uint64_t B2B_IV[8] = {
+    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,
+    0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
+};
+
+static const uint8_t B2B_SIGMA[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+};
+
+typedef struct {
+    uint64_t h[8];
+    uint64_t num_bytes; /* message bytes compressed so far (messages here are far below 2^64) */
+    uint8_t buf[128];
+    size_t buf_len;
+} B2b;
+
+static inline uint64_t load64_le(const uint8_t *p)
+{
+    return (uint64_t)p[0] | (uint64_t)p[1] << 8 | (uint64_t)p[2] << 16 | (uint64_t)p[3] << 24 |
+           (uint64_t)p[4] << 32 | (uint64_t)p[5] << 40 | (uint64_t)p[6] << 48 | (uint64_t)p[7] << 56;
+}
+
+static inline void store64_le(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static inline uint64_t rotr64(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
+
+#define B2B_G(a, b, c, d, x, y)          \
+    do {                                 \
+        v[a] = v[a] + v[b] + (x);        \
+        v[d] = rotr64(v[d] ^ v[a], 32);  \
+        v[c] = v[c] + v[d];              \
+        v[b] = rotr64(v[b] ^ v[c], 24);  \
+        v[a] = v[a] + v[b] + (y);        \
+        v[d] = rotr64(v[d] ^ v[a], 16);  \
+        v[c] = v[c] + v[d];              \
+        v[b] = rotr64(v[b] ^ v[c], 63);  \
+    } while (0)
+
+static void b2b_compress(B2b *s, const uint8_t block[128], int last)
+{
+    uint64_t v[16], m[16];
+    for (int i = 0; i < 16; i++)
+        m[i] = load64_le(block + 8 * i);
+    for (int i = 0; i < 8; i++) {
+        v[i] = s->h[i];
+        v[i + 8] = B2B_IV[i];
+    }
+    v[12] ^= s->num_bytes; /* the counter's high word stays 0 */
+    if (last)
+        v[14] = ~v[14];
+    for (int r = 0; r < 12; r++) {
+        const uint8_t *sg = B2B_SIGMA[r];
+        B2B_G(0, 4, 8, 12, m[sg[0]], m[sg[1]]);
+        B2B_G(1, 5, 9, 13, m[sg[2]], m[sg[3]]);
+        B2B_G(2, 6, 10, 14, m[sg[4]], m[sg[5]]);
+        B2B_G(3, 7, 11, 15, m[sg[6]], m[sg[7]]);
+        B2B_G(0, 5, 10, 15, m[sg[8]], m[sg[9]]);
+        B2B_G(1, 6, 11, 12, m[sg[10]], m[sg[11]]);
+        B2B_G(2, 7, 8, 13, m[sg[12]], m[sg[13]]);
+        B2B_G(3, 4, 9, 14, m[sg[14]], m[sg[15]]);
+    }
+    for (int i = 0; i < 8; i++)
+        s->h[i] ^= v[i] ^ v[i + 8];
+}
+
+/* The state after the parameter block of an unkeyed 16-byte digest with ``person`` (zero-padded
+ * to 16 bytes), before any message byte: computed once per personalisation. */
+static void b2b_param_state(uint64_t h[8], const uint8_t *person, size_t person_len)
+{
+    uint8_t padded[PERSON_BYTES] = {0};
+    memcpy(padded, person, person_len);
+    for (int i = 0; i < 8; i++)
+        h[i] = B2B_IV[i];
+    h[0] ^= 0x01010000ULL ^ DIGEST_BYTES; /* depth 1, fanout 1, no key, digest length */
+    h[6] ^= load64_le(padded);
+    h[7] ^= load64_le(padded + 8);
+}
+
+static inline void b2b_init(B2b *s, const uint64_t param_state[8])
+{
+    memcpy(s->h, param_state, sizeof s->h);
+    s->num_bytes = 0;
+    s->buf_len = 0;
+}
+
+static void b2b_update(B2b *s, const uint8_t *data, size_t len)
+{
+    while (len) {
+        if (s->buf_len == 128) { /* full, and more follows: not the last block */
+            s->num_bytes += 128;
+            b2b_compress(s, s->buf, 0);
+            s->buf_len = 0;
+        }
+        size_t take = 128 - s->buf_len;
+        if (take > len)
+            take = len;
+        memcpy(s->buf + s->buf_len, data, take);
+        s->buf_len += take;
+        data += take;
+        len -= take;
+    }
+}
+
+static void b2b_final(B2b *s, uint8_t out[DIGEST_BYTES])
+{
+    s->num_bytes += s->buf_len;
+    memset(s->buf + s->buf_len, 0, 128 - s->buf_len);
+    b2b_compress(s, s->buf, 1);
+    store64_le(out, s->h[0]);
+    store64_le(out + 8, s->h[1]);
+}
+
+static uint64_t block_param_state[8]; /* for BLOCK_PERSON, set at module init */
+
+/* ------------------------------------------------------------------ msgpack token ids */
+
+static inline uint64_t load_be(const uint8_t *p, int n)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++)
+        v = v << 8 | p[i];
+    return v;
+}
+
+/* Parse a msgpack array of token ids (ints in [0, 2^32-1]) into little-endian uint32 bytes.
+ * Returns a new PyMem buffer of ``*num_tokens * 4`` bytes, or NULL with ValueError (or
+ * MemoryError) set. Anything but a well-formed array of such ints is refused: the caller counts
+ * the event as untranslatable rather than hashing tokens it did not understand. */
+static uint8_t *parse_token_ids(const uint8_t *p, Py_ssize_t len, Py_ssize_t *num_tokens)
+{
+    const uint8_t *end = p + len;
+    uint64_t count;
+    if (len >= 1 && (p[0] & 0xf0) == 0x90) {
+        count = p[0] & 0x0f;
+        p += 1;
+    } else if (len >= 3 && p[0] == 0xdc) {
+        count = load_be(p + 1, 2);
+        p += 3;
+    } else if (len >= 5 && p[0] == 0xdd) {
+        count = load_be(p + 1, 4);
+        p += 5;
+    } else {
+        PyErr_SetString(PyExc_ValueError, "token_ids is not a msgpack array");
+        return NULL;
+    }
+    if (count > (uint64_t)(end - p)) { /* every element takes at least one byte */
+        PyErr_SetString(PyExc_ValueError, "token_ids: msgpack array is truncated");
+        return NULL;
+    }
+    uint8_t *out = PyMem_Malloc(count ? count * 4 : 1);
+    if (out == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (uint64_t i = 0; i < count; i++) {
+        if (p >= end)
+            goto truncated;
+        uint8_t tag = *p++;
+        uint64_t value;
+        int width = 0, is_signed = 0;
+        if (tag <= 0x7f) {
+            value = tag;
+        } else {
+            switch (tag) {
+            case 0xcc: width = 1; break;
+            case 0xcd: width = 2; break;
+            case 0xce: width = 4; break;
+            case 0xcf: width = 8; break;
+            /* signed widths: other encoders may use them for non-negative values */
+            case 0xd0: width = 1; is_signed = 1; break;
+            case 0xd1: width = 2; is_signed = 1; break;
+            case 0xd2: width = 4; is_signed = 1; break;
+            case 0xd3: width = 8; is_signed = 1; break;
+            default:
+                PyMem_Free(out);
+                PyErr_Format(PyExc_ValueError,
+                             "token_ids[%llu] is not a non-negative msgpack int (type byte 0x%02x)",
+                             (unsigned long long)i, tag);
+                return NULL;
+            }
+            if (end - p < width)
+                goto truncated;
+            value = load_be(p, width);
+            p += width;
+            if (is_signed && value >> (8 * width - 1)) {
+                PyMem_Free(out);
+                PyErr_Format(PyExc_ValueError, "token_ids[%llu] is negative", (unsigned long long)i);
+                return NULL;
+            }
+        }
+        if (value > 0xffffffffULL) {
+            PyMem_Free(out);
+            PyErr_Format(PyExc_ValueError, "token_ids[%llu] = %llu does not fit in uint32",
+                         (unsigned long long)i, (unsigned long long)value);
+            return NULL;
+        }
+        out[4 * i] = (uint8_t)value;
+        out[4 * i + 1] = (uint8_t)(value >> 8);
+        out[4 * i + 2] = (uint8_t)(value >> 16);
+        out[4 * i + 3] = (uint8_t)(value >> 24);
+    }
+    if (p != end) {
+        PyMem_Free(out);
+        PyErr_SetString(PyExc_ValueError, "token_ids: bytes left after the msgpack array");
+        return NULL;
+    }
+    *num_tokens = (Py_ssize_t)count;
+    return out;
+truncated:
+    PyMem_Free(out);
+    PyErr_SetString(PyExc_ValueError, "token_ids: msgpack array is truncated");
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ KeyTable */
+
+typedef struct {
+    uint64_t k0, k1;  /* the key's bytes 0-7 and 8-15, in host order */
+    PyObject *value;  /* strong reference to an int; NULL: empty slot */
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    Slot *slots;
+    size_t mask;       /* capacity - 1; capacity is a power of two */
+    int shift;         /* 64 - log2(capacity) */
+    Py_ssize_t used;
+} KeyTable;
+
+#define MIN_CAPACITY 64
+
+static inline int key_of(PyObject *key, uint64_t *k0, uint64_t *k1)
+{
+    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != KEY_BYTES)
+        return 0;
+    const char *raw = PyBytes_AS_STRING(key);
+    memcpy(k0, raw, 8);
+    memcpy(k1, raw + 8, 8);
+    return 1;
+}
+
+/* Keys are BLAKE2b digests, already uniform; the multiplications only keep structured keys (in
+ * tests) from clustering. */
+static inline size_t home_of(const KeyTable *t, uint64_t k0, uint64_t k1)
+{
+    uint64_t x = k0 ^ (k1 * 0xff51afd7ed558ccdULL);
+    return (size_t)((x * 0x9e3779b97f4a7c15ULL) >> t->shift);
+}
+
+/* The slot holding the key, or the empty slot where it would go. */
+static inline size_t probe(const KeyTable *t, uint64_t k0, uint64_t k1)
+{
+    size_t i = home_of(t, k0, k1);
+    for (;;) {
+        const Slot *s = &t->slots[i];
+        if (s->value == NULL || (s->k0 == k0 && s->k1 == k1))
+            return i;
+        i = (i + 1) & t->mask;
+    }
+}
+
+static inline void prefetch_home(const KeyTable *t, uint64_t k0, uint64_t k1)
+{
+    const Slot *s = &t->slots[home_of(t, k0, k1)];
+    __builtin_prefetch(s);
+    __builtin_prefetch((const char *)(s + 1) - 1); /* a slot may straddle two cache lines */
+}
+
+static int table_resize(KeyTable *t, size_t capacity)
+{
+    Slot *old = t->slots;
+    size_t old_capacity = old ? t->mask + 1 : 0;
+    Slot *slots = PyMem_Calloc(capacity, sizeof(Slot));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int bits = 0;
+    while (((size_t)1 << bits) < capacity)
+        bits++;
+    t->slots = slots;
+    t->mask = capacity - 1;
+    t->shift = 64 - bits;
+    for (size_t i = 0; i < old_capacity; i++) {
+        if (old[i].value != NULL)
+            slots[probe(t, old[i].k0, old[i].k1)] = old[i];
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+/* Make room for one more key: at most 70% full after it. */
+static inline int table_reserve_one(KeyTable *t)
+{
+    if ((size_t)(t->used + 1) * 10 <= (t->mask + 1) * 7)
+        return 0;
+    return table_resize(t, (t->mask + 1) * 2);
+}
+
+/* Empty slot ``i`` by shifting later entries of its probe run back (no tombstones). */
+static void table_delete_at(KeyTable *t, size_t i)
+{
+    PyObject *value = t->slots[i].value;
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & t->mask;
+        Slot *s = &t->slots[j];
+        if (s->value == NULL)
+            break;
+        size_t home = home_of(t, s->k0, s->k1);
+        /* the entry at j may fill the hole at i only if i lies on its probe path (home .. j) */
+        if (((j - home) & t->mask) >= ((j - i) & t->mask)) {
+            t->slots[i] = *s;
+            i = j;
+        }
+    }
+    t->slots[i].value = NULL;
+    t->used--;
+    Py_DECREF(value);
+}
+
+static PyObject *KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) || (kwds != NULL && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "KeyTable() takes no arguments");
+        return NULL;
+    }
+    KeyTable *t = (KeyTable *)type->tp_alloc(type, 0);
+    if (t == NULL)
+        return NULL;
+    if (table_resize(t, MIN_CAPACITY) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return (PyObject *)t;
+}
+
+static void KeyTable_dealloc(KeyTable *t)
+{
+    if (t->slots != NULL) {
+        for (size_t i = 0; i <= t->mask; i++)
+            Py_XDECREF(t->slots[i].value);
+        PyMem_Free(t->slots);
+    }
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static Py_ssize_t KeyTable_len(KeyTable *t) { return t->used; }
+
+static PyObject *table_lookup(KeyTable *t, PyObject *key) /* borrowed, or NULL if absent */
+{
+    uint64_t k0, k1;
+    if (!key_of(key, &k0, &k1))
+        return NULL;
+    return t->slots[probe(t, k0, k1)].value;
+}
+
+static int KeyTable_contains(KeyTable *t, PyObject *key) { return table_lookup(t, key) != NULL; }
+
+static PyObject *KeyTable_subscript(KeyTable *t, PyObject *key)
+{
+    PyObject *value = table_lookup(t, key);
+    if (value == NULL) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    return Py_NewRef(value);
+}
+
+static PyObject *KeyTable_get(KeyTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    PyObject *value = table_lookup(t, args[0]);
+    if (value == NULL)
+        value = nargs == 2 ? args[1] : Py_None;
+    return Py_NewRef(value);
+}
+
+/* get_many(keys, start, stop) -> list[int]: the value of each of keys[start:stop], 0 if absent.
+ * All slots of a batch are prefetched before any is read, so their cache misses overlap. */
+static PyObject *KeyTable_get_many(KeyTable *t, PyObject *args)
+{
+    PyObject *keys;
+    Py_ssize_t start, stop;
+    if (!PyArg_ParseTuple(args, "Onn:get_many", &keys, &start, &stop))
+        return NULL;
+    PyObject *seq = PySequence_Fast(keys, "get_many: keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    start = start < 0 ? 0 : start > n ? n : start;
+    stop = stop < start ? start : stop > n ? n : stop;
+    PyObject *out = PyList_New(stop - start);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    PyObject *zero = PyLong_FromLong(0);
+    uint64_t k0[LOOKAHEAD], k1[LOOKAHEAD];
+    int valid[LOOKAHEAD];
+    for (Py_ssize_t base = start; base < stop; base += LOOKAHEAD) {
+        Py_ssize_t batch = stop - base < LOOKAHEAD ? stop - base : LOOKAHEAD;
+        for (Py_ssize_t b = 0; b < batch; b++) {
+            valid[b] = key_of(items[base + b], &k0[b], &k1[b]);
+            if (valid[b])
+                prefetch_home(t, k0[b], k1[b]);
+        }
+        for (Py_ssize_t b = 0; b < batch; b++) {
+            PyObject *value = valid[b] ? t->slots[probe(t, k0[b], k1[b])].value : NULL;
+            PyList_SET_ITEM(out, base - start + b, Py_NewRef(value ? value : zero));
+        }
+    }
+    Py_DECREF(zero);
+    Py_DECREF(seq);
+    return out;
+}
+
+/* The interned object equal to ``value`` (new reference): the one already in ``masks`` or
+ * ``value`` itself, now in ``masks``. Steals ``value``. */
+static PyObject *intern_mask(PyObject *masks, PyObject *value)
+{
+    PyObject *shared = PyDict_SetDefault(masks, value, value);
+    Py_XINCREF(shared);
+    Py_DECREF(value);
+    return shared;
+}
+
+/* or_bit(keys, bit, masks): OR ``bit`` into each key's value (absent keys start at 0), each
+ * result interned in the dict ``masks``. Raises TypeError for a key that is not 16 bytes. */
+static PyObject *KeyTable_or_bit(KeyTable *t, PyObject *args)
+{
+    PyObject *keys, *bit, *masks;
+    if (!PyArg_ParseTuple(args, "OO!O!:or_bit", &keys, &PyLong_Type, &bit, &PyDict_Type, &masks))
+        return NULL;
+    PyObject *seq = PySequence_Fast(keys, "or_bit: keys must be iterable");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *zero = PyLong_FromLong(0);
+    PyObject *last_old = NULL, *last_new = NULL; /* consecutive keys mostly share their holders */
+    uint64_t k0[LOOKAHEAD], k1[LOOKAHEAD];
+    PyObject *result = NULL;
+    for (Py_ssize_t base = 0; base < n; base += LOOKAHEAD) {
+        Py_ssize_t batch = n - base < LOOKAHEAD ? n - base : LOOKAHEAD;
+        for (Py_ssize_t b = 0; b < batch; b++) {
+            if (!key_of(items[base + b], &k0[b], &k1[b])) {
+                PyErr_Format(PyExc_TypeError, "a block key is %d bytes, got %R", KEY_BYTES,
+                             items[base + b]);
+                goto done;
+            }
+            prefetch_home(t, k0[b], k1[b]);
+        }
+        for (Py_ssize_t b = 0; b < batch; b++) {
+            size_t i = probe(t, k0[b], k1[b]);
+            PyObject *old = t->slots[i].value;
+            PyObject *seen = old ? old : zero;
+            if (seen != last_old) {
+                PyObject *value = PyNumber_Or(seen, bit);
+                if (value == NULL || (value = intern_mask(masks, value)) == NULL)
+                    goto done;
+                Py_XSETREF(last_new, value);
+                Py_XSETREF(last_old, Py_NewRef(seen));
+            }
+            if (old == last_new)
+                continue;
+            if (old == NULL) {
+                if (table_reserve_one(t) < 0)
+                    goto done;
+                i = probe(t, k0[b], k1[b]);
+                t->slots[i].k0 = k0[b];
+                t->slots[i].k1 = k1[b];
+                t->used++;
+            }
+            t->slots[i].value = Py_NewRef(last_new);
+            Py_XDECREF(old);
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(last_old);
+    Py_XDECREF(last_new);
+    Py_DECREF(zero);
+    Py_DECREF(seq);
+    return result;
+}
+
+/* and_keep(keys, keep, masks): AND each present key's value with ``keep`` (interned in
+ * ``masks``); a key left with 0 is removed. Keys that are absent (or not keys) are skipped. */
+static PyObject *KeyTable_and_keep(KeyTable *t, PyObject *args)
+{
+    PyObject *keys, *keep, *masks;
+    if (!PyArg_ParseTuple(args, "OO!O!:and_keep", &keys, &PyLong_Type, &keep, &PyDict_Type, &masks))
+        return NULL;
+    PyObject *it = PyObject_GetIter(keys);
+    if (it == NULL)
+        return NULL;
+    PyObject *last_old = NULL, *last_new = NULL, *key, *result = NULL;
+    while ((key = PyIter_Next(it)) != NULL) {
+        uint64_t k0, k1;
+        int ok = key_of(key, &k0, &k1);
+        Py_DECREF(key);
+        if (!ok)
+            continue;
+        size_t i = probe(t, k0, k1);
+        PyObject *old = t->slots[i].value;
+        if (old == NULL)
+            continue;
+        if (old != last_old) {
+            PyObject *value = PyNumber_And(old, keep);
+            if (value == NULL || (value = intern_mask(masks, value)) == NULL)
+                goto done;
+            Py_XSETREF(last_new, value);
+            Py_XSETREF(last_old, Py_NewRef(old));
+        }
+        if (PyObject_Not(last_new)) {
+            table_delete_at(t, i);
+        } else if (old != last_new) {
+            t->slots[i].value = Py_NewRef(last_new);
+            Py_DECREF(old);
+        }
+    }
+    if (!PyErr_Occurred())
+        result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(last_old);
+    Py_XDECREF(last_new);
+    Py_DECREF(it);
+    return result;
+}
+
+static PyMethodDef KeyTable_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))KeyTable_get, METH_FASTCALL,
+     "get(key, default=None): the key's value, or default."},
+    {"get_many", (PyCFunction)KeyTable_get_many, METH_VARARGS,
+     "get_many(keys, start, stop) -> list[int]: values of keys[start:stop], 0 where absent."},
+    {"or_bit", (PyCFunction)KeyTable_or_bit, METH_VARARGS,
+     "or_bit(keys, bit, masks): OR bit into each key's value, interning results in masks."},
+    {"and_keep", (PyCFunction)KeyTable_and_keep, METH_VARARGS,
+     "and_keep(keys, keep, masks): AND each present key's value with keep; drop it at 0."},
+    {NULL},
+};
+
+static PyMappingMethods KeyTable_as_mapping = {
+    .mp_length = (lenfunc)KeyTable_len,
+    .mp_subscript = (binaryfunc)KeyTable_subscript,
+};
+
+static PySequenceMethods KeyTable_as_sequence = {
+    .sq_length = (lenfunc)KeyTable_len,
+    .sq_contains = (objobjproc)KeyTable_contains,
+};
+
+static PyTypeObject KeyTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "conductor._kvtable.KeyTable",
+    .tp_doc = "Map from 16-byte block keys to int holder masks (open addressing, keys inline).",
+    .tp_basicsize = sizeof(KeyTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = KeyTable_new,
+    .tp_dealloc = (destructor)KeyTable_dealloc,
+    .tp_as_mapping = &KeyTable_as_mapping,
+    .tp_as_sequence = &KeyTable_as_sequence,
+    .tp_methods = KeyTable_methods,
+};
+
+/* ------------------------------------------------------------------ module functions */
+
+static PyObject *mod_blake2b_128(PyObject *self, PyObject *args)
+{
+    Py_buffer data, person;
+    if (!PyArg_ParseTuple(args, "y*y*:blake2b_128", &data, &person))
+        return NULL;
+    PyObject *out = NULL;
+    if (person.len > PERSON_BYTES) {
+        PyErr_Format(PyExc_ValueError, "person is at most %d bytes", PERSON_BYTES);
+    } else {
+        uint64_t param_state[8];
+        uint8_t digest[DIGEST_BYTES];
+        B2b s;
+        b2b_param_state(param_state, person.buf, (size_t)person.len);
+        b2b_init(&s, param_state);
+        b2b_update(&s, data.buf, (size_t)data.len);
+        b2b_final(&s, digest);
+        out = PyBytes_FromStringAndSize((const char *)digest, DIGEST_BYTES);
+    }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&person);
+    return out;
+}
+
+static PyObject *mod_msgpack_token_ids(PyObject *self, PyObject *arg)
+{
+    Py_buffer raw;
+    if (PyObject_GetBuffer(arg, &raw, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_ssize_t num_tokens;
+    uint8_t *packed = parse_token_ids(raw.buf, raw.len, &num_tokens);
+    PyBuffer_Release(&raw);
+    if (packed == NULL)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize((const char *)packed, num_tokens * 4);
+    PyMem_Free(packed);
+    return out;
+}
+
+static PyObject *mod_chain_keys_msgpack(PyObject *self, PyObject *args)
+{
+    Py_buffer parent, raw;
+    Py_ssize_t block_size;
+    if (!PyArg_ParseTuple(args, "y*y*n:chain_keys_msgpack", &parent, &raw, &block_size))
+        return NULL;
+    PyObject *keys = NULL;
+    uint8_t *packed = NULL;
+    Py_ssize_t num_tokens = 0;
+    if (parent.len != KEY_BYTES) {
+        PyErr_Format(PyExc_ValueError, "parent key must be %d bytes", KEY_BYTES);
+        goto done;
+    }
+    if (block_size < 1) {
+        PyErr_Format(PyExc_ValueError, "block_size must be a positive number of tokens, got %zd",
+                     block_size);
+        goto done;
+    }
+    if ((packed = parse_token_ids(raw.buf, raw.len, &num_tokens)) == NULL)
+        goto done;
+    Py_ssize_t num_blocks = num_tokens / block_size;
+    if ((keys = PyList_New(num_blocks)) == NULL)
+        goto done;
+    uint8_t key[KEY_BYTES];
+    memcpy(key, parent.buf, KEY_BYTES);
+    for (Py_ssize_t b = 0; b < num_blocks; b++) {
+        B2b s;
+        b2b_init(&s, block_param_state);
+        b2b_update(&s, key, KEY_BYTES);
+        b2b_update(&s, packed + 4 * b * block_size, 4 * (size_t)block_size);
+        b2b_final(&s, key);
+        PyObject *k = PyBytes_FromStringAndSize((const char *)key, KEY_BYTES);
+        if (k == NULL) {
+            Py_CLEAR(keys);
+            goto done;
+        }
+        PyList_SET_ITEM(keys, b, k);
+    }
+done:
+    PyMem_Free(packed);
+    PyBuffer_Release(&parent);
+    PyBuffer_Release(&raw);
+    return keys;
+}
+
+static PyMethodDef module_methods[] = {
+    {"blake2b_128", mod_blake2b_128, METH_VARARGS,
+     "blake2b_128(data, person) -> bytes: hashlib.blake2b(data, digest_size=16, person=person)."},
+    {"msgpack_token_ids", mod_msgpack_token_ids, METH_O,
+     "msgpack_token_ids(raw) -> bytes: a msgpack array of uint32 token ids as little-endian "
+     "uint32 bytes; ValueError for anything else."},
+    {"chain_keys_msgpack", mod_chain_keys_msgpack, METH_VARARGS,
+     "chain_keys_msgpack(parent, raw, block_size) -> list[bytes]: kvstore.keys.chain_keys of the "
+     "token ids in the msgpack array raw; ValueError if raw is not such an array."},
+    {NULL},
+};
+
+static struct PyModuleDef kvtable_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "conductor._kvtable",
+    .m_doc = "The KV index's key table and engine-event key translation, in C.",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC PyInit__kvtable(void)
+{
+    b2b_param_state(block_param_state, (const uint8_t *)BLOCK_PERSON, sizeof(BLOCK_PERSON) - 1);
+    if (PyType_Ready(&KeyTableType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&kvtable_module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
