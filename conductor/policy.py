@@ -472,16 +472,25 @@ def _price_terms(request: PlacementRequest, config: PolicyConfig, local: PrefixH
                  remote: PrefixHit | None, same_node: bool) -> tuple[float, float, int, int]:
     """``price`` without the queue: (transfer ms, prefill ms, cached blocks, pulled blocks), which
     depend only on the two runs and whether the pull stays on the node."""
+    # A term of zero blocks costs 0.0 and adding 0.0 to a non-negative sum changes no bit, so
+    # only the terms that move something are computed (this runs several times per decision).
     bytes_per_block = config.block_size_tokens * config.kv_bytes_per_token
     t = config.transfer
-    transfer_ms = (t.t_transfer_ms(local.num_blocks_host * bytes_per_block, "same_node")
-                   + t.t_transfer_ms(local.num_blocks_disk * bytes_per_block, "remote_disk"))
+    transfer_ms = 0.0
+    if local.num_blocks_host:
+        transfer_ms = t.t_transfer_ms(local.num_blocks_host * bytes_per_block, "same_node")
+    if local.num_blocks_disk:
+        transfer_ms += t.t_transfer_ms(local.num_blocks_disk * bytes_per_block, "remote_disk")
     num_cached_blocks, num_pulled = local.num_blocks, 0
     if remote is not None:
-        device, host, disk = remote.tiers_in(local.num_blocks, remote.num_blocks)
-        path = "same_node" if same_node else "remote_host"
-        transfer_ms += (t.t_transfer_ms((device + host) * bytes_per_block, path)
-                        + t.t_transfer_ms(disk * bytes_per_block, "remote_disk"))
+        device, host, disk = remote.tiers_in(num_cached_blocks, remote.num_blocks)
+        pulled_ms = 0.0  # summed apart, then added: the grouping of the full formula
+        if device + host:
+            pulled_ms = t.t_transfer_ms((device + host) * bytes_per_block,
+                                        "same_node" if same_node else "remote_host")
+        if disk:
+            pulled_ms += t.t_transfer_ms(disk * bytes_per_block, "remote_disk")
+        transfer_ms += pulled_ms
         num_pulled = device + host + disk
         num_cached_blocks += num_pulled
     cached_tokens = min(num_cached_blocks * config.block_size_tokens, request.num_prompt_tokens)
