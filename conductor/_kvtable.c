@@ -614,6 +614,224 @@ static PyTypeObject KeyTableType = {
     .tp_methods = KeyTable_methods,
 };
 
+/* ------------------------------------------------------------------ prefix walk */
+
+#define STACK_BYTES 1024
+
+/* The low ``num_words`` 64-bit words of the non-negative int ``v`` (bits above are cut: they
+ * cannot be alive). 0 on success, -1 with an exception set. */
+static int words_of(PyObject *v, uint64_t *out, Py_ssize_t num_words)
+{
+    if (!PyLong_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "a holder mask is an int, got %R", v);
+        return -1;
+    }
+    size_t num_bytes = _PyLong_NumBits(v) / 8 + 1;
+    uint8_t stack[STACK_BYTES], *bytes = stack;
+    if (num_bytes > STACK_BYTES && (bytes = PyMem_Malloc(num_bytes)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int rc = _PyLong_AsByteArray((PyLongObject *)v, bytes, num_bytes, 1, 0); /* fails if < 0 */
+    if (rc == 0) {
+        for (Py_ssize_t w = 0; w < num_words; w++) {
+            uint8_t word[8] = {0};
+            size_t at = 8 * (size_t)w;
+            if (at < num_bytes)
+                memcpy(word, bytes + at, num_bytes - at < 8 ? num_bytes - at : 8);
+            out[w] = load64_le(word);
+        }
+    }
+    if (bytes != stack)
+        PyMem_Free(bytes);
+    return rc;
+}
+
+/* One tier as the walk sees it: its table, how a value becomes reachability (store tiers hold
+ * node masks, mapped to the instances on those nodes), and the last value converted to words
+ * (consecutive keys mostly share one interned mask). */
+typedef struct {
+    KeyTable *table;      /* NULL: the tier is empty, skip it */
+    PyObject *members;    /* node mask -> instance mask memo (dict), NULL for the device tier */
+    PyObject *fill;       /* called with a node mask missing from ``members``: its instance mask */
+    PyObject *last;       /* borrowed: the value ``words`` holds; only compared by identity */
+    uint64_t *words;
+} Tier;
+
+static int tier_words(Tier *tier, PyObject *key, Py_ssize_t num_words, PyObject *zero)
+{
+    uint64_t k0, k1;
+    PyObject *value = NULL;
+    if (tier->table != NULL && key_of(key, &k0, &k1))
+        value = tier->table->slots[probe(tier->table, k0, k1)].value;
+    if (value == NULL)
+        value = zero;
+    if (value == tier->last)
+        return 0;
+    tier->last = value; /* table values outlive the call: nothing else runs on the table */
+    if (value == zero) {
+        memset(tier->words, 0, 8 * (size_t)num_words);
+        return 0;
+    }
+    if (tier->members == NULL)
+        return words_of(value, tier->words, num_words);
+    PyObject *members = PyDict_GetItemWithError(tier->members, value);
+    if (members != NULL)
+        return words_of(members, tier->words, num_words);
+    if (PyErr_Occurred() || (members = PyObject_CallOneArg(tier->fill, value)) == NULL)
+        return -1;
+    int rc = words_of(members, tier->words, num_words);
+    Py_DECREF(members);
+    return rc;
+}
+
+static int tier_init(Tier *tier, PyObject *table, PyObject *members, PyObject *fill)
+{
+    if (!PyObject_TypeCheck(table, &KeyTableType)) {
+        PyErr_Format(PyExc_TypeError, "expected a KeyTable, got %R", table);
+        return -1;
+    }
+    tier->table = ((KeyTable *)table)->used ? (KeyTable *)table : NULL;
+    tier->members = members;
+    tier->fill = fill;
+    tier->last = NULL;
+    return 0;
+}
+
+/* Append (bit, num_device, num_host, num_disk) for every bit of ``first`` to ``out``. */
+static int emit_runs(PyObject *out, const uint64_t *first, Py_ssize_t num_words,
+                     const Py_ssize_t *counts)
+{
+    for (Py_ssize_t w = 0; w < num_words; w++) {
+        for (uint64_t m = first[w]; m; m &= m - 1) {
+            Py_ssize_t b = 64 * w + __builtin_ctzll(m);
+            PyObject *run = Py_BuildValue("(nnnn)", b, counts[3 * b], counts[3 * b + 1],
+                                          counts[3 * b + 2]);
+            if (run == NULL || PyList_Append(out, run) < 0) {
+                Py_XDECREF(run);
+                return -1;
+            }
+            Py_DECREF(run);
+        }
+    }
+    return 0;
+}
+
+/* prefix_runs(keys, device, host, disk, members_of_mask, instances_on)
+ *     -> list[tuple[bit, num_device, num_host, num_disk]]
+ *
+ * Per instance bit with a non-empty leading run of ``keys``: the run's blocks by fastest tier.
+ * A key is reachable by an instance if its bit is in the key's device mask, or its node's bit in
+ * the key's host or disk (node) mask; ``members_of_mask`` maps node masks to instance masks and
+ * ``instances_on(node_mask)`` fills it. Keys are walked in chunks (the first alone, then 8 at a
+ * time, each chunk's slots prefetched) and the walk stops with the chunk where the last run ends.
+ * Only the bits reachable at the first key can have a run, so masks are cut to its width. */
+static PyObject *mod_prefix_runs(PyObject *self, PyObject *args)
+{
+    PyObject *keys, *device, *host, *disk, *members, *fill;
+    if (!PyArg_ParseTuple(args, "OOOOO!O:prefix_runs", &keys, &device, &host, &disk,
+                          &PyDict_Type, &members, &fill))
+        return NULL;
+    Tier tiers[3];
+    if (tier_init(&tiers[0], device, NULL, NULL) < 0 || tier_init(&tiers[1], host, members, fill) < 0 ||
+        tier_init(&tiers[2], disk, members, fill) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(keys, "prefix_runs: keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *zero = PyLong_FromLong(0), *out = PyList_New(0), *first = NULL;
+    uint64_t *buf = NULL;
+    Py_ssize_t *counts = NULL;
+    if (out == NULL || n == 0)
+        goto done;
+    /* the first key decides the width: reach_0 = device | host members | disk members */
+    first = Py_NewRef(zero);
+    for (int t = 0; t < 3; t++) {
+        PyObject *value = NULL;
+        uint64_t k0, k1;
+        if (tiers[t].table != NULL && key_of(items[0], &k0, &k1))
+            value = tiers[t].table->slots[probe(tiers[t].table, k0, k1)].value;
+        if (value == NULL)
+            continue;
+        PyObject *reach = value;
+        if (tiers[t].members != NULL) {
+            if ((reach = PyDict_GetItemWithError(members, value)) != NULL)
+                Py_INCREF(reach);
+            else if (PyErr_Occurred() || (reach = PyObject_CallOneArg(fill, value)) == NULL)
+                goto fail;
+        } else {
+            Py_INCREF(reach);
+        }
+        Py_SETREF(first, PyNumber_Or(first, reach));
+        Py_DECREF(reach);
+        if (first == NULL)
+            goto fail;
+    }
+    if (PyObject_Not(first))
+        goto done;
+    Py_ssize_t num_words = (Py_ssize_t)((_PyLong_NumBits(first) + 63) / 64);
+    /* words: alive, first, device, host, disk; counts: 3 per bit */
+    buf = PyMem_Calloc(5 * num_words, sizeof(uint64_t));
+    counts = PyMem_Calloc(3 * 64 * num_words, sizeof(Py_ssize_t));
+    if (buf == NULL || counts == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    uint64_t *alive = buf, *first_words = buf + num_words;
+    for (int t = 0; t < 3; t++)
+        tiers[t].words = buf + (2 + t) * num_words;
+    if (words_of(first, first_words, num_words) < 0)
+        goto fail;
+    memcpy(alive, first_words, 8 * num_words);
+    for (Py_ssize_t start = 0, stop = 1; start < n; start = stop, stop = start + 8 > n ? n : start + 8) {
+        for (Py_ssize_t i = start; i < stop; i++) {
+            uint64_t k0, k1;
+            if (key_of(items[i], &k0, &k1))
+                for (int t = 0; t < 3; t++)
+                    if (tiers[t].table != NULL)
+                        prefetch_home(tiers[t].table, k0, k1);
+        }
+        uint64_t any_alive = 0;
+        for (Py_ssize_t i = start; i < stop; i++) {
+            for (int t = 0; t < 3; t++)
+                if (tier_words(&tiers[t], items[i], num_words, zero) < 0)
+                    goto fail;
+            const uint64_t *dev = tiers[0].words, *hst = tiers[1].words, *dsk = tiers[2].words;
+            any_alive = 0;
+            for (Py_ssize_t w = 0; w < num_words; w++) {
+                uint64_t now = alive[w] & (dev[w] | hst[w] | dsk[w]);
+                alive[w] = now;
+                any_alive |= now;
+                Py_ssize_t *c = counts + 3 * 64 * w;
+                for (uint64_t m = now & dev[w]; m; m &= m - 1)
+                    c[3 * __builtin_ctzll(m)]++;
+                for (uint64_t m = now & ~dev[w] & hst[w]; m; m &= m - 1)
+                    c[3 * __builtin_ctzll(m) + 1]++;
+                for (uint64_t m = now & ~dev[w] & ~hst[w]; m; m &= m - 1)
+                    c[3 * __builtin_ctzll(m) + 2]++;
+            }
+            if (!any_alive)
+                break;
+        }
+        if (!any_alive)
+            break;
+    }
+    if (emit_runs(out, first_words, num_words, counts) < 0)
+        goto fail;
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    PyMem_Free(buf);
+    PyMem_Free(counts);
+    Py_XDECREF(first);
+    Py_DECREF(zero);
+    Py_DECREF(seq);
+    return out;
+}
+
 /* ------------------------------------------------------------------ module functions */
 
 static PyObject *mod_blake2b_128(PyObject *self, PyObject *args)
@@ -700,6 +918,9 @@ done:
 }
 
 static PyMethodDef module_methods[] = {
+    {"prefix_runs", mod_prefix_runs, METH_VARARGS,
+     "prefix_runs(keys, device, host, disk, members_of_mask, instances_on) -> list of (bit, "
+     "num_device, num_host, num_disk): every leading run of keys, by fastest tier."},
     {"blake2b_128", mod_blake2b_128, METH_VARARGS,
      "blake2b_128(data, person) -> bytes: hashlib.blake2b(data, digest_size=16, person=person)."},
     {"msgpack_token_ids", mod_msgpack_token_ids, METH_O,

@@ -28,13 +28,12 @@ index itself does no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import accumulate, repeat
-from operator import and_, or_
+from itertools import repeat
 from typing import Iterable, Sequence
 
 import msgspec
 
-from conductor._kvtable import KeyTable, chain_keys_msgpack
+from conductor._kvtable import KeyTable, chain_keys_msgpack, prefix_runs
 from conductor.policy import PrefixHit
 from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.keys import BlockKey, KeyExtras, chain_keys, root_key
@@ -104,17 +103,6 @@ class _Node:
     last_seq: int | None = None
     host_keys: set = field(default_factory=set)
     disk_keys: set = field(default_factory=set)
-
-
-_FIRST_CHUNK, _CHUNK = 1, 8
-
-
-def _chunks(num_keys: int) -> Iterable[tuple[int, int]]:
-    """[start, stop) of the lookup chunks of ``prefix_hits``: the first key alone, then 8."""
-    if num_keys:
-        yield 0, min(_FIRST_CHUNK, num_keys)
-    for start in range(_FIRST_CHUNK, num_keys, _CHUNK):
-        yield start, min(start + _CHUNK, num_keys)
 
 
 def _bits(mask: int) -> Iterable[int]:
@@ -354,72 +342,20 @@ class KvIndex:
     def prefix_hits(self, keys: Sequence[BlockKey]) -> dict[str, PrefixHit]:
         """Per instance with a non-empty leading run of ``keys``: its blocks by fastest tier.
 
-        The hot path of every decision, so the per-key work runs in C: one ``get_many`` per
-        chunk and tier (prefetching the chunk's slots, so their cache misses overlap), and the
-        running AND of reachability through ``accumulate``. Keys are looked up in chunks (the
-        first alone: most new prompts miss on it) and the walk stops with the chunk in which the
-        last run ends. The running AND only loses bits, so it never increases:
-        each distinct value is one contiguous stretch, and an instance's run ends where its bit
-        leaves it."""
-        device: list[int] = []
-        host: list[int] | None = [] if self._host else None
-        disk: list[int] | None = [] if self._disk else None
-        alive: list[int] = []
-        running = -1
-        for start, stop in _chunks(len(keys)):
-            reach = self._device.get_many(keys, start, stop)
-            device += reach
-            if host is not None:
-                reachable = self._reachable(self._host, keys, start, stop)
-                host += reachable
-                reach = list(map(or_, reach, reachable))
-            if disk is not None:
-                reachable = self._reachable(self._disk, keys, start, stop)
-                disk += reachable
-                reach = list(map(or_, reach, reachable))
-            alive += accumulate(reach, and_, initial=running)
-            del alive[start]  # the initial value
-            running = alive[-1]
-            if not running:
-                break
-        if not alive or not alive[0]:
-            return {}
-        num_keys = len(alive)
-        ends: dict[int, int] = {}
-        pos = 0
-        while pos < num_keys and alive[pos]:
-            value = alive[pos]
-            end = pos + alive.count(value)
-            for b in _bits(value & ~alive[end] if end < num_keys else value):
-                ends[b] = end
-            pos = end
+        The hot path of every decision, so the walk runs in C (``prefix_runs``): with a million
+        keys indexed each lookup is a cache miss, so keys are looked up in chunks whose slots are
+        prefetched together (the first key alone: most new prompts miss on it), the running AND
+        of reachability and the per-tier counts are word operations, and the walk stops with the
+        chunk in which the last run ends. Store tiers hold node masks; ``_instances_on`` maps
+        them to the instances on those nodes."""
+        runs = prefix_runs(keys, self._device, self._host, self._disk, self._members_of_mask,
+                           self._instances_on)
         hits: dict[str, PrefixHit] = {}
-        for b, run in ends.items():
-            instance_id = self._instance_ids.get(b)
-            if instance_id is None:
-                continue
-            bit = 1 << b
-            if host is None and disk is None:  # every reachable block is on the device
-                hits[instance_id] = PrefixHit(run, 0, 0)
-                continue
-            num_device = num_host = 0
-            for i in range(run):
-                if device[i] & bit:
-                    num_device += 1
-                elif host is not None and host[i] & bit:
-                    num_host += 1
-            hits[instance_id] = PrefixHit(num_device, num_host, run - num_device - num_host)
+        for bit, num_device, num_host, num_disk in runs:
+            instance_id = self._instance_ids.get(bit)
+            if instance_id is not None:
+                hits[instance_id] = PrefixHit(num_device, num_host, num_disk)
         return hits
-
-    def _reachable(self, tier: KeyTable, keys: Sequence[BlockKey], start: int, stop: int) -> list[int]:
-        """Per key of ``keys[start:stop]``, the instances that reach it through a store tier
-        (every instance on a node that holds it there)."""
-        node_masks = tier.get_many(keys, start, stop)
-        members = self._members_of_mask
-        reach = list(map(members.get, node_masks))
-        if None in reach:  # node masks not seen since membership last changed
-            reach = [self._instances_on(m) if r is None else r for m, r in zip(node_masks, reach)]
-        return reach
 
     def num_blocks(self) -> dict[str, int]:
         """Indexed keys per tier (a key held by several holders counts once)."""

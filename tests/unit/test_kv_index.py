@@ -217,3 +217,24 @@ def test_entries_with_the_same_holders_share_one_mask_object():
     index.apply_store_events("node-11", [stored(keys(other), None, [], medium="CPU")])
     host_values = [index._host[k] for k in keys() + keys(other)]
     assert len({id(v) for v in host_values}) == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_prefix_hits_matches_the_walk_across_many_instances(data):
+    """150 instances (masks of three 64-bit words) on 10 nodes: runs of random lengths with random
+    holes, store tiers on random nodes; the walk in C gives what the key-by-key definition gives."""
+    index = KvIndex()
+    for i in range(150):
+        index.add_instance(f"p{i}", f"node-{i % 10}", MODEL, LAYOUT)
+    prompt_keys = keys(list(range(32)))
+    for i, run in enumerate(data.draw(st.lists(st.integers(0, 8), min_size=150, max_size=150))):
+        index.note_device_blocks(f"p{i}", prompt_keys[:run])
+    for i, block in data.draw(st.lists(st.tuples(st.integers(0, 149), st.integers(0, 7)), max_size=40)):
+        index.forget_device_blocks(f"p{i}", [prompt_keys[block]])
+    for node in range(10):
+        for medium in ("CPU", "DISK"):
+            held = data.draw(st.lists(st.booleans(), min_size=8, max_size=8))
+            index.apply_store_events(f"node-{node}", [stored([k for k, h in zip(prompt_keys, held) if h],
+                                                             None, [], medium=medium)])
+    assert index.prefix_hits(prompt_keys) == walk_prefix_hits(index, prompt_keys)
