@@ -1,11 +1,12 @@
-/* The KV index's hot loops in C: a hash table keyed by 16-byte block keys, and engine-event
- * translation (msgpack token ids -> BLAKE2b chain keys).
+/* The KV index's hot loops in C: a hash table keyed by 16-byte block keys, the prefix walk of
+ * ``KvIndex.prefix_hits`` over it, and engine-event translation (msgpack token ids -> BLAKE2b
+ * chain keys).
  *
  * Why C: a million-key Python dict of 16-byte ``bytes`` keys costs three dependent cache misses
  * per lookup (index slot, entry, key object) and the per-block Python work of decoding tokens
  * into ints and hashing them through hashlib dominated ingestion. Here a key lives inline in its
- * slot (one miss, and a batch of lookups prefetches all its slots first so the misses overlap),
- * and tokens go from the raw msgpack bytes straight into BLAKE2b.
+ * slot (one miss, and the walk prefetches a chunk's slots first so the misses overlap), holder
+ * masks are ANDed as 64-bit words, and tokens go from the raw msgpack bytes straight into BLAKE2b.
  *
  * KeyTable: open addressing with linear probing and backward-shift deletion (no tombstones), a
  * power-of-two capacity kept at most 70% full. A slot holds the key's two 64-bit halves and a
@@ -425,46 +426,6 @@ static PyObject *KeyTable_get(KeyTable *t, PyObject *const *args, Py_ssize_t nar
     return Py_NewRef(value);
 }
 
-/* get_many(keys, start, stop) -> list[int]: the value of each of keys[start:stop], 0 if absent.
- * All slots of a batch are prefetched before any is read, so their cache misses overlap. */
-static PyObject *KeyTable_get_many(KeyTable *t, PyObject *args)
-{
-    PyObject *keys;
-    Py_ssize_t start, stop;
-    if (!PyArg_ParseTuple(args, "Onn:get_many", &keys, &start, &stop))
-        return NULL;
-    PyObject *seq = PySequence_Fast(keys, "get_many: keys must be a sequence");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    start = start < 0 ? 0 : start > n ? n : start;
-    stop = stop < start ? start : stop > n ? n : stop;
-    PyObject *out = PyList_New(stop - start);
-    if (out == NULL) {
-        Py_DECREF(seq);
-        return NULL;
-    }
-    PyObject *zero = PyLong_FromLong(0);
-    uint64_t k0[LOOKAHEAD], k1[LOOKAHEAD];
-    int valid[LOOKAHEAD];
-    for (Py_ssize_t base = start; base < stop; base += LOOKAHEAD) {
-        Py_ssize_t batch = stop - base < LOOKAHEAD ? stop - base : LOOKAHEAD;
-        for (Py_ssize_t b = 0; b < batch; b++) {
-            valid[b] = key_of(items[base + b], &k0[b], &k1[b]);
-            if (valid[b])
-                prefetch_home(t, k0[b], k1[b]);
-        }
-        for (Py_ssize_t b = 0; b < batch; b++) {
-            PyObject *value = valid[b] ? t->slots[probe(t, k0[b], k1[b])].value : NULL;
-            PyList_SET_ITEM(out, base - start + b, Py_NewRef(value ? value : zero));
-        }
-    }
-    Py_DECREF(zero);
-    Py_DECREF(seq);
-    return out;
-}
-
 /* The interned object equal to ``value`` (new reference): the one already in ``masks`` or
  * ``value`` itself, now in ``masks``. Steals ``value``. */
 static PyObject *intern_mask(PyObject *masks, PyObject *value)
@@ -582,8 +543,6 @@ done:
 static PyMethodDef KeyTable_methods[] = {
     {"get", (PyCFunction)(void (*)(void))KeyTable_get, METH_FASTCALL,
      "get(key, default=None): the key's value, or default."},
-    {"get_many", (PyCFunction)KeyTable_get_many, METH_VARARGS,
-     "get_many(keys, start, stop) -> list[int]: values of keys[start:stop], 0 where absent."},
     {"or_bit", (PyCFunction)KeyTable_or_bit, METH_VARARGS,
      "or_bit(keys, bit, masks): OR bit into each key's value, interning results in masks."},
     {"and_keep", (PyCFunction)KeyTable_and_keep, METH_VARARGS,

@@ -107,6 +107,17 @@ def test_unknown_parent_is_counted_not_guessed(index):
     assert index.num_blocks()["device"] == 0
 
 
+def test_token_ids_outside_uint32_are_counted_not_hashed(index):
+    too_large = PROMPT[:7] + [2**32]
+    index.ingest_engine("p0", 0, payload(stored([1, 2], None, too_large)))
+    index.apply_engine_events("p1", [stored([3, 4], None, too_large)])  # decoded in Python: a list
+    assert index.num_untranslatable_blocks == 4
+    assert index.num_blocks()["device"] == 0
+    index.ingest_engine("p0", 1, payload(stored([1, 2], None, PROMPT[:8])))
+    index.apply_engine_events("p1", [stored([3, 4], None, PROMPT[:8])])
+    assert index.prefix_hits(keys()) == {"p0": PrefixHit(2, 0, 0), "p1": PrefixHit(2, 0, 0)}
+
+
 def test_removed_instance_frees_its_bit_and_entries(index):
     index.ingest_engine("p0", 0, payload(stored([1, 2], None, PROMPT[:8])))
     index.remove_instance("p0")

@@ -57,7 +57,6 @@ def test_key_table_matches_a_dict(pool, data):
         for k in pool:
             assert (k in table) == (k in model.values)
             assert table.get(k, 0) == model.values.get(k, 0)
-        assert table.get_many(pool, 0, len(pool)) == [model.values.get(k, 0) for k in pool]
     for k, v in model.values.items():
         assert table[k] == v
         assert table[k] is masks[v]  # interned: one object per distinct mask
@@ -77,14 +76,12 @@ def test_key_table_grows_and_deletes_through_many_keys(seed_keys, data):
     gone = set(data.draw(st.lists(st.sampled_from(keys), max_size=len(keys) // 2)))
     table.and_keep(gone, ~(1 << 3), masks)
     assert len(table) == len(keys) - len(gone)
-    assert table.get_many(keys, 0, len(keys)) == [0 if k in gone else 8 for k in keys]
+    assert [table.get(k, 0) for k in keys] == [0 if k in gone else 8 for k in keys]
 
 
 def test_key_table_edges():
     table, masks = KeyTable(), {}
     k = b"k" * 16
-    assert table.get_many([k, k], -5, 99) == [0, 0]  # bounds clip like a slice
-    assert table.get_many([k], 1, 0) == []
     assert table.get(k) is None and table.get(b"short") is None
     assert b"not a key" not in table and 7 not in table
     with pytest.raises(KeyError):
@@ -95,7 +92,7 @@ def test_key_table_edges():
         KeyTable(3)
     table.and_keep([b"short", None, k], 0, masks)  # absent or not keys: nothing to drop
     table.or_bit((k,), 1 << 100, masks)
-    assert table.get_many([k], 0, 1) == [1 << 100] and len(table) == 1
+    assert table.get(k) == 1 << 100 and len(table) == 1
     table.and_keep([k], 0, masks)
     assert len(table) == 0 and not table
 
