@@ -561,6 +561,14 @@ class _Scan:
         return PrefillPrice(view.instance_id, transfer_ms, _queue_ms(view, self.config), prefill_ms,
                             num_cached, num_pulled, source.instance_id if num_pulled else "")
 
+    def total(self, view: InstanceView, source: InstanceView | None = None) -> tuple[float, int]:
+        """(``total_ms``, ``num_pulled_blocks``) of ``self.price(view, source)``, the same sum,
+        without building the price (the scan needs only these for every holder)."""
+        same_node = source is not None and bool(source.node_id) and source.node_id == view.node_id
+        transfer_ms, prefill_ms, _, num_pulled = self.terms(
+            self.snapshot.hit(view.instance_id), source, same_node)
+        return transfer_ms + _queue_ms(view, self.config) + prefill_ms, num_pulled
+
     def pull_terms(self, same_node: bool) -> tuple[float, float]:
         """(transfer, prefill) ms for an instance without a hit pulling the best run."""
         transfer_ms, prefill_ms, _, _ = self.terms(NO_HIT, self.best, same_node)
@@ -598,13 +606,14 @@ def _best_hit_source(snapshot: ClusterSnapshot, include_decode: bool) -> Instanc
 
 
 def _cheapest(prefill: Sequence[InstanceView], scan: _Scan,
-              option_for_hit: Callable[[InstanceView], PrefillPrice],
+              source_for_hit: Callable[[InstanceView], InstanceView | None],
               always_pull: bool) -> tuple[InstanceView, float, InstanceView | None, float]:
     """(best view, its T, best view without a pull, its T), first listed on ties. An instance
-    without a hit pulls the best run when ``always_pull`` (Mooncake) or when that is faster."""
+    with a hit is priced pulling from ``source_for_hit(view)`` (None: its own prefix); one
+    without pulls the best run when ``always_pull`` (Mooncake) or when that is faster."""
     arrays = scan.snapshot.prefill_arrays
     if arrays is not None and prefill is scan.snapshot.prefill:
-        return _cheapest_vectorized(prefill, arrays, scan, option_for_hit, always_pull)
+        return _cheapest_vectorized(prefill, arrays, scan, source_for_hit, always_pull)
     holders = {i for i, hit in scan.snapshot.prefix_hits.items() if hit.num_blocks}
     config, recompute_ms, best = scan.config, scan.recompute_ms, scan.best
     best_node = best.node_id if best is not None else ""
@@ -616,8 +625,8 @@ def _cheapest(prefill: Sequence[InstanceView], scan: _Scan,
     best_view, best_t, local_view, local_t = None, math.inf, None, math.inf
     for view in prefill:  # the hot loop of placement at scale: kept flat on purpose
         if view.instance_id in holders:
-            option = option_for_hit(view)
-            t, pulled = option.total_ms, bool(option.num_pulled_blocks)
+            t, num_pulled = scan.total(view, source_for_hit(view))
+            pulled = bool(num_pulled)
         else:
             q = view.queued_prefill_ms
             if q <= 0 and view.num_queued_prefill_tokens > 0:
@@ -638,7 +647,7 @@ def _cheapest(prefill: Sequence[InstanceView], scan: _Scan,
 
 
 def _cheapest_vectorized(prefill: Sequence[InstanceView], arrays: PoolArrays, scan: _Scan,
-                         option_for_hit: Callable[[InstanceView], PrefillPrice],
+                         source_for_hit: Callable[[InstanceView], InstanceView | None],
                          always_pull: bool) -> tuple[InstanceView, float, InstanceView | None, float]:
     """``_cheapest`` over the pool's arrays: the same float operations in the same order, so
     the same totals, and ``argmin`` keeps the first listed of equal ones, as the loop does.
@@ -674,12 +683,12 @@ def _cheapest_vectorized(prefill: Sequence[InstanceView], arrays: PoolArrays, sc
     for instance_id, hit in scan.snapshot.prefix_hits.items():
         i = arrays.position.get(instance_id)
         if i is not None and hit.num_blocks:
-            option = option_for_hit(prefill[i])
-            t[i] = option.total_ms
+            total_ms, num_pulled = scan.total(prefill[i], source_for_hit(prefill[i]))
+            t[i] = total_ms
             if pulled is not None:
-                pulled[i] = bool(option.num_pulled_blocks)
-            elif not option.num_pulled_blocks:
-                local_hits.append((i, option.total_ms))
+                pulled[i] = bool(num_pulled)
+            elif not num_pulled:
+                local_hits.append((i, total_ms))
     i = int(t.argmin())
     if pulled is None:  # every instance without a hit pulls: the local options are the hits'
         local = min(local_hits, key=lambda it: (it[1], it[0]), default=None)
@@ -723,13 +732,13 @@ def mooncake(snapshot: ClusterSnapshot, request: PlacementRequest, config: Polic
     best_len = snapshot.hit(best.instance_id).num_blocks if best else 0
     threshold = config.mooncake_kvcache_balancing_threshold
 
-    def option_for_hit(view: InstanceView) -> PrefillPrice:
+    def source_for_hit(view: InstanceView) -> InstanceView | None:
         local_len = snapshot.hit(view.instance_id).num_blocks
         pull = best_len > local_len and best_len / local_len > threshold
-        return scan.price(view, best if pull else None)
+        return best if pull else None
 
-    view, _, _, _ = _cheapest(prefill, scan, option_for_hit, always_pull=True)
-    chosen = option_for_hit(view) if snapshot.hit(view.instance_id).num_blocks else scan.price(view, best)
+    view, _, _, _ = _cheapest(prefill, scan, source_for_hit, always_pull=True)
+    chosen = scan.price(view, source_for_hit(view) if snapshot.hit(view.instance_id).num_blocks else best)
     _admit(chosen, config)
     return _placed(chosen, d, "mooncake", f"{chosen.describe()}; {_decode_terms(d)}")
 
@@ -749,18 +758,24 @@ def baton_options(snapshot: ClusterSnapshot, request: PlacementRequest,
 
 
 def _baton_option(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
-                  view: InstanceView, best: InstanceView | None,
-                  scan: _Scan | None = None) -> PrefillPrice:
-    """``view``'s local price, or the pulled one when it is strictly faster (priced through
-    ``scan``'s memo when given: the same numbers)."""
-    local = scan.price(view) if scan is not None else price(snapshot, request, config, view)
-    best_len = (scan.best_len if scan is not None else
-                snapshot.hit(best.instance_id).num_blocks if best is not None else 0)
+                  view: InstanceView, best: InstanceView | None) -> PrefillPrice:
+    """``view``'s local price, or the pulled one when it is strictly faster."""
+    local = price(snapshot, request, config, view)
+    best_len = snapshot.hit(best.instance_id).num_blocks if best is not None else 0
     if best is not None and best_len > local.num_cached_blocks:
-        pulled = scan.price(view, best) if scan is not None else price(snapshot, request, config, view, best)
+        pulled = price(snapshot, request, config, view, best)
         if pulled.total_ms < local.total_ms:
             return pulled
     return local
+
+
+def _baton_source(view: InstanceView, scan: _Scan) -> InstanceView | None:
+    """Where ``_baton_option`` takes ``view``'s prefix from: ``scan.best`` when pulling it is
+    strictly faster, else None (its own), decided on the same totals through ``scan``'s memo."""
+    best = scan.best
+    if best is None or scan.best_len <= scan.snapshot.hit(view.instance_id).num_blocks:
+        return None
+    return best if scan.total(view, best)[0] < scan.total(view)[0] else None
 
 
 def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
@@ -789,13 +804,13 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
     best = _best_hit_source(snapshot, include_decode=True)
     scan = _Scan(snapshot, request, config, best)
 
-    def option_for_hit(view: InstanceView) -> PrefillPrice:
-        return _baton_option(snapshot, request, config, view, best, scan)
+    def source_for_hit(view: InstanceView) -> InstanceView | None:
+        return _baton_source(view, scan)
 
-    view, best_t, local_view, local_t = _cheapest(prefill, scan, option_for_hit, always_pull=False)
+    view, best_t, local_view, local_t = _cheapest(prefill, scan, source_for_hit, always_pull=False)
     if local_view is not None and local_t <= best_t * (1 + config.baton_replication_margin_frac):
         view = local_view
-    chosen = _baton_option(snapshot, request, config, view, best, scan)
+    chosen = scan.price(view, _baton_source(view, scan))
     _admit(chosen, config)
     return _placed(chosen, d, "baton", f"{chosen.describe()}; {_decode_terms(d)}")
 
