@@ -21,6 +21,7 @@ import grpc
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
+from conductor import _scan
 from conductor.cost_model import DecodeCostModel, PrefillCostModel, TransferModel
 from conductor.errors import BatonError, NoWorkerReady
 from engine.messages import Placement
@@ -650,12 +651,9 @@ def _cheapest_vectorized(prefill: Sequence[InstanceView], arrays: PoolArrays, sc
                          source_for_hit: Callable[[InstanceView], InstanceView | None],
                          always_pull: bool) -> tuple[InstanceView, float, InstanceView | None, float]:
     """``_cheapest`` over the pool's arrays: the same float operations in the same order, so
-    the same totals, and ``argmin`` keeps the first listed of equal ones, as the loop does.
-    Every numpy call costs about a microsecond at this size, so there are as few as possible:
-    ``0.0 + q`` is ``q`` for a queue term (never -0.0), and ``min(t, t_pull)`` is the loop's
-    'pull only when strictly faster' in value."""
-    import numpy as np
-
+    the same totals, first listed on ties, as the loop. Holders are priced here; everyone else
+    is one pass of ``conductor._scan.cheapest`` (a numpy expression per term cost a microsecond
+    each, a dozen per decision). ``0.0 + q`` is ``q`` for a queue term (never -0.0)."""
     if not prefill:
         return None, math.inf, None, math.inf
     config, recompute_ms, best = scan.config, scan.recompute_ms, scan.best
@@ -664,42 +662,27 @@ def _cheapest_vectorized(prefill: Sequence[InstanceView], arrays: PoolArrays, sc
         q = q.copy()
         for i in arrays.unpriced:
             q[i] = _queue_ms(prefill[i], config)
-    t = q + recompute_ms
     if best is None:  # no ready instance holds any of the prompt: nothing to pull, no hit
+        t = q + recompute_ms
         i = int(t.argmin())
         return prefill[i], float(t[i]), prefill[i], float(t[i])
     best_node = best.node_id
     same_transfer, same_prefill = scan.pull_terms(bool(best_node))
     other_transfer, other_prefill = scan.pull_terms(False)
-    t_pull = (other_transfer + q) + other_prefill
     code = arrays.node_code.get(best_node) if best_node else None
-    if code is not None:
-        t_pull = np.where(arrays.on_node[code], (same_transfer + q) + same_prefill, t_pull)
-    if always_pull:
-        pulled, t = None, t_pull
-    else:
-        pulled, t = t_pull < t, np.minimum(t, t_pull)
-    local_hits = []  # (position, T) of instances with a hit that use their own prefix
+    holders = []  # (position, T, pulled) of the instances with a hit, priced one by one
     for instance_id, hit in scan.snapshot.prefix_hits.items():
         i = arrays.position.get(instance_id)
         if i is not None and hit.num_blocks:
             total_ms, num_pulled = scan.total(prefill[i], source_for_hit(prefill[i]))
-            t[i] = total_ms
-            if pulled is not None:
-                pulled[i] = bool(num_pulled)
-            elif not num_pulled:
-                local_hits.append((i, total_ms))
-    i = int(t.argmin())
-    if pulled is None:  # every instance without a hit pulls: the local options are the hits'
-        local = min(local_hits, key=lambda it: (it[1], it[0]), default=None)
-        if local is None:
-            return prefill[i], float(t[i]), None, math.inf
-        return prefill[i], float(t[i]), prefill[local[0]], local[1]
-    local = np.where(pulled, math.inf, t)
-    j = int(local.argmin())
-    local_t = float(local[j])
-    return (prefill[i], float(t[i]),
-            prefill[j] if local_t < math.inf else None, local_t)
+            holders.append((i, total_ms, bool(num_pulled)))
+    holders.sort()
+    # the rest in one pass in C: the loop's sums in its order, first listed on ties
+    i, best_t, j, local_t = _scan.cheapest(
+        q, arrays.on_node[code] if code is not None else None, same_transfer, same_prefill,
+        other_transfer, other_prefill, recompute_ms, always_pull,
+        [h[0] for h in holders], [h[1] for h in holders], [h[2] for h in holders])
+    return prefill[i], best_t, (prefill[j] if j >= 0 else None), local_t
 
 
 def mooncake_options(snapshot: ClusterSnapshot, request: PlacementRequest,
