@@ -98,8 +98,8 @@ NO_HIT = PrefixHit()
 class PoolArrays(msgspec.Struct, frozen=True):
     """The prefill pool's queue terms as arrays aligned with ``ClusterSnapshot.prefill``, kept by
     ``ConductorState`` as it patches views. With them the cost-aware policies price every
-    instance without a prefix hit in a few vector operations instead of a Python loop; the
-    result is bit for bit what the loop computes (same float operations, first listed on ties).
+    instance without a prefix hit in one C pass (``conductor._scan``) instead of a Python loop;
+    the result is bit for bit what the loop computes (same float operations, first listed on ties).
     """
 
     queued_prefill_ms: object  # np.ndarray[float64]: view.queued_prefill_ms
