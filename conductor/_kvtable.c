@@ -436,6 +436,22 @@ static PyObject *intern_mask(PyObject *masks, PyObject *value)
     return shared;
 }
 
+/* The interned result of ``op(seen, operand)`` for a run of keys: recomputed only when ``seen``
+ * differs from the previous key's (consecutive keys mostly share their holders). Keeps the
+ * memo in ``*last_old`` / ``*last_new`` (owned references); -1 on error. */
+static int memo_mask(PyObject *seen, PyObject *operand, binaryfunc op, PyObject *masks,
+                     PyObject **last_old, PyObject **last_new)
+{
+    if (seen == *last_old)
+        return 0;
+    PyObject *value = op(seen, operand);
+    if (value == NULL || (value = intern_mask(masks, value)) == NULL)
+        return -1;
+    Py_XSETREF(*last_new, value);
+    Py_XSETREF(*last_old, Py_NewRef(seen));
+    return 0;
+}
+
 /* or_bit(keys, bit, masks): OR ``bit`` into each key's value (absent keys start at 0), each
  * result interned in the dict ``masks``. Raises TypeError for a key that is not 16 bytes. */
 static PyObject *KeyTable_or_bit(KeyTable *t, PyObject *args)
@@ -449,7 +465,7 @@ static PyObject *KeyTable_or_bit(KeyTable *t, PyObject *args)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *zero = PyLong_FromLong(0);
-    PyObject *last_old = NULL, *last_new = NULL; /* consecutive keys mostly share their holders */
+    PyObject *last_old = NULL, *last_new = NULL; /* memo_mask's */
     uint64_t k0[LOOKAHEAD], k1[LOOKAHEAD];
     PyObject *result = NULL;
     for (Py_ssize_t base = 0; base < n; base += LOOKAHEAD) {
@@ -465,14 +481,8 @@ static PyObject *KeyTable_or_bit(KeyTable *t, PyObject *args)
         for (Py_ssize_t b = 0; b < batch; b++) {
             size_t i = probe(t, k0[b], k1[b]);
             PyObject *old = t->slots[i].value;
-            PyObject *seen = old ? old : zero;
-            if (seen != last_old) {
-                PyObject *value = PyNumber_Or(seen, bit);
-                if (value == NULL || (value = intern_mask(masks, value)) == NULL)
-                    goto done;
-                Py_XSETREF(last_new, value);
-                Py_XSETREF(last_old, Py_NewRef(seen));
-            }
+            if (memo_mask(old ? old : zero, bit, PyNumber_Or, masks, &last_old, &last_new) < 0)
+                goto done;
             if (old == last_new)
                 continue;
             if (old == NULL) {
@@ -517,13 +527,8 @@ static PyObject *KeyTable_and_keep(KeyTable *t, PyObject *args)
         PyObject *old = t->slots[i].value;
         if (old == NULL)
             continue;
-        if (old != last_old) {
-            PyObject *value = PyNumber_And(old, keep);
-            if (value == NULL || (value = intern_mask(masks, value)) == NULL)
-                goto done;
-            Py_XSETREF(last_new, value);
-            Py_XSETREF(last_old, Py_NewRef(old));
-        }
+        if (memo_mask(old, keep, PyNumber_And, masks, &last_old, &last_new) < 0)
+            goto done;
         if (PyObject_Not(last_new)) {
             table_delete_at(t, i);
         } else if (old != last_new) {
