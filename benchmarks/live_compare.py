@@ -14,7 +14,7 @@
 
 Ratios are against the baseline measured in the same run. Every figure is measured on live
 clusters (real Ray actors, vLLM-CPU engines, KV store, gRPC), none is simulated. The JSON holds
-each run's full report (``conductor.bench_serve`` names, as ``vllm bench serve``).
+each run's full report (``bench.serve`` names, as ``vllm bench serve``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conductor.bench_serve import ExpansionOptions, bench_serve
+from bench.serve import ExpansionOptions, bench_serve
 
 TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "mooncake_synthetic_trace.jsonl"
 
@@ -63,8 +63,8 @@ def scenarios(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 async def run_one(scenario: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from conductor.config import load_config
-    from conductor.serve import BatonServer
+    from cluster.config import load_config
+    from cluster.serve import BatonServer
 
     overrides = {"engine.model": args.model, "gateway.port": 0, "http.enabled": False,
                  "name": "livecmp", **scenario["overrides"]}

@@ -31,9 +31,9 @@ def _prompt(num_tokens: int, seed: int) -> list[int]:
 
 async def run(model: str, repeats: int, prompt_tokens: int, extra_tokens: int,
               overrides: dict) -> dict:
-    from conductor import client
-    from conductor.config import load_config
-    from conductor.serve import BatonServer
+    from gateway import client
+    from cluster.config import load_config
+    from cluster.serve import BatonServer
     from engine.builder import effective_dtype
 
     config = load_config(None, {"engine.model": model, "gateway.port": 0, "http.enabled": False, **overrides})

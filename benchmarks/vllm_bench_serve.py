@@ -28,8 +28,8 @@ _SHIM = (
 
 
 async def run(args: argparse.Namespace) -> Path:
-    from conductor.config import load_config
-    from conductor.serve import BatonServer
+    from cluster.config import load_config
+    from cluster.serve import BatonServer
 
     config = load_config(None, {"engine.model": args.model, "gateway.port": 0, "http.port": 0})
     server = BatonServer(config, progress=lambda m: print(f"  {m}", flush=True))

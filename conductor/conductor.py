@@ -19,20 +19,12 @@ import zmq
 import zmq.asyncio
 
 from conductor.config import ConductorConfig
-from conductor.errors import InvalidRequest, NoWorkerReady
+from protos.errors import InvalidRequest, NoWorkerReady
 from conductor.kv_index import StreamGap
 from conductor.policy import PlacementRequest, PolicyConfig
-from conductor.pools import (
-    DrainResult,
-    InstanceRow,
-    LaunchSpec,
-    PoolManager,
-    PoolStatus,
-    ScaleResult,
-    StoreRow,
-)
+from protos.wire import StoreRow
 from conductor.state import ConductorState, PlacementCounters
-from engine.messages import Placement
+from protos.wire import Placement
 from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
@@ -86,7 +78,6 @@ class Conductor:
         self._config = config
         self._namespace = namespace
         self.state = ConductorState(config.policy, policy_config)
-        self.pools = PoolManager(self.state, namespace)
         self._last_stats: dict = {}
         self._store_actors: dict[str, str] = {}
         self._soft_pins: dict[str, list[bytes]] = {}  # operator-pinned prefix name → block keys
@@ -303,50 +294,6 @@ class Conductor:
             index.num_untranslatable_blocks, prefills, decodes, self._events_received,
             self._events_dropped, self._replayed, index.last_seqs(),
         )
-
-    # ------------------------------------------------------------------ pools
-
-    async def set_launch_spec(self, spec: LaunchSpec) -> None:
-        """How to start workers (``baton up``); without it the pools cannot be resized."""
-        self.pools.spec = spec
-
-    async def scale(self, sizes: dict[str, int], timeout_s: float,
-                    reason: str = "operator request") -> list[ScaleResult]:
-        """Resize the pools named in ``sizes`` side by side (``baton scale``)."""
-        return list(await asyncio.gather(
-            *(self.pools.scale(role, size, timeout_s, reason) for role, size in sizes.items())))
-
-    async def drain(self, instance_id: str, timeout_s: float) -> DrainResult:
-        """Finish an instance's work, then remove it (``baton drain``)."""
-        return await self.pools.drain(instance_id, timeout_s)
-
-    async def pool_status(self) -> PoolStatus:
-        """Pools, instances, store nodes and placement counters (``baton status``)."""
-        rows = []
-        sizes: dict[str, dict[str, int]] = {"prefill": {}, "decode": {}}
-        ids = set(self.state.instance_ids()) | set(self.pools.member_ids())
-        for instance_id in sorted(ids):
-            stats = self._last_stats.get(instance_id)
-            phase = self.pools.phase(instance_id)
-            if instance_id in self.state.instance_ids():
-                role = self.state.role_of(instance_id)
-                if phase is None or phase == "ready":
-                    phase = "ready" if self.state.is_instance_ready(instance_id) else (
-                        "not_ready" if self.state.was_ever_ready(instance_id) else "starting")
-                node = self.state.node_of(instance_id)
-            else:
-                role, node = ("prefill" if "-prefill-" in instance_id else "decode"), ""
-            booked = len(self.state.requests_on(instance_id))
-            sizes[role][phase] = sizes[role].get(phase, 0) + 1
-            rows.append(InstanceRow(
-                instance_id, role, node, phase,
-                stats.num_waiting_reqs if stats else 0, stats.num_running_reqs if stats else 0,
-                booked, stats.kv_usage_frac if stats else 0.0,
-                stats.num_prompt_tokens if stats else 0, stats.num_cached_tokens if stats else 0,
-                stats.recent_ttft_ms if stats else None, stats.recent_itl_ms if stats else None,
-                stats.kv_load_seconds if stats else 0.0))
-        return PoolStatus(self._config.policy, sizes, rows, await self._store_rows(),
-                          self.state.counters, self.pools.log[-20:])
 
     async def _store_rows(self) -> list[StoreRow]:
         rows = []

@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from conductor import _scan
 from conductor.cost_model import DecodeCostModel, PrefillCostModel, TransferModel
-from conductor.errors import BatonError, NoWorkerReady
-from engine.messages import Placement
+from protos.errors import BatonError, NoWorkerReady
+from protos.wire import Placement
 
 
 class Overloaded(BatonError):

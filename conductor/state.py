@@ -36,7 +36,7 @@ from conductor.policy import (
     admit,
     with_prices,
 )
-from engine.messages import Placement
+from protos.wire import Placement
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
-from engine.messages import EngineRequest, TokenChunk
-from engine.worker_base import EngineWorker
+from protos.wire import EngineRequest, TokenChunk
+from worker.base import EngineWorker
 
 
 class DecodeWorker(EngineWorker):

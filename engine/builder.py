@@ -8,21 +8,13 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.models import PreparedModel
+from kvstore.attach import StoreWiring
 
 Role = Literal["prefill", "decode", "plain"]
 
 _KV_ROLE = {"prefill": "kv_both", "decode": "kv_consumer"}
 """A prefill engine also loads: a prefix another instance computed is pulled from the store,
 not recomputed; a decode engine only loads."""
-
-
-class StoreWiring(msgspec.Struct, frozen=True):
-    """How an engine's connector reaches its node's KV store actor."""
-
-    store_actor: str
-    namespace: str
-    node_id: str = "node0"
-    """The store node's id: the instances on it share its host and disk tiers."""
 
 
 class EventsWiring(msgspec.Struct, frozen=True):

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from engine.messages import EngineRequest
+from protos.wire import EngineRequest
 
 log = logging.getLogger(__name__)
 

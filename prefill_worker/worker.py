@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 
-from engine.messages import EngineRequest, PrefillResult
-from engine.worker_base import EngineWorker
+from protos.wire import EngineRequest, PrefillResult
+from worker.base import EngineWorker
 
 
 class PrefillWorker(EngineWorker):

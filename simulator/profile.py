@@ -24,7 +24,7 @@ from conductor.cost_model import (
     TransferModel,
     kv_bytes_per_token,
 )
-from conductor.errors import BatonError
+from protos.errors import BatonError
 
 
 class ProfileError(BatonError):

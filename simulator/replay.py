@@ -15,7 +15,7 @@ from typing import Callable
 import msgspec
 
 from conductor.cost_model import CostProfile
-from conductor.errors import BatonError
+from protos.errors import BatonError
 from conductor.policy import POLICIES
 from simulator.fleet import FleetConfig
 from simulator.metrics import PolicyResult, summarize

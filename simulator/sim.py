@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from conductor.cost_model import CostProfile
-from conductor.errors import BatonError
+from protos.errors import BatonError
 from conductor.policy import (
     POLICIES,
     ClusterSnapshot,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 
-from conductor.errors import BatonError
+from protos.errors import BatonError
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens per hash id in the published traces."""

@@ -6,11 +6,11 @@ import contextlib
 import random
 from typing import AsyncIterator
 
-from conductor.config import load_config
-from conductor.serve import BatonServer
+from cluster.config import load_config
+from cluster.serve import BatonServer
 from engine.builder import build_engine_args
 from engine.config import EngineConfig
-from engine.messages import EngineRequest, SamplingOptions
+from protos.wire import EngineRequest, SamplingOptions
 from engine.models import PreparedModel
 from engine.runner import EngineRunner
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conductor.bench_serve import ExpansionOptions, bench_serve
+from bench.serve import ExpansionOptions, bench_serve
 
 pytestmark = pytest.mark.engine
 

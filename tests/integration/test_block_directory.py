@@ -88,7 +88,7 @@ def test_a_password_protected_redis_refuses_strangers_and_serves_the_store(tmp_p
     line), clients without it are refused, and a store node given the URL works as usual."""
     import redis as redis_py
 
-    from conductor.config import RedisConfig
+    from cluster.config import RedisConfig
     from kvstore.redis_server import redacted, start_local_redis
 
     secret = tmp_path / "redis-password"

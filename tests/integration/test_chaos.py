@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.chaos import run_chaos
-from conductor.config import load_config
+from bench.chaos import run_chaos
+from cluster.config import load_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 

@@ -22,7 +22,7 @@ from tests.tls import self_signed
 
 pytestmark = pytest.mark.engine
 
-BATON = [sys.executable, "-m", "conductor.cli"]
+BATON = [sys.executable, "-m", "cli.main"]
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import pytest_asyncio
 
-from conductor import client
+from gateway import client
 from kvstore.connector import kv_layout_tag
 from kvstore.keys import KeyExtras, block_keys
 from tests.integration.engines import random_prompt, running_server

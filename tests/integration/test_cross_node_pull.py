@@ -16,11 +16,12 @@ import pytest
 import pytest_asyncio
 import ray
 
-from conductor.cluster import block_size_for, kv_block_bytes
+from cluster.local import block_size_for, kv_block_bytes
 from decode_worker.worker import DecodeWorker
-from engine.builder import StoreWiring, dtype_bytes, effective_dtype, engine_env
+from engine.builder import dtype_bytes, effective_dtype, engine_env
+from kvstore.attach import StoreWiring
 from engine.config import EngineConfig
-from engine.messages import EngineRequest, SamplingOptions
+from protos.wire import EngineRequest, SamplingOptions
 from kvstore.config import KVStoreConfig, TransferConfig
 from kvstore.host_arena import HostArena
 from kvstore.disk_tier import HEADER_BYTES, find_block

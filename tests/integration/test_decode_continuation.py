@@ -11,7 +11,9 @@ import pytest
 import pytest_asyncio
 import ray
 
-from conductor import client, metrics
+from gateway import client
+
+from gateway import metrics
 from tests.integration.engines import plain_generate, plain_runner, random_prompt, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]

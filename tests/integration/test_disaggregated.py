@@ -12,8 +12,8 @@ import pytest
 import pytest_asyncio
 import ray
 
-from conductor import client
-from conductor.serve import BatonServer
+from gateway import client
+from cluster.serve import BatonServer
 from tests.integration.engines import plain_generate, plain_runner, random_prompt, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
@@ -147,9 +147,9 @@ async def test_request_while_no_worker_is_ready_is_unavailable(server):
     conductor actor, real gateway, real gRPC)."""
     from conductor.conductor import Conductor
     from conductor.config import ConductorConfig
-    from conductor.gateway import InferenceServicer, start_gateway
-    from conductor.live_router import LiveRouter
-    from conductor.tokenization import PromptTokenizer
+    from gateway.inference import InferenceServicer, start_gateway
+    from gateway.live_router import LiveRouter
+    from gateway.tokenization import PromptTokenizer
 
     from conductor.policy import PolicyConfig
 
@@ -208,7 +208,7 @@ async def test_cache_salt_isolates_tenants(server):
 
 
 async def test_a_request_id_already_in_flight_is_rejected_and_the_first_is_unharmed(reference):
-    from engine.messages import EngineRequest, SamplingOptions
+    from protos.wire import EngineRequest, SamplingOptions
     from engine.runner import EngineRejected
 
     prompt = tuple(random_prompt(64, seed=41))
@@ -322,7 +322,7 @@ async def test_a_grpc_cancel_mid_stream_releases_everything_the_request_held(ser
     """A client that cancels a gRPC stream: within 5 s the decode engine has dropped the
     sequence (aborted, not finished), the conductor's books are closed, and the store holds no
     pin for it."""
-    from conductor.client import open_channel
+    from gateway.client import open_channel
     from protos.baton.v1 import inference_pb2 as pb
     from protos.baton.v1 import inference_pb2_grpc as pb_grpc
 

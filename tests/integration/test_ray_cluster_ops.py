@@ -22,11 +22,11 @@ import ray
 import yaml
 from ray.cluster_utils import Cluster
 
-from conductor.client import GenerateFailed, generate
+from gateway.client import GenerateFailed, generate
 
 pytestmark = pytest.mark.engine
 
-BATON = [sys.executable, "-m", "conductor.cli"]
+BATON = [sys.executable, "-m", "cli.main"]
 REPO = Path(__file__).resolve().parents[2]
 NAME, NAMESPACE = "opstest", "opstest"
 ADMIN_KEY = "opstest-admin-key-5f1e"

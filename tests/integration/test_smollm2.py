@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-from conductor import client
-from conductor.tokenization import PromptTokenizer
+from gateway import client
+from gateway.tokenization import PromptTokenizer
 from tests.integration.engines import plain_generate, plain_runner, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]

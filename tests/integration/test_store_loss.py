@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 import ray
 
-from conductor import client
+from gateway import client
 from kvstore.keys import KeyExtras, block_keys
 from kvstore.metadata import BlockDirectory
 from tests.integration.engines import plain_generate, plain_runner, random_prompt, running_server

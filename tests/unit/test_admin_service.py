@@ -16,19 +16,20 @@ import pytest
 import pytest_asyncio
 from ray.exceptions import RayTaskError
 
-from conductor import admin_client
-from conductor.admin import ADMIN_OFF_MESSAGE, AdminServicer, _status_of
-from conductor.admin_wire import StatusView, scale_from_pb, status_from_pb, status_to_pb
-from conductor.auth import KeySet, read_admin_keys
-from conductor.conductor import Conductor
-from conductor.deployment import NotUp
+from cli import admin_client
+from gateway.admin import ADMIN_OFF_MESSAGE, AdminServicer, _status_of
+from gateway.admin_wire import StatusView, scale_from_pb, status_from_pb, status_to_pb
+from gateway.auth import KeySet, read_admin_keys
+from cluster.control import ClusterConductor as Conductor
+from cluster.deployment import NotUp
 from conductor.config import ConductorConfig
-from conductor.errors import ConfigError
-from conductor.gateway import InferenceServicer, start_gateway
-from conductor.gateway_actor import FrontAddresses
+from protos.errors import ConfigError
+from gateway.inference import InferenceServicer, start_gateway
+from protos.wire import FrontAddresses
 from conductor.policy import PolicyConfig
-from conductor.pools import ScaleRefused, ScaleResult
-from conductor.tokenization import PromptTokenizer
+from cluster.pools import ScaleRefused
+from protos.wire import ScaleResult
+from gateway.tokenization import PromptTokenizer
 from engine.models import prepare_model
 from protos.baton.v1 import admin_pb2 as apb
 from protos.baton.v1 import admin_pb2_grpc as apb_grpc
@@ -168,7 +169,7 @@ async def test_status_is_the_conductors_pool_status(stub, conductor):
 
 
 def test_status_round_trips_every_field():
-    from conductor.pools import InstanceRow, PoolStatus, StoreRow
+    from protos.wire import InstanceRow, PoolStatus, StoreRow
     from conductor.state import PlacementCounters
 
     pools = PoolStatus(
@@ -333,7 +334,7 @@ async def _in_thread(function, *args):
 async def _baton(*args: str, env: dict[str, str] | None = None):
     from typer.testing import CliRunner
 
-    from conductor.cli import app
+    from cli.main import app
 
     return await _in_thread(lambda: CliRunner().invoke(app, list(args), env=env or {}))
 

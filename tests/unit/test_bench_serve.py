@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.bench_serve import (
+from bench.serve import (
     BenchServeError,
     ExpansionOptions,
     RequestRecord,

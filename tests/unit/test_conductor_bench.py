@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conductor import bench
+from bench import conductor as bench
 
 
 def test_the_bench_fills_the_index_it_says_and_writes_its_figures(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conductor.cost_model import CostProfile, DecodeCostModel, PrefillCostModel, TransferModel
-from conductor.errors import NoWorkerReady
+from protos.errors import NoWorkerReady
 from conductor.policy import Overloaded, PlacementRequest, PolicyConfig, PrefixHit
 from conductor.state import ConductorState
 from kvstore.keys import KeyExtras, block_keys
@@ -204,9 +204,9 @@ def test_measured_load_bandwidth_moves_the_priced_same_node_link():
 
 
 def test_the_cluster_prices_with_the_model_facts_and_the_configured_profile(tmp_path):
-    from conductor.cluster import policy_config_for
-    from conductor.config import load_config
-    from conductor.errors import ConfigError
+    from cluster.local import policy_config_for
+    from cluster.config import load_config
+    from protos.errors import ConfigError
     from engine.models import PreparedModel
 
     model = PreparedModel(name="m", path=tmp_path, num_layers=30, num_kv_heads=3, head_dim=64,

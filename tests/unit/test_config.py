@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.config import load_config
-from conductor.errors import ConfigError
+from cluster.config import load_config
+from protos.errors import ConfigError
 
 
 def test_defaults_serve_smollm2_with_one_instance_per_pool():
@@ -66,7 +66,7 @@ def test_the_documented_local_config_is_exactly_the_defaults():
 
 
 def test_api_key_file_is_read_one_key_per_line(tmp_path):
-    from conductor.serve import _read_api_keys
+    from gateway.auth import read_api_keys as _read_api_keys
 
     keys = tmp_path / "keys"
     keys.write_text("# operators\nsk-one\n\n  sk-two  \n")

@@ -14,10 +14,10 @@ import pytest
 import typer
 import yaml
 
-import conductor.metrics as metrics
-from conductor.cli import app
-from conductor.config import ClusterConfig, load_config
-from conductor.pools import DECODE_RESOURCE, PREFILL_RESOURCE
+import gateway.metrics as metrics
+from cli.main import app
+from cluster.config import ClusterConfig, load_config
+from cluster.pools import DECODE_RESOURCE, PREFILL_RESOURCE
 from tests.deploy_checks import dashboard_metric_names
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,12 +15,12 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conductor import client
-from conductor.errors import WorkerFailed
-from conductor.gateway import NOT_READY_MESSAGE, InferenceServicer, start_gateway
-from conductor.router import Placed
-from conductor.tokenization import PromptTokenizer
-from engine.messages import EngineRequest, Placement, PrefillResult, TokenChunk
+from gateway import client
+from protos.errors import WorkerFailed
+from gateway.inference import NOT_READY_MESSAGE, InferenceServicer, start_gateway
+from gateway.router import Placed
+from gateway.tokenization import PromptTokenizer
+from protos.wire import EngineRequest, Placement, PrefillResult, TokenChunk
 from engine.models import prepare_model
 from protos.baton.v1 import inference_pb2 as pb
 from protos.baton.v1 import inference_pb2_grpc as pb_grpc
@@ -442,7 +442,7 @@ async def test_an_early_rejection_is_resource_exhausted_with_a_retry_after_hint(
 
 
 async def test_tls_is_one_switch_and_plaintext_or_untrusted_clients_are_refused(tokenizer, tmp_path):
-    from conductor.config import GatewayConfig
+    from gateway.config import GatewayConfig
 
     cert, key = _self_signed(tmp_path, "gateway")
     other_ca, _ = _self_signed(tmp_path, "impostor")
@@ -464,8 +464,8 @@ async def test_tls_is_one_switch_and_plaintext_or_untrusted_clients_are_refused(
 def test_tls_needs_both_files_and_readable_ones(tmp_path):
     from pydantic import ValidationError
 
-    from conductor.config import GatewayConfig
-    from conductor.errors import ConfigError
+    from gateway.config import GatewayConfig
+    from protos.errors import ConfigError
 
     with pytest.raises(ValidationError, match="needs both tls_cert_file and tls_key_file"):
         GatewayConfig(tls_cert_file="cert.pem")

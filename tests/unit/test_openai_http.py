@@ -17,11 +17,11 @@ import prometheus_client
 import pytest
 import pytest_asyncio
 
-from conductor.errors import BatonError, ConfigError, NoWorkerReady, WorkerFailed
-from conductor.gateway import NOT_READY_MESSAGE
-from conductor.openai_http import build_app, error_for, start_http
-from conductor.tokenization import PromptTokenizer
-from engine.messages import SamplingOptions
+from protos.errors import BatonError, ConfigError, NoWorkerReady, WorkerFailed
+from gateway.inference import NOT_READY_MESSAGE
+from gateway.openai_http import build_app, error_for, start_http
+from gateway.tokenization import PromptTokenizer
+from protos.wire import SamplingOptions
 from engine.models import prepare_model
 from tests.unit.test_gateway_wire import PLACEMENT, SCRIPTED_CHUNKS, FakeRouter
 
@@ -408,7 +408,7 @@ async def test_refusal_before_placement_is_503_even_when_streaming(tokenizer):
 
 
 class Overloaded(BatonError):
-    """What an admission-control error would look like; ``conductor.errors`` has none yet."""
+    """What an admission-control error would look like; ``protos.errors`` has none yet."""
 
     grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
     retry_after_s = 3
@@ -512,7 +512,7 @@ async def test_taken_port_is_a_config_error(server, router, tokenizer):
 
 
 async def test_tls_is_one_switch_and_plain_http_or_untrusted_clients_are_refused(tokenizer, tmp_path):
-    from conductor.config import HttpConfig
+    from gateway.config import HttpConfig
     from tests.tls import self_signed
 
     cert, key = self_signed(tmp_path, "front")
@@ -547,7 +547,9 @@ async def test_tls_is_one_switch_and_plain_http_or_untrusted_clients_are_refused
 def test_http_tls_needs_both_files_and_a_loadable_pair(tmp_path):
     from pydantic import ValidationError
 
-    from conductor.config import HttpConfig, load_config
+    from cluster.config import load_config
+
+    from gateway.config import HttpConfig
     from tests.tls import self_signed
 
     with pytest.raises(ValidationError, match="http TLS needs both tls_cert_file and tls_key_file"):

@@ -15,7 +15,7 @@ from conductor.cost_model import (
     TransferModel,
     kv_bytes_per_token,
 )
-from conductor.errors import BatonError, NoWorkerReady
+from protos.errors import BatonError, NoWorkerReady
 from conductor.policy import (
     POLICIES,
     ClusterSnapshot,

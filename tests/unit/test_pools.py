@@ -9,9 +9,9 @@ import asyncio
 import pytest
 
 from conductor.policy import PlacementRequest, PolicyConfig
-from conductor.pools import PoolManager, ScaleRefused, UnknownInstance, _Member
+from cluster.pools import PoolManager, ScaleRefused, UnknownInstance, _Member
 from conductor.state import ConductorState
-from engine.messages import InstanceStats
+from protos.wire import InstanceStats
 
 
 class _Method:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conductor.cli import app
+from cli.main import app
 from conductor.cost_model import PrefillCostModel
 from simulator.profile import AnalyticGpu, ProfileError, load_profile
 from simulator.replay import UnknownPolicy, find_goodput, parse_policies

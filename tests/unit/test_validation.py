@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from conductor.errors import InvalidRequest, UnknownModel
-from conductor.tokenization import PromptTokenizer
-from conductor.validation import tokenize_prompt, validate_and_build
-from engine.messages import SamplingOptions
+from protos.errors import InvalidRequest, UnknownModel
+from gateway.tokenization import PromptTokenizer
+from gateway.validation import tokenize_prompt, validate_and_build
+from protos.wire import SamplingOptions
 from engine.models import prepare_model
 from protos.baton.v1 import inference_pb2 as pb
 

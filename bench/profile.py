@@ -10,7 +10,7 @@ never fitted).
 Decode: batches of 1..16 concurrent sequences generate 32 tokens each; the mean inter-token time
 per batch size and context is fitted to ``DecodeCostModel``.
 
-Transfer: Baton's own transfer engine (``kvstore.bench``) moves KV-block batches over the
+Transfer: Baton's own transfer engine (``bench.kvstore``) moves KV-block batches over the
 same-node shared memory, TCP and disk paths; the measured bandwidths fill ``TransferModel``.
 """
 
@@ -33,7 +33,7 @@ from conductor.cost_model import (
 )
 from engine.builder import build_engine_args, dtype_bytes, effective_dtype
 from engine.config import EngineConfig
-from engine.messages import EngineRequest, SamplingOptions
+from protos.wire import EngineRequest, SamplingOptions
 from engine.models import PreparedModel
 from engine.runner import EngineRunner
 
@@ -107,7 +107,7 @@ async def measure_decode(runner: EngineRunner, seed: int,
 
 
 def measure_transfer(block_bytes: int, progress: Callable[[str], None]) -> TransferModel:
-    from kvstore.bench import run_benchmark
+    from bench.kvstore import run_benchmark
 
     progress("transfer: shared memory, TCP and disk paths")
     results = {r.path: r for r in run_benchmark(block_bytes=block_bytes, num_blocks=32, rounds=3,

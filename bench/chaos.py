@@ -43,9 +43,11 @@ from typing import Callable
 import msgspec
 import ray
 
-from conductor import client, metrics
-from conductor.config import ClusterConfig
-from conductor.serve import BatonServer
+from gateway import client
+
+from gateway import metrics
+from cluster.config import ClusterConfig
+from cluster.serve import BatonServer
 
 CLIENT_TIMEOUT_S = 120.0
 """A request with no answer and no error by then is counted as lost."""
@@ -86,7 +88,7 @@ async def _references(model, prompts: list[list[int]], max_tokens: int) -> list[
 
     from engine.builder import build_engine_args, engine_env
     from engine.config import EngineConfig
-    from engine.messages import EngineRequest, SamplingOptions
+    from protos.wire import EngineRequest, SamplingOptions
 
     for name, value in engine_env(EngineConfig(model=model.name), "nobind").items():
         os.environ.setdefault(name, value)  # before vLLM is imported in this process

@@ -9,9 +9,11 @@ from collections import deque
 
 import msgspec
 
-from engine.builder import EventsWiring, Role, StoreWiring, build_engine_args
+from engine.builder import EventsWiring, Role, build_engine_args
+
+from kvstore.attach import StoreWiring
 from engine.config import EngineConfig
-from engine.messages import EngineRequest, InstanceStats
+from protos.wire import EngineRequest, InstanceStats
 from engine.models import PreparedModel
 from engine.runner import EngineRunner
 from kvstore.redis_server import free_port
@@ -58,7 +60,7 @@ class EngineWorker:
         self._recent_ttft_ms: deque[float] = deque(maxlen=RECENT_WINDOW)
         self._recent_itl_ms: deque[float] = deque(maxlen=RECENT_WINDOW)
         started = time.perf_counter()
-        from conductor.node_stores import NodeStoreSpec, ensure_node_store
+        from kvstore.attach import NodeStoreSpec, ensure_node_store
 
         if isinstance(store, NodeStoreSpec):  # on a Ray cluster: the store of whichever node we got
             store = ensure_node_store(store, conductor.actor_name if conductor else None)

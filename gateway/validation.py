@@ -14,9 +14,9 @@ import math
 import uuid
 from typing import Union
 
-from conductor.errors import InvalidRequest, UnknownModel
-from conductor.tokenization import CHAT_ROLES, PromptTokenizer
-from engine.messages import EngineRequest, SamplingOptions
+from protos.errors import InvalidRequest, UnknownModel
+from gateway.tokenization import CHAT_ROLES, PromptTokenizer
+from protos.wire import EngineRequest, SamplingOptions
 from protos.baton.v1 import inference_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 64

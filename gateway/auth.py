@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from conductor.errors import ConfigError
+from protos.errors import ConfigError
 
 ADMIN_KEY_ENV = "BATON_ADMIN_KEY"
 
@@ -50,6 +50,11 @@ def read_key_file(path: str | None, field: str) -> KeySet:
     if not keys:
         raise ConfigError(f"{field}: {path} holds no key")
     return keys
+
+
+def read_api_keys(path: str | None) -> KeySet:
+    """Accepted inference API keys, one per line of ``path`` (``auth.api_key_file``)."""
+    return read_key_file(path, "auth.api_key_file")
 
 
 def read_admin_keys(admin_key_file: str | None, api_keys: Iterable[str] = (),

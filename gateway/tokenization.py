@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from conductor.errors import InvalidRequest
+from protos.errors import InvalidRequest
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -45,7 +45,7 @@ class PromptTokenizer:
         Rendered with the model's chat template and the assistant's generation prompt appended,
         then encoded without adding special tokens (the template already holds them). Raises
         ``InvalidRequest`` when the model has no chat template or the template rejects the
-        conversation. Roles are not checked here; see ``conductor.validation``.
+        conversation. Roles are not checked here; see ``gateway.validation``.
         """
         import jinja2
 

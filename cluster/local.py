@@ -20,14 +20,15 @@ from typing import Callable
 import ray
 from ray.exceptions import RayActorError
 
-from conductor.config import ClusterConfig
-from conductor.errors import ConfigError
-from conductor.conductor import Conductor
+from cluster.config import ClusterConfig
+from protos.errors import ConfigError
+from cluster.control import ClusterConductor as Conductor
 from decode_worker.worker import DecodeWorker
 from conductor.cost_model import CostProfile, kv_bytes_per_token
 from conductor.policy import PolicyConfig
-from engine.builder import StoreWiring, dtype_bytes, effective_dtype, engine_env
-from engine.worker_base import ConductorWiring
+from engine.builder import dtype_bytes, effective_dtype, engine_env
+from kvstore.attach import StoreWiring
+from worker.base import ConductorWiring
 from engine.models import PreparedModel, prepare_model
 from kvstore.node import KVStoreNode
 from kvstore.events import with_event_endpoints

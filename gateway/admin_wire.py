@@ -10,8 +10,8 @@ from __future__ import annotations
 import msgspec
 
 from conductor.conductor import SoftPin
-from conductor.gateway_actor import FrontAddresses
-from conductor.pools import DrainResult, InstanceRow, PoolStatus, ScaleResult, StoreRow
+from protos.wire import FrontAddresses
+from protos.wire import DrainResult, InstanceRow, PoolStatus, ScaleResult, StoreRow
 from conductor.state import PlacementCounters
 from protos.baton.v1 import admin_pb2 as apb
 

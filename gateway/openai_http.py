@@ -2,7 +2,7 @@
 
 A second door onto the same ``Router`` as the gRPC gateway, for clients that speak OpenAI's API
 (the official ``openai`` package, LangChain, curl). It mirrors the gateway's semantics: requests
-are validated with ``conductor.validation``'s checks before any worker sees them, TTFT runs from
+are validated with ``gateway.validation``'s checks before any worker sees them, TTFT runs from
 receipt to the first token, usage counts prompt, cached and generated tokens, and a client that
 goes away closes the router's stream so the workers abort the request.
 
@@ -42,11 +42,11 @@ from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from conductor.errors import BatonError, ConfigError, InvalidRequest, NoWorkerReady, UnknownModel
-from conductor.gateway import NOT_READY_MESSAGE
-from conductor.router import Placed, Router, num_cached_tokens
-from conductor.tokenization import CHAT_ROLES, PromptTokenizer
-from conductor.validation import (
+from protos.errors import BatonError, ConfigError, InvalidRequest, NoWorkerReady, UnknownModel
+from gateway.inference import NOT_READY_MESSAGE
+from gateway.router import Placed, Router, num_cached_tokens
+from gateway.tokenization import CHAT_ROLES, PromptTokenizer
+from gateway.validation import (
     DEFAULT_MAX_TOKENS,
     _check_cache_salt,
     _check_lengths,
@@ -57,7 +57,7 @@ from conductor.validation import (
     check_model,
     check_token_ids,
 )
-from engine.messages import EngineRequest, SamplingOptions, TokenChunk
+from protos.wire import EngineRequest, SamplingOptions, TokenChunk
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class ServedModel:
 
 
 def _checked(param: str | None, check: Callable[..., T], *args: Any) -> T:
-    """Runs one of ``conductor.validation``'s checks, naming the offending OpenAI field."""
+    """Runs one of ``gateway.validation``'s checks, naming the offending OpenAI field."""
     try:
         return check(*args)
     except InvalidRequest as e:

@@ -18,7 +18,7 @@ import logging
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from engine.messages import Placement, PrefillResult, TokenChunk
+from protos.wire import Placement, PrefillResult, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ _load_seconds_seen: dict[str, float] = {}
 
 
 def set_pool_gauges(status) -> None:
-    """Copy a ``conductor.pools.PoolStatus`` into the pool gauges, and the growth of each
+    """Copy a ``cluster.pools.PoolStatus`` into the pool gauges, and the growth of each
     worker's cumulative KV load time into ``baton_kv_transfer_seconds``."""
     for row in status.instances:
         grown = row.kv_load_seconds - _load_seconds_seen.get(row.instance_id, 0.0)

@@ -14,7 +14,6 @@ import logging
 
 import msgspec
 
-from engine.builder import StoreWiring
 from kvstore.config import KVStoreConfig
 from kvstore.events import with_event_endpoints
 from kvstore.node import KVStoreNode
@@ -22,6 +21,15 @@ from kvstore.node import KVStoreNode
 log = logging.getLogger(__name__)
 
 STORE_PREFIX = "kvstore"
+
+
+class StoreWiring(msgspec.Struct, frozen=True):
+    """How an engine's connector reaches its node's KV store actor."""
+
+    store_actor: str
+    namespace: str
+    node_id: str = "node0"
+    """The store node's id: the instances on it share its host and disk tiers."""
 
 
 class NodeStoreSpec(msgspec.Struct, frozen=True):

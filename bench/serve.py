@@ -30,8 +30,8 @@ import grpc
 import msgspec
 import numpy as np
 
-from conductor.client import build_request
-from conductor.errors import BatonError
+from gateway.client import build_request
+from protos.errors import BatonError
 from protos.baton.v1 import inference_pb2_grpc as pb_grpc
 from simulator.trace import TRACE_BLOCK_TOKENS, TraceRequest, ceiling_hit_ratio, load_trace
 

@@ -15,11 +15,11 @@ import msgspec
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from conductor import metrics
-from conductor.errors import InvalidRequest, NoWorkerReady, WorkerFailed
+from gateway import metrics
+from protos.errors import InvalidRequest, NoWorkerReady, WorkerFailed
 from conductor.policy import Overloaded, PlacementRequest
-from conductor.router import Placed, RouterEvent
-from engine.messages import EngineRequest, Placement, PrefillResult, TokenChunk
+from gateway.router import Placed, RouterEvent
+from protos.wire import EngineRequest, Placement, PrefillResult, TokenChunk
 from kvstore.keys import KeyExtras, block_keys
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def continuation(request: EngineRequest, generated: list[int]) -> EngineRequest:
 
 
 class LiveRouter:
-    """Implements ``conductor.router.Router`` on a running Ray cluster."""
+    """Implements ``gateway.router.Router`` on a running Ray cluster."""
 
     def __init__(self, conductor, namespace: str, readiness_interval_s: float = 0.5) -> None:
         self._conductor = conductor
@@ -245,7 +245,7 @@ def _as_original(chunk: TokenChunk, num_prompt_tokens: int) -> TokenChunk:
 
 def _unwrap(exc: RayTaskError) -> Exception:
     """Turn a remote exception back into the Baton error it carries."""
-    from conductor.errors import BatonError
+    from protos.errors import BatonError
     from engine.runner import EngineDead, EngineRejected
 
     if isinstance(exc.cause, BatonError):  # the original exception, with its own attributes

@@ -1,7 +1,7 @@
 """The operator verbs through a gateway's ``baton.v1.Admin`` service: what ``baton status``,
 ``scale``, ``drain``, ``pin`` and ``unpin`` call with ``--endpoint``.
 
-``AdminClient`` has the verbs of ``conductor.deployment.RayOperator`` and returns the same
+``AdminClient`` has the verbs of ``cluster.deployment.RayOperator`` and returns the same
 structs; its failures are the ``BatonError``s the CLI already maps to exit codes (an unknown
 instance or pin is ``UnknownInstance``/``InvalidRequest``, a gateway that does not answer is
 ``NotUp``), plus ``NotAuthorized`` for a refused admin key.
@@ -16,19 +16,20 @@ from typing import Mapping
 
 import grpc
 
-from conductor.admin_wire import (
+from gateway.admin_wire import (
     StatusView,
     drain_from_pb,
     scale_from_pb,
     soft_pin_from_pb,
     status_from_pb,
 )
-from conductor.auth import ADMIN_KEY_ENV
-from conductor.client import open_channel
+from gateway.auth import ADMIN_KEY_ENV
+from gateway.client import open_channel
 from conductor.conductor import SoftPin
-from conductor.deployment import NotUp
-from conductor.errors import BatonError, ConfigError, InvalidRequest
-from conductor.pools import DrainResult, ScaleResult, UnknownInstance
+from cluster.deployment import NotUp
+from protos.errors import BatonError, ConfigError, InvalidRequest
+from cluster.pools import UnknownInstance
+from protos.wire import DrainResult, ScaleResult
 from protos.baton.v1 import admin_pb2 as apb
 from protos.baton.v1 import admin_pb2_grpc as apb_grpc
 from protos.baton.v1 import inference_pb2 as pb

@@ -11,7 +11,7 @@ from typing import AsyncIterator, Protocol
 
 import msgspec
 
-from engine.messages import EngineRequest, Placement, PrefillResult, TokenChunk
+from protos.wire import EngineRequest, Placement, PrefillResult, TokenChunk
 
 
 class Placed(msgspec.Struct, frozen=True):
@@ -36,7 +36,7 @@ class Router(Protocol):
     """Serves tokenized, validated requests.
 
     ``stream`` yields exactly one ``Placed`` first, then ``TokenChunk``s; the last chunk has a
-    ``finish_reason``. It raises ``conductor.errors.NoWorkerReady`` when no instance can take the
+    ``finish_reason``. It raises ``protos.errors.NoWorkerReady`` when no instance can take the
     request and ``WorkerFailed`` when one dies mid-request. Cancelling the iteration (the client
     went away) aborts the request on the workers.
     """

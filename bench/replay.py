@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from conductor.errors import BatonError
+from protos.errors import BatonError
 from simulator.fleet import GIB, FleetConfig
 from simulator.profile import load_profile
 from simulator.replay import estimated_sims, parse_policies, replay, write_results

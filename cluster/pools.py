@@ -22,12 +22,13 @@ import grpc
 import msgspec
 import ray
 
-from conductor.errors import BatonError
-from conductor.node_stores import NodeStoreSpec
+from protos.errors import BatonError
+from protos.wire import DrainResult, InstanceRow, PoolStatus, ScaleResult, StoreRow
+from kvstore.attach import NodeStoreSpec
 from conductor.state import ConductorState
 from engine.config import EngineConfig
 from engine.models import PreparedModel
-from engine.worker_base import ConductorWiring
+from worker.base import ConductorWiring
 
 log = logging.getLogger(__name__)
 
@@ -65,26 +66,6 @@ class LaunchSpec(msgspec.Struct, frozen=True):
     store: NodeStoreSpec
     conductor: ConductorWiring
     num_gpus_per_instance: float = 0.0
-
-
-class ScaleResult(msgspec.Struct, frozen=True):
-    role: str
-    size_before: int
-    size_after: int
-    added: list[str]
-    removed: list[str]
-    pending: list[str]
-    """Added instances not ready when the call returned (waiting for a node or their engine);
-    they join when ready."""
-    failed: list[str]
-    """Added instances whose engine failed to start (removed again), with the error."""
-
-
-class DrainResult(msgspec.Struct, frozen=True):
-    instance_id: str
-    drained_requests: int
-    """Requests that were booked on it when the drain began (all finished before it left)."""
-    drain_s: float
 
 
 @dataclass
@@ -280,47 +261,3 @@ class PoolManager:
                     "it stays draining (no new work). Run `baton drain` again with a longer "
                     "--timeout, or wait for its requests to end.")
             await asyncio.sleep(DRAIN_POLL_S)
-
-
-class InstanceRow(msgspec.Struct, frozen=True):
-    """One line of ``baton status``."""
-
-    instance_id: str
-    role: str
-    node_id: str
-    phase: str
-    """starting | ready | draining | not_ready (stopped answering or engine dead)."""
-    num_waiting_reqs: int
-    num_running_reqs: int
-    num_booked_reqs: int
-    """Requests the conductor placed there and has not heard the end of."""
-    kv_usage_frac: float
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    recent_ttft_ms: float | None
-    recent_itl_ms: float | None
-    kv_load_seconds: float = 0.0
-    """Seconds the instance's connector has spent loading KV from its node's store, since start."""
-
-
-class StoreRow(msgspec.Struct, frozen=True):
-    node_id: str
-    host_capacity_blocks: int
-    host_used_blocks: int
-    host_pinned_blocks: int
-    disk_used_blocks: int
-    evicted_blocks: int
-    counters: dict[str, int] = {}
-    """Everything ``KVStoreNode.tier_counters`` reports: full-arena and full-disk rejections,
-    disk write errors, corrupt blocks, promotions, demotions, pulls."""
-
-
-class PoolStatus(msgspec.Struct, frozen=True):
-    policy: str
-    pool_sizes: dict[str, dict[str, int]]
-    """pool → phase → instances."""
-    instances: list[InstanceRow]
-    stores: list[StoreRow]
-    counters: object
-    """``conductor.state.PlacementCounters``."""
-    recent_events: list[str]

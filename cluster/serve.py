@@ -13,36 +13,45 @@ import signal
 import time
 from typing import Callable
 
-from conductor.admin import AdminServicer
-from conductor.auth import KeySet, read_admin_keys, read_key_file
-from conductor.cluster import LocalCluster
-from conductor.config import ClusterConfig
-from conductor.gateway import InferenceServicer, RunningGateway, start_gateway
-from conductor.gateway_actor import FrontAddresses
-from conductor.live_router import LiveRouter
-from conductor.metrics import PoolGaugePoller
-from conductor.tokenization import PromptTokenizer
+from cluster.config import ClusterConfig
+from cluster.local import LocalCluster
+from gateway.fronts import Fronts, FrontsConfig, FrontSecrets
+from protos.wire import FrontAddresses
 
 log = logging.getLogger(__name__)
 
 
-def _read_api_keys(path: str | None) -> KeySet:
-    """Accepted API keys, one per line of ``path`` (blank lines and ``#`` comments skipped)."""
-    return read_key_file(path, "auth.api_key_file")
+def fronts_config(config: ClusterConfig) -> FrontsConfig:
+    """The fronts' part of the cluster config."""
+    return FrontsConfig(config.name, config.ray.namespace, config.gateway, config.http,
+                        config.auth, config.engine.max_model_len_tokens)
 
 
 class BatonServer:
-    """Cluster + router + gateway. ``await start()``, then ``await stop()``."""
+    """Cluster + fronts (``gateway.fronts``). ``await start()``, then ``await stop()``."""
 
     def __init__(self, config: ClusterConfig, progress: Callable[[str], None] = lambda _m: None):
         self.config = config
         self.progress = progress
         self.cluster = LocalCluster(config, progress=progress)
-        self.gateway: RunningGateway | None = None
-        self.http = None
-        self.router: LiveRouter | None = None
+        self.fronts: Fronts | None = None
         self.start_seconds: float | None = None
-        self.gauges: PoolGaugePoller | None = None
+
+    @property
+    def router(self):
+        return self.fronts.router if self.fronts else None
+
+    @property
+    def gateway(self):
+        return self.fronts.gateway if self.fronts else None
+
+    @property
+    def http(self):
+        return self.fronts.http if self.fronts else None
+
+    @property
+    def gauges(self):
+        return self.fronts.gauges if self.fronts else None
 
     @property
     def port(self) -> int:
@@ -61,46 +70,20 @@ class BatonServer:
     async def start(self, wait_ready: bool = True) -> None:
         started = time.perf_counter()
         # secrets and certificates first: a bad one is a config error before anything starts
-        api_keys = _read_api_keys(self.config.auth.api_key_file)
-        admin_keys = read_admin_keys(self.config.gateway.admin_key_file, api_keys)
-        grpc_tls = self.config.gateway.tls_credentials()
-        http_tls = self.config.http.tls_files()
+        config = fronts_config(self.config)
+        secrets = FrontSecrets.read(config)
         await asyncio.to_thread(self.cluster.start, False)
         model = self.cluster.model
         assert model is not None
-        tokenizer = await asyncio.to_thread(PromptTokenizer, model.path)
-        max_len = min(self.config.engine.max_model_len_tokens or model.max_model_len,
-                      model.max_model_len)
-        self.router = LiveRouter(self.cluster.conductor, self.cluster.namespace)
-        self.router.start()
-        self.gauges = PoolGaugePoller(self.cluster.conductor)
-        self.gauges.start()
-        servicer = InferenceServicer(self.router, tokenizer, model.name, max_len,
-                                     api_keys=api_keys)
-        if self.config.gateway.enabled:
-            admin = AdminServicer(self.cluster.conductor, tokenizer, admin_keys, self.config.name,
-                                  fronts=self._fronts)
-            self.gateway = await start_gateway(
-                servicer, self.config.gateway.host, self.config.gateway.port,
-                tls=grpc_tls, admin=admin,
-            )
-            await self.gateway.set_serving(False)
-            self.progress(f"gateway listening on {self.target} (not serving until workers are ready)")
-        if self.config.http.enabled:
-            from conductor.openai_http import build_app, start_http
-
-            app = build_app(self.router, tokenizer, model.name, max_len, api_keys=api_keys)
-            self.http = await start_http(app, self.config.http.host, self.config.http.port,
-                                         tls=http_tls)
-            self.progress(f"OpenAI-compatible HTTP on {self.http_url}")
+        self.fronts = Fronts(config, secrets, self.progress)
+        await self.fronts.start(self.cluster.conductor, model, self._fronts)
         if wait_ready:
             await self.wait_ready()
         self.start_seconds = time.perf_counter() - started
 
     @property
     def http_url(self) -> str:
-        scheme = "https" if self.config.http.tls_cert_file else "http"
-        return f"{scheme}://{self.config.http.host}:{self.http_port}/v1"
+        return self.fronts.http_url
 
     def _fronts(self) -> FrontAddresses:
         return FrontAddresses(
@@ -112,22 +95,14 @@ class BatonServer:
         while not self.router.is_ready():  # the router polls the conductor
             await asyncio.sleep(0.05)
         if self.gateway is not None:
-            await self.gateway.set_serving(True)
+            await self.fronts.set_serving(True)
             self.progress(f"serving on {self.target}")
         if self.http is not None:
             self.progress(f"serving HTTP on {self.http_url}")
 
     async def stop(self) -> None:
-        if self.gateway is not None:
-            await self.gateway.stop(grace_s=5)
-            self.gateway = None
-        if self.http is not None:
-            await self.http.stop()
-            self.http = None
-        if self.router is not None:
-            self.router.stop()
-        if self.gauges is not None:
-            self.gauges.stop()
+        if self.fronts is not None:
+            await self.fronts.stop()
         await asyncio.to_thread(self.cluster.stop)
 
 

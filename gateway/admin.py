@@ -2,9 +2,9 @@
 
 ``baton status``, ``scale``, ``drain``, ``pin`` and ``unpin`` reach the conductor through Ray,
 so Ray access is admin access. This service offers the same verbs over gRPC to whoever holds an
-admin key: each RPC calls the conductor actor method ``conductor.deployment`` calls
+admin key: each RPC calls the conductor actor method ``cluster.deployment`` calls
 (``pool_status``, ``scale``, ``drain``, ``pin_prefix``, ``unpin_prefix``); the gateway adds only
-the key check, tokenizing a text prefix as the fronts do, and the wire (``conductor.admin_wire``).
+the key check, tokenizing a text prefix as the fronts do, and the wire (``gateway.admin_wire``).
 
 Keys come as ``authorization: Bearer <admin key>`` metadata. With no admin key configured every
 call is refused with PERMISSION_DENIED, so a cluster set up without one never exposes these
@@ -21,18 +21,18 @@ from typing import Callable, Iterable
 
 import grpc
 
-from conductor.admin_wire import (
+from gateway.admin_wire import (
     StatusView,
     drain_to_pb,
     scale_to_pb,
     soft_pin_to_pb,
     status_to_pb,
 )
-from conductor.auth import ADMIN_KEY_ENV, KeySet, bearer_key
-from conductor.errors import BatonError
-from conductor.gateway import UndecodableRequest, _tolerant_parser
-from conductor.gateway_actor import FrontAddresses
-from conductor.tokenization import PromptTokenizer
+from gateway.auth import ADMIN_KEY_ENV, KeySet, bearer_key
+from protos.errors import BatonError
+from gateway.inference import UndecodableRequest, _tolerant_parser
+from protos.wire import FrontAddresses
+from gateway.tokenization import PromptTokenizer
 from protos.baton.v1 import admin_pb2 as apb
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The gRPC front door: ``baton.v1.Inference`` over a ``Router``, plus health and reflection.
 
-The gateway owns the wire. It parses and validates requests (``conductor.validation``), maps
+The gateway owns the wire. It parses and validates requests (``gateway.validation``), maps
 every failure to a gRPC status with a message that says what to change, streams the router's
 tokens back as deltas and closes each stream with a ``Final`` holding usage and placement.
 Placement and the workers belong to the ``Router``.
@@ -20,16 +20,16 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from conductor.auth import KeySet, bearer_key
-from conductor.errors import BatonError, ConfigError
-from conductor.router import Placed, Router, num_cached_tokens
-from conductor.tokenization import PromptTokenizer
-from conductor.validation import tokenize_prompt, validate_and_build
-from engine.messages import EngineRequest, TokenChunk
+from gateway.auth import KeySet, bearer_key
+from protos.errors import BatonError, ConfigError
+from gateway.router import Placed, Router, num_cached_tokens
+from gateway.tokenization import PromptTokenizer
+from gateway.validation import tokenize_prompt, validate_and_build
+from protos.wire import EngineRequest, TokenChunk
 from protos.baton.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from conductor.admin import AdminServicer
+    from gateway.admin import AdminServicer
 
 logger = logging.getLogger(__name__)
 

@@ -116,3 +116,78 @@ class InstanceStats(msgspec.Struct, frozen=True):
     """Median time to first token over its recent requests, as the instance sees it (ms)."""
     recent_itl_ms: float | None = None
     """Median inter-token latency over its recent requests (decode instances; ms)."""
+
+
+# ---------------------------------------------------------------- operations (pools, fronts)
+
+
+class ScaleResult(msgspec.Struct, frozen=True):
+    role: str
+    size_before: int
+    size_after: int
+    added: list[str]
+    removed: list[str]
+    pending: list[str]
+    """Added instances not ready when the call returned (waiting for a node or their engine);
+    they join when ready."""
+    failed: list[str]
+    """Added instances whose engine failed to start (removed again), with the error."""
+
+
+class DrainResult(msgspec.Struct, frozen=True):
+    instance_id: str
+    drained_requests: int
+    """Requests that were booked on it when the drain began (all finished before it left)."""
+    drain_s: float
+
+
+class InstanceRow(msgspec.Struct, frozen=True):
+    """One line of ``baton status``."""
+
+    instance_id: str
+    role: str
+    node_id: str
+    phase: str
+    """starting | ready | draining | not_ready (stopped answering or engine dead)."""
+    num_waiting_reqs: int
+    num_running_reqs: int
+    num_booked_reqs: int
+    """Requests the conductor placed there and has not heard the end of."""
+    kv_usage_frac: float
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    recent_ttft_ms: float | None
+    recent_itl_ms: float | None
+    kv_load_seconds: float = 0.0
+    """Seconds the instance's connector has spent loading KV from its node's store, since start."""
+
+
+class StoreRow(msgspec.Struct, frozen=True):
+    node_id: str
+    host_capacity_blocks: int
+    host_used_blocks: int
+    host_pinned_blocks: int
+    disk_used_blocks: int
+    evicted_blocks: int
+    counters: dict[str, int] = {}
+    """Everything ``KVStoreNode.tier_counters`` reports: full-arena and full-disk rejections,
+    disk write errors, corrupt blocks, promotions, demotions, pulls."""
+
+
+class PoolStatus(msgspec.Struct, frozen=True):
+    policy: str
+    pool_sizes: dict[str, dict[str, int]]
+    """pool → phase → instances."""
+    instances: list[InstanceRow]
+    stores: list[StoreRow]
+    counters: object
+    """``conductor.state.PlacementCounters``."""
+    recent_events: list[str]
+
+
+class FrontAddresses(msgspec.Struct, frozen=True):
+    host_ip: str
+    grpc_port: int | None
+    http_port: int | None
+    http_tls: bool = False
+    """The HTTP front serves HTTPS (``http.tls_cert_file``)."""

@@ -4,7 +4,7 @@ Everything ``baton up`` starts is a detached named actor in the config's Ray nam
 after the cluster (``<name>-conductor``, ``<name>-gateway``, ``<name>-redis``,
 ``<name>-kvstore-<node>``, ``<name>-prefill-<i>``, ``<name>-decode-<i>``), so any later command
 finds it by name and ``baton down`` removes exactly what belongs to the cluster. The conductor
-owns the pools (``conductor.pools``): it starts workers, drains them and removes them; the CLI
+owns the pools (``cluster.pools``): it starts workers, drains them and removes them; the CLI
 only asks. Workers carry their pool's custom resource (``baton_prefill`` / ``baton_decode``),
 so a worker that no node can host stays pending, which is what asks the Ray autoscaler for a
 node of that group.
@@ -18,9 +18,10 @@ from typing import Callable
 
 import ray
 
-from conductor.config import ClusterConfig
-from conductor.errors import BatonError
-from conductor.pools import POOL_RESOURCES, LaunchSpec, PoolStatus, ScaleResult
+from cluster.config import ClusterConfig
+from protos.errors import BatonError
+from cluster.pools import POOL_RESOURCES, LaunchSpec
+from protos.wire import PoolStatus, ScaleResult
 
 UP_SCALE_REASON = "baton up: initial pool size from the config"
 
@@ -91,13 +92,13 @@ class UpResult:
 def up(cfg: ClusterConfig, progress: Callable[[str], None], timeout_s: float) -> UpResult:
     """Start Baton on the connected Ray cluster; if it is already up, start only what is missing
     (the fronts) and change nothing else."""
-    from conductor.cluster import block_size_for, kv_block_bytes, policy_config_for
-    from conductor.conductor import Conductor
-    from conductor.gateway_actor import GatewayHost
-    from conductor.node_stores import NodeStoreSpec
+    from cluster.local import block_size_for, kv_block_bytes, policy_config_for
+    from cluster.control import ClusterConductor as Conductor
+    from cluster.gateway_host import GatewayHost
+    from kvstore.attach import NodeStoreSpec
     from engine.builder import dtype_bytes, effective_dtype
     from engine.models import prepare_model
-    from engine.worker_base import ConductorWiring
+    from worker.base import ConductorWiring
 
     ns, names = cfg.ray.namespace, actor_names(cfg.name)
     resources = ray.cluster_resources()
@@ -191,14 +192,14 @@ def unpin(name: str, namespace: str, pin_name: str):
 
 class RayOperator:
     """The operator verbs on cluster ``name`` through Ray (the driver is connected): what the CLI
-    calls without ``--endpoint``. ``conductor.admin_client.AdminClient`` has the same verbs
+    calls without ``--endpoint``. ``cli.admin_client.AdminClient`` has the same verbs
     through the gateway's Admin service; both end in the same conductor actor methods."""
 
     def __init__(self, name: str, namespace: str) -> None:
         self.name, self.namespace = name, namespace
 
     def status(self):
-        from conductor.admin_wire import StatusView
+        from gateway.admin_wire import StatusView
 
         pools, addresses = status(self.name, self.namespace)
         return StatusView(pools, addresses, self.name)

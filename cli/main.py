@@ -53,9 +53,9 @@ def serve(
 ) -> None:
     """Start a local cluster (Ray, Redis, KV store, conductor, prefill and decode workers) and
     the gRPC gateway, in the foreground. Ctrl-C stops everything."""
-    from conductor.config import load_config
-    from conductor.errors import ConfigError
-    from conductor.serve import serve_forever
+    from cluster.config import load_config
+    from protos.errors import ConfigError
+    from cluster.serve import serve_forever
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -96,7 +96,7 @@ def generate(
                                           help="PEM CA to trust: connect over TLS (or $BATON_TLS_CA)."),
 ) -> None:
     """Send one request to a running gateway and stream the answer, then print usage."""
-    from conductor.client import GenerateFailed, generate as run_generate
+    from gateway.client import GenerateFailed, generate as run_generate
 
     text = prompt if prompt is not None else sys.stdin.read()
 
@@ -155,9 +155,9 @@ def chaos(
     workers are killed at random and replaced, the KV store node is killed and replaced, and
     Redis is restarted. Prints and writes sent, completed, retried, failed_clean, lost, wrong and
     leaked, and the faults injected by kind; exit code 1 when lost, wrong or leaked is not 0."""
-    from conductor.chaos import main as run_chaos
-    from conductor.config import load_config
-    from conductor.errors import ConfigError
+    from bench.chaos import main as run_chaos
+    from cluster.config import load_config
+    from protos.errors import ConfigError
 
     if prefill < 2 or decode < 2:
         err.print("[red]error:[/red] chaos needs --prefill >= 2 and --decode >= 2")
@@ -198,7 +198,7 @@ def bench_replay(
 ) -> None:
     """SIMULATE a fleet replaying a trace under each placement policy (the conductor's own code):
     hit ratio, TTFT, TBT, SLO attainment and goodput per policy."""
-    from simulator.command import replay_command
+    from bench.replay import replay_command
     from simulator.replay import default_jobs
 
     replay_command(trace, prefill, decode, policy, out, rate_scale, profile, ttft_slo_ms, tbt_slo_ms,
@@ -220,7 +220,7 @@ def bench_kvstore(
     paths: str = typer.Option("shm,tcp,ucx,disk", help="Comma-separated: shm, tcp, ucx, disk."),
 ) -> None:
     """Each KV store data path (shared memory, tcp, ucx, disk tier) against its raw baseline."""
-    from kvstore.bench import main as run_kvstore_bench
+    from bench.kvstore import main as run_kvstore_bench
 
     run_kvstore_bench(str(json_path) if json_path else None, block_bytes, blocks, rounds,
                       str(disk_dir) if disk_dir else None, tuple(paths.split(",")))
@@ -235,7 +235,7 @@ def bench_conductor(
 ) -> None:
     """Time the conductor's placement decision (index lookup, snapshot, `baton` policy, pricing,
     admission) with 64, 256 and 1,024 prefill instances, and its KV-event ingestion rate."""
-    from conductor.bench import run
+    from bench.conductor import run
 
     with err.status("filling the index and timing decisions") as status:
         run(json_path, indexed_blocks, decisions, echo=lambda line: (status.update(line), print(line)))
@@ -254,10 +254,10 @@ def profile(
     """Measure prefill time over (uncached, cached) tokens, decode step time over batch sizes and
     KV transfer bandwidth per path on this machine; fit the conductor's cost model, report its
     error on held-out prefills, and save it. Serve with it: --set conductor.profile_path=OUT."""
-    from conductor.cluster import block_size_for
-    from conductor.config import load_config
-    from conductor.errors import ConfigError
-    from conductor.profile import profile as run_profile
+    from cluster.local import block_size_for
+    from cluster.config import load_config
+    from protos.errors import ConfigError
+    from bench.profile import profile as run_profile
     from engine.builder import engine_env
     from engine.models import ModelPrepError, prepare_model
 
@@ -319,8 +319,8 @@ def bench_serve(
 ) -> None:
     """Replay a trace against a running gateway (live, not simulated) and report what `vllm bench
     serve` reports: TTFT, TPOT, ITL, E2EL, throughput, goodput, plus the prefix-cache hit ratio."""
-    from conductor.bench_serve import ExpansionOptions, serve_command
-    from conductor.errors import BatonError
+    from bench.serve import ExpansionOptions, serve_command
+    from protos.errors import BatonError
 
     extra = [a for a in ctx.args if ":" in a and not a.startswith("-")]  # --goodput ttft:1 tpot:2
     if len(extra) != len(ctx.args):
@@ -360,10 +360,10 @@ def _fail(exc: BaseException) -> None:
     """Print an operator error and exit with its code."""
     from ray.exceptions import RayTaskError
 
-    from conductor.admin_client import NotAuthorized
-    from conductor.deployment import NoRayCluster, NotUp
-    from conductor.errors import ConfigError, InvalidRequest
-    from conductor.pools import UnknownInstance
+    from cli.admin_client import NotAuthorized
+    from cluster.deployment import NoRayCluster, NotUp
+    from protos.errors import ConfigError, InvalidRequest
+    from cluster.pools import UnknownInstance
 
     if isinstance(exc, RayTaskError) and exc.cause is not None:
         exc = exc.cause
@@ -379,7 +379,7 @@ def _fail(exc: BaseException) -> None:
 
 
 def _connected(address: Optional[str], namespace: str) -> None:
-    from conductor.deployment import connect
+    from cluster.deployment import connect
 
     try:
         connect(address, namespace)
@@ -392,11 +392,11 @@ def _operator(address: Optional[str], name: str, namespace: str, endpoint: Optio
     """Who carries out an operator verb: the gateway's Admin service with ``--endpoint``
     (``AdminClient``), else the conductor through Ray (``RayOperator``)."""
     if endpoint is None:
-        from conductor.deployment import RayOperator
+        from cluster.deployment import RayOperator
 
         _connected(address, namespace)
         return RayOperator(name, namespace)
-    from conductor.admin_client import AdminClient, read_admin_key
+    from cli.admin_client import AdminClient, read_admin_key
 
     try:
         return AdminClient(endpoint, read_admin_key(admin_key_file), str(tls_ca) if tls_ca else None)
@@ -432,8 +432,8 @@ def up(
     """Start Baton on an existing Ray cluster as detached named actors (conductor, gateway with
     the gRPC and HTTP fronts, prefill and decode pools, a KV store per node), then return.
     Running it again when Baton is up changes nothing."""
-    from conductor.config import load_config
-    from conductor.deployment import up as run_up
+    from cluster.config import load_config
+    from cluster.deployment import up as run_up
 
     try:
         cfg = load_config(config, _parse_overrides(set_))
@@ -461,7 +461,7 @@ def up(
 def down(address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE) -> None:
     """Remove everything `baton up` started for this cluster (fronts first, then workers,
     stores, conductor, Redis). Nothing up: nothing to do (exit 0)."""
-    from conductor.deployment import down as run_down
+    from cluster.deployment import down as run_down
 
     _connected(address, namespace)
     removed = run_down(name, namespace, lambda msg: err.print(f"[cyan]baton[/cyan] {msg}"))

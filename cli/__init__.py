@@ -1,0 +1,1 @@
+"""The ``baton`` command line and the clients it uses (gRPC Inference and Admin)."""

@@ -1,0 +1,110 @@
+"""The fronts' config models: the gRPC gateway, the OpenAI HTTP front and client authentication."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def _check_tls_pair(section: str, cert_file: str | None, key_file: str | None) -> None:
+    if (cert_file is None) != (key_file is None):
+        raise ValueError(f"{section} TLS needs both tls_cert_file and tls_key_file (or neither)")
+
+
+class GatewayConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(True, description="Serve the gRPC Inference API.")
+    host: str = Field("127.0.0.1", description="Address the gRPC gateway binds.")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    tls_cert_file: str | None = Field(
+        None, description="PEM certificate chain: set it (with tls_key_file) and the gateway "
+        "serves TLS only; unset: plaintext (keep it on loopback or a private network)."
+    )
+    tls_key_file: str | None = Field(
+        None, description="PEM private key of tls_cert_file; read from the file, never logged."
+    )
+    admin_key_file: str | None = Field(
+        None, description="File with one accepted admin key per line: the baton.v1.Admin service "
+        "(status, scale, drain, pin, unpin) on the gateway's port accepts only these keys, never "
+        "an inference API key. Unset: the key in $BATON_ADMIN_KEY of the gateway's process; "
+        "neither: the Admin service refuses every call. Read from the file, never logged."
+    )
+
+    @model_validator(mode="after")
+    def _tls_needs_both_files(self) -> "GatewayConfig":
+        _check_tls_pair("gateway", self.tls_cert_file, self.tls_key_file)
+        return self
+
+    def tls_credentials(self) -> tuple[bytes, bytes] | None:
+        """(private key, certificate chain) PEM bytes, or None without TLS; ``ConfigError``
+        naming the file when one cannot be read."""
+        from protos.errors import ConfigError
+
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        pems = []
+        for field, path in (("tls_key_file", self.tls_key_file), ("tls_cert_file", self.tls_cert_file)):
+            try:
+                pems.append(Path(path).read_bytes())
+            except OSError as e:
+                raise ConfigError(f"gateway.{field}: cannot read {path}: {e.strerror}") from e
+        return pems[0], pems[1]
+
+
+class HttpConfig(BaseModel):
+    """The OpenAI-compatible HTTP front, served beside gRPC through the same conductor."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(True, description="Serve the OpenAI-compatible HTTP API.")
+    host: str = Field("127.0.0.1", description="Address the HTTP front binds.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
+    tls_cert_file: str | None = Field(
+        None, description="PEM certificate chain: set it (with tls_key_file) and the HTTP front "
+        "serves HTTPS only (/v1, /health and /metrics); unset: plain HTTP. May be the gateway's."
+    )
+    tls_key_file: str | None = Field(
+        None, description="PEM private key of tls_cert_file; read from the file, never logged."
+    )
+
+    @model_validator(mode="after")
+    def _tls_needs_both_files(self) -> "HttpConfig":
+        _check_tls_pair("http", self.tls_cert_file, self.tls_key_file)
+        return self
+
+    def tls_files(self) -> tuple[str, str] | None:
+        """(certificate chain, private key) paths, checked to load as a TLS server identity, or
+        None without TLS; ``ConfigError`` naming the field when a file is unreadable or wrong."""
+        import ssl
+
+        from protos.errors import ConfigError
+
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        for field, path in (("tls_cert_file", self.tls_cert_file), ("tls_key_file", self.tls_key_file)):
+            try:
+                Path(path).read_bytes()
+            except OSError as e:
+                raise ConfigError(f"http.{field}: cannot read {path}: {e.strerror}") from e
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                self.tls_cert_file, self.tls_key_file)
+        except ssl.SSLError as e:
+            raise ConfigError(
+                f"http.tls_cert_file {self.tls_cert_file} and http.tls_key_file: not a PEM "
+                f"certificate chain and its private key ({e.reason or e})"
+            ) from e
+        return self.tls_cert_file, self.tls_key_file
+
+
+class AuthConfig(BaseModel):
+    """Client authentication, shared by the gRPC gateway and the HTTP front."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    api_key_file: str | None = Field(
+        None, description="File with one accepted API key per line; unset: no key required. "
+        "Keys are read from the file, never from the config itself, and never logged."
+    )

@@ -1,0 +1,141 @@
+"""The fronts assembled once: the live router to the conductor, the pool-gauge poller, the gRPC
+gateway (``baton.v1.Inference`` and the key-guarded ``baton.v1.Admin``) and the OpenAI HTTP front,
+all on the caller's event loop.
+
+``baton serve`` (``cluster.serve``) runs them in its own process; ``baton up`` runs them inside a
+detached Ray actor (``cluster.gateway_host``). Both build them here, so the two never drift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import msgspec
+
+from engine.models import PreparedModel
+from gateway.admin import AdminServicer
+from gateway.auth import KeySet, read_admin_keys, read_api_keys
+from gateway.config import AuthConfig, GatewayConfig, HttpConfig
+from gateway.inference import InferenceServicer, RunningGateway, start_gateway
+from gateway.live_router import LiveRouter
+from gateway.metrics import PoolGaugePoller
+from gateway.tokenization import PromptTokenizer
+from protos.wire import FrontAddresses
+
+log = logging.getLogger(__name__)
+
+
+class FrontsConfig(msgspec.Struct, frozen=True):
+    """The parts of the cluster config the fronts read."""
+
+    cluster_name: str
+    namespace: str
+    gateway: GatewayConfig
+    http: HttpConfig
+    auth: AuthConfig
+    max_model_len_tokens: int | None = None
+    """``engine.max_model_len_tokens`` (None: the model's own limit)."""
+
+
+@dataclass(frozen=True)
+class FrontSecrets:
+    """Keys and certificates, read before anything starts: a bad one is a config error then."""
+
+    api_keys: KeySet
+    admin_keys: KeySet
+    grpc_tls: tuple[bytes, bytes] | None
+    http_tls: tuple[str, str] | None
+
+    @classmethod
+    def read(cls, config: FrontsConfig) -> "FrontSecrets":
+        api_keys = read_api_keys(config.auth.api_key_file)
+        return cls(api_keys, read_admin_keys(config.gateway.admin_key_file, api_keys),
+                   config.gateway.tls_credentials(), config.http.tls_files())
+
+
+class Fronts:
+    """``await start(conductor, model)``, then ``await stop()``. The gRPC gateway binds at once
+    and reports NOT_SERVING until ``set_serving(True)`` (or, with ``follow_readiness``, until the
+    router sees a ready cluster, following it from then on)."""
+
+    def __init__(self, config: FrontsConfig, secrets: FrontSecrets,
+                 progress: Callable[[str], None] = lambda _m: None) -> None:
+        self.config = config
+        self.secrets = secrets
+        self.progress = progress
+        self.router: LiveRouter | None = None
+        self.gauges: PoolGaugePoller | None = None
+        self.gateway: RunningGateway | None = None
+        self.http = None
+        self.tokenizer: PromptTokenizer | None = None
+        self._follower: asyncio.Task | None = None
+        self._addresses: Callable[[], FrontAddresses | None] = lambda: None
+
+    async def start(self, conductor, model: PreparedModel,
+                    addresses: Callable[[], FrontAddresses | None],
+                    follow_readiness: bool = False) -> None:
+        """Start every enabled front against ``conductor`` (its actor handle). ``addresses``
+        answers the Admin service's question of where the fronts serve."""
+        cfg, secrets = self.config, self.secrets
+        self._addresses = addresses
+        self.tokenizer = tokenizer = await asyncio.to_thread(PromptTokenizer, model.path)
+        max_len = min(cfg.max_model_len_tokens or model.max_model_len, model.max_model_len)
+        self.router = LiveRouter(conductor, cfg.namespace)
+        self.router.start()
+        self.gauges = PoolGaugePoller(conductor)
+        self.gauges.start()
+        if cfg.gateway.enabled:
+            servicer = InferenceServicer(self.router, tokenizer, model.name, max_len,
+                                         api_keys=secrets.api_keys)
+            admin = AdminServicer(conductor, tokenizer, secrets.admin_keys, cfg.cluster_name,
+                                  fronts=addresses)
+            self.gateway = await start_gateway(servicer, cfg.gateway.host, cfg.gateway.port,
+                                               tls=secrets.grpc_tls, admin=admin)
+            await self.gateway.set_serving(False)
+            self.progress(f"gateway listening on {cfg.gateway.host}:{self.gateway.port} "
+                          "(not serving until workers are ready)")
+            if follow_readiness:
+                self._follower = asyncio.get_running_loop().create_task(self._follow_readiness())
+        if cfg.http.enabled:
+            from gateway.openai_http import build_app, start_http
+
+            app = build_app(self.router, tokenizer, model.name, max_len, api_keys=secrets.api_keys)
+            self.http = await start_http(app, cfg.http.host, cfg.http.port, tls=secrets.http_tls)
+            self.progress(f"OpenAI-compatible HTTP on {self.http_url}")
+
+    @property
+    def http_url(self) -> str:
+        scheme = "https" if self.config.http.tls_cert_file else "http"
+        return f"{scheme}://{self.config.http.host}:{self.http.port if self.http else 0}/v1"
+
+    async def set_serving(self, serving: bool) -> None:
+        if self.gateway is not None:
+            await self.gateway.set_serving(serving)
+
+    async def _follow_readiness(self) -> None:
+        """gRPC health follows the pools: NOT_SERVING until a prefill and a decode are ready."""
+        serving = None
+        while self.gateway is not None:
+            ready = self.router.is_ready()
+            if ready != serving:
+                await self.gateway.set_serving(ready)
+                serving = ready
+            await asyncio.sleep(0.5)
+
+    async def stop(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            self._follower = None
+        if self.gateway is not None:
+            gateway, self.gateway = self.gateway, None
+            await gateway.stop(grace_s=5)
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
+        if self.router is not None:
+            self.router.stop()
+        if self.gauges is not None:
+            self.gauges.stop()
