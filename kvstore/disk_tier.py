@@ -1,21 +1,11 @@
 """The SSD tier's mechanism: checksummed blocks in one preallocated slot file, leaf-LRU eviction.
 
 Blocks live in ``<directory>/blocks.slots``: ``num_slots = capacity_bytes // slot_bytes`` slots of
-``slot_bytes = HEADER_BYTES + block_bytes`` bytes, slot ``i`` at byte ``i * slot_bytes``. The file
-is created or resized sparse with ``ftruncate`` and held open for the tier's lifetime: creating,
-renaming and unlinking one file per block (format version 2) cost ~300 us per 368 KB block on
-ext4 here, about as much as writing it. Each slot is a fixed header followed by the payload::
-
-    magic "BATONKV\\0" | version u16 | flags u16 | key 16B | parent 16B | payload_len u64
-    | payload_xxh3 u64 | header_crc32 u32
-
-All integers are little-endian. ``flags`` bit 0 says the parent field is meaningful (the block is
-not the first of its chain). ``header_crc32`` covers every header byte before it, so start-up can
-trust a header (the parent link decides eviction order) without reading the payload;
-``payload_xxh3`` (XXH3-64 of the payload) is checked on every read. A flipped bit anywhere in the
-slot is caught. XXH3 replaced CRC-32 (format version 1) because a page-cache read runs at
-~7.5 GB/s here and CRC-32 at ~3.6 GB/s would halve it; XXH3 runs at ~39 GB/s (368 KB block). It
-guards against bit rot and torn writes, not against an adversary who can write the directory.
+``slot_bytes = HEADER_BYTES + block_bytes`` bytes, slot ``i`` at byte ``i * slot_bytes``; each is a
+checksummed header followed by the payload, laid out as ``kvstore.disk_format`` describes. The
+file is created or resized sparse with ``ftruncate`` and held open for the tier's lifetime:
+creating, renaming and unlinking one file per block (format version 2) cost ~300 us per 368 KB
+block on ext4 here, about as much as writing it.
 
 Atomicity. A put writes header and payload into a free slot with one ``pwritev`` and indexes the
 block only after the write returned, so no reader in this process sees a partial block; a failed
@@ -56,31 +46,28 @@ import itertools
 import logging
 import os
 import shutil
-import struct
-import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import xxhash
 
+from kvstore.disk_buffers import as_byte_view
+from kvstore.disk_format import (
+    HEADER_BYTES,
+    SLOT_FILE_NAME,
+    ZERO_HEADER,
+    find_block,
+    holds_block,
+    pack_header,
+    sound_headers,
+)
 from kvstore.keys import KEY_SIZE_BYTES, BlockKey, key_hex
 
-logger = logging.getLogger(__name__)
+__all__ = ["HEADER_BYTES", "SLOT_FILE_NAME", "DiskTier", "DiskTierStats", "find_block"]
 
-MAGIC = b"BATONKV\x00"
-FORMAT_VERSION = 3
-SLOT_FILE_NAME = "blocks.slots"
-_FLAG_HAS_PARENT = 1
-_HEADER = struct.Struct("<8sHH16s16sQQI")
-_PREFIX = struct.Struct("<8sHH16s16sQ")  # the header up to its checksums
-_CHECKSUMS = struct.Struct("<QI")  # payload_xxh3, header_crc32
-HEADER_BYTES = _HEADER.size
-_CHECKED_HEADER_BYTES = HEADER_BYTES - 4  # every header byte before the header checksum
-_ZERO_HEADER = bytes(HEADER_BYTES)
-_NO_PARENT = bytes(KEY_SIZE_BYTES)
+logger = logging.getLogger(__name__)
 
 
 class DiskTierStats(msgspec.Struct, frozen=True):
@@ -180,7 +167,7 @@ class DiskTier:
         (``write_errors``, logged): the caller degrades to recompute.
         """
         assert len(key) == KEY_SIZE_BYTES and (parent is None or len(parent) == KEY_SIZE_BYTES)
-        view = _as_byte_view(payload)
+        view = as_byte_view(payload)
         if len(view) != self.block_bytes:
             raise ValueError(f"a disk block holds {self.block_bytes} bytes, got {len(view)}")
         if key in self._entries:
@@ -190,7 +177,7 @@ class DiskTier:
             return False
         slot = heapq.heappop(self._free_slots)
         try:
-            self._write_slot(slot, _pack_header(key, parent, view), view)
+            self._write_slot(slot, pack_header(key, parent, view), view)
         except OSError as e:
             self._write_errors += 1
             hint = " (disk full: free space or lower the disk tier capacity)" if (
@@ -225,7 +212,7 @@ class DiskTier:
         cannot be read whole) is dropped, counted in ``corrupt_blocks`` and returned as a miss;
         ``out`` then holds undefined bytes. A hit makes the block the most recently used.
         """
-        view = _as_byte_view(out)
+        view = as_byte_view(out)
         if len(view) != self.block_bytes or view.readonly:
             raise ValueError(f"get_into needs a writable buffer of {self.block_bytes} bytes")
         entry = self._entries.get(key)
@@ -329,7 +316,7 @@ class DiskTier:
         self._used_bytes = 0
         file_bytes = os.fstat(self._fd).st_size
         seen: set[BlockKey] = set()
-        for slot, key, parent in _sound_headers(self._fd, file_bytes, self.block_bytes):
+        for slot, key, parent in sound_headers(self._fd, file_bytes, self.block_bytes):
             if key in seen:
                 logger.info("disk tier start-up: block %s found twice; one kept", key_hex(key))
                 if slot < self.num_slots:
@@ -373,7 +360,7 @@ class DiskTier:
         file_bytes = os.fstat(self._fd).st_size
         assert file_bytes == self.num_slots * self.slot_bytes, "the slot file has the wrong size"
         on_disk = {slot: (key, parent) for slot, key, parent in
-                   _sound_headers(self._fd, file_bytes, self.block_bytes)}
+                   sound_headers(self._fd, file_bytes, self.block_bytes)}
         indexed = {entry.slot: (entry.key, entry.parent) for entry in self._entries.values()}
         stray = {slot: block for slot, block in on_disk.items() if indexed.get(slot) != block}
         assert not stray, f"sound headers in free or other blocks' slots: {sorted(stray)}"
@@ -432,7 +419,7 @@ class DiskTier:
         """One small write so a restart does not index the slot; the payload bytes stay (a slot
         without a sound header holds no block)."""
         try:
-            os.pwrite(self._fd, _ZERO_HEADER, slot * self.slot_bytes)
+            os.pwrite(self._fd, ZERO_HEADER, slot * self.slot_bytes)
         except OSError as e:  # the block is gone from the index; a restart may bring it back
             logger.warning("disk tier could not clear slot %d: %s", slot, e)
 
@@ -484,104 +471,7 @@ class DiskTier:
             num_read = os.preadv(self._fd, [header, out], entry.slot * self.slot_bytes)
         except OSError:
             return False
-        expected = _pack_prefix(entry.key, entry.parent, self.block_bytes)
-        payload_xxh3, header_crc = _CHECKSUMS.unpack_from(header, _PREFIX.size)
-        return (
-            num_read == self.slot_bytes
-            and header.startswith(expected)
-            and zlib.crc32(header[:_CHECKED_HEADER_BYTES]) == header_crc
-            and xxhash.xxh3_64_intdigest(out) == payload_xxh3
-        )
-
-
-def find_block(directory: Path, key: BlockKey, block_bytes: int) -> tuple[Path, int] | None:
-    """Where the tier in ``directory`` keeps ``key``'s header (file, byte offset), found by
-    reading slot headers: for tests and tools outside the process that owns the tier. None when
-    no slot holds a sound header for ``key``."""
-    path = Path(directory) / SLOT_FILE_NAME
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for slot, stored_key, _ in _sound_headers(fd, os.fstat(fd).st_size, block_bytes):
-            if stored_key == key:
-                return path, slot * (HEADER_BYTES + block_bytes)
-    finally:
-        os.close(fd)
-    return None
-
-
-def _sound_headers(
-    fd: int, file_bytes: int, block_bytes: int
-) -> Iterator[tuple[int, BlockKey, BlockKey | None]]:
-    """(slot, key, parent) of every slot of the file whose header is sound, in slot order."""
-    slot_bytes = HEADER_BYTES + block_bytes
-    for slot in _written_slots(fd, file_bytes, slot_bytes):
-        try:
-            raw = os.pread(fd, HEADER_BYTES, slot * slot_bytes)
-        except OSError:
-            continue
-        parsed = _parse_header(raw, block_bytes)
-        if parsed is not None:
-            yield slot, *parsed
-
-
-def _written_slots(fd: int, file_bytes: int, slot_bytes: int) -> Iterator[int]:
-    """Slots overlapping the data (not the holes) of a sparse file, in order: a slot that was
-    never written reads as zeros and holds no block. Every slot if the file system cannot tell."""
-    num_slots = -(-file_bytes // slot_bytes)  # a partial last slot counts
-    next_slot = offset = 0
-    while offset < file_bytes:
-        try:
-            data_start = os.lseek(fd, offset, os.SEEK_DATA)
-        except OSError as e:
-            if e.errno != errno.ENXIO:  # ENXIO: no data after offset
-                yield from range(next_slot, num_slots)
-            return
-        data_end = os.lseek(fd, data_start, os.SEEK_HOLE)
-        end_slot = min(num_slots, -(-data_end // slot_bytes))
-        yield from range(max(next_slot, data_start // slot_bytes), end_slot)
-        next_slot = max(next_slot, end_slot)
-        offset = data_end
-
-
-def _parse_header(
-    raw: bytes | bytearray, block_bytes: int
-) -> tuple[BlockKey, BlockKey | None] | None:
-    """(key, parent) of a sound header, else None."""
-    if len(raw) != HEADER_BYTES:
-        return None
-    magic, version, flags, key, parent, payload_len, _, header_crc = _HEADER.unpack(raw)
-    if zlib.crc32(memoryview(raw)[:_CHECKED_HEADER_BYTES]) != header_crc:
-        return None
-    if (magic, version, payload_len) != (MAGIC, FORMAT_VERSION, block_bytes):
-        return None
-    return BlockKey(key), BlockKey(parent) if flags & _FLAG_HAS_PARENT else None
-
-
-def _pack_header(key: BlockKey, parent: BlockKey | None, payload: memoryview) -> bytes:
-    checked = _pack_prefix(key, parent, len(payload)) + struct.pack(
-        "<Q", xxhash.xxh3_64_intdigest(payload)
-    )
-    return checked + struct.pack("<I", zlib.crc32(checked))
-
-
-def _pack_prefix(key: BlockKey, parent: BlockKey | None, payload_bytes: int) -> bytes:
-    """The header up to its checksums."""
-    flags = _FLAG_HAS_PARENT if parent is not None else 0
-    return _PREFIX.pack(MAGIC, FORMAT_VERSION, flags, key, parent or _NO_PARENT, payload_bytes)
-
-
-def _as_byte_view(payload: Any) -> memoryview:
-    """A flat byte view of bytes-like data (numpy arrays included) or a uint8 tensor (on the
-    CPU), without copying."""
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        if type(payload).__module__ == "numpy":
-            return memoryview(payload).cast("B")
-        import torch  # only callers that pass tensors pay for the import
-
-        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
-            raise TypeError(f"a disk block payload is bytes or a uint8 tensor, got {payload!r:.80}")
-        payload = payload.detach().cpu().contiguous().view(-1).numpy()
-    return memoryview(payload).cast("B")
+        return num_read == self.slot_bytes and holds_block(header, entry.key, entry.parent, out)
 
 
 def _fsync_directory(directory: Path) -> None:
