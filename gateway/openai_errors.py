@@ -1,0 +1,100 @@
+"""The OpenAI HTTP front's errors: Baton errors and bad bodies as OpenAI error answers.
+
+Every failure is answered as ``{"error": {message, type, param, code}}``. The HTTP status
+follows the error's gRPC category: INVALID_ARGUMENT 400, ``UnknownModel`` 404,
+RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, anything else 500; 429 and 503 carry ``Retry-After``.
+Malformed JSON and wrong field types are 400 (``validation_message``), not FastAPI's 422.
+``translated`` is the one place router exceptions become ``OpenAIError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from http import HTTPStatus
+
+import grpc
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from protos.errors import BatonError, UnknownModel
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RETRY_AFTER_S = 1
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's format; raised by handlers, rendered by ``build_app``."""
+
+    def __init__(
+        self,
+        status: HTTPStatus | int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = int(status)
+        self.body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+        self.headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+
+
+def error_for(error: BatonError, param: str | None = None) -> OpenAIError:
+    """The HTTP answer for a Baton error, chosen by its gRPC category (see module docstring)."""
+    code = re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__).lower()
+    retry_after_s = getattr(error, "retry_after_s", DEFAULT_RETRY_AFTER_S)
+    if isinstance(error, UnknownModel):
+        return OpenAIError(HTTPStatus.NOT_FOUND, str(error), "invalid_request_error", param, code)
+    if error.grpc_status == grpc.StatusCode.INVALID_ARGUMENT:
+        return OpenAIError(HTTPStatus.BAD_REQUEST, str(error), "invalid_request_error", param, code)
+    if error.grpc_status == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        status, type_ = HTTPStatus.TOO_MANY_REQUESTS, "rate_limit_error"
+        return OpenAIError(status, str(error), type_, param, code, retry_after_s)
+    if error.grpc_status == grpc.StatusCode.UNAVAILABLE:
+        status, type_ = HTTPStatus.SERVICE_UNAVAILABLE, "server_error"
+        return OpenAIError(status, str(error), type_, param, code, retry_after_s)
+    return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(error), "server_error", param, code)
+
+
+def _internal_error(request_id: str) -> OpenAIError:
+    return OpenAIError(
+        HTTPStatus.INTERNAL_SERVER_ERROR,
+        f"internal error while serving request {request_id}; the gateway log has the details",
+        "server_error",
+    )
+
+
+@contextlib.contextmanager
+def translated(request_id: str):
+    """Turns whatever the router raises into an ``OpenAIError``, logging the unexpected."""
+    try:
+        yield
+    except OpenAIError:
+        raise
+    except BatonError as e:
+        raise error_for(e) from e
+    except Exception as e:
+        logger.exception("request %s failed inside the HTTP front", request_id)
+        raise _internal_error(request_id) from e
+
+
+def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """One readable message (and the first offending field) from FastAPI's error list."""
+    parts, params = [], []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"] if part != "body")
+        if item["type"] == "json_invalid":
+            detail = item.get("ctx", {}).get("error", "")
+            parts.append(f"the request body is not valid JSON ({detail})")
+            continue
+        params.append(where or None)
+        parts.append(f"{where or 'request body'}: {item['msg']}")
+    message = "; ".join(parts) + "; see the OpenAI API reference for the fields"
+    return message, params[0] if params else None

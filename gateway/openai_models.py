@@ -1,0 +1,60 @@
+"""The OpenAI HTTP front's request bodies: what ``/v1/chat/completions`` and ``/v1/completions``
+accept, as pydantic models FastAPI parses the JSON into.
+
+Contract: unknown fields are ignored, as OpenAI servers do; Baton's own request fields
+(``cache_salt``, ``tenant``) ride as extra body fields. Parsing only checks types (and the
+seed's int64 range); ``gateway.openai_requests`` checks values against the served model.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="Send a last chunk with usage.")
+
+
+class _Body(BaseModel):
+    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI servers do."""
+
+    model: str = Field("", description="Served model name; empty selects it.")
+    max_tokens: int | None = Field(None, description="Tokens to generate at most.")
+    max_completion_tokens: int | None = Field(None, description="Wins over max_tokens.")
+    temperature: float | None = Field(None, description="Sampling temperature; unset: 1.0.")
+    top_p: float | None = Field(None, description="Nucleus mass in (0, 1]; unset: 1.0.")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="Sampling seed.")
+    stop: str | list[str] | None = Field(None, description="Stop string(s).")
+    n: int = Field(1, description="Choices per request; only 1 is served.")
+    stream: bool = Field(False, description="Answer with server-sent events.")
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="End-user id; accepted and ignored.")
+    cache_salt: str | None = Field(None, description="Baton: prefix-cache isolation salt.")
+    tenant: str | None = Field(None, description="Baton: the salt when cache_salt is unset.")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Body):
+    messages: list[ChatMessage]
+
+
+class CompletionRequest(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]

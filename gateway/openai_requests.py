@@ -1,0 +1,143 @@
+"""The OpenAI HTTP front's request checks: an OpenAI body to the ``EngineRequest`` workers run.
+
+Mirrors ``gateway.validation.validate_and_build`` (the gRPC gateway's checks, reused one by
+one), so both fronts accept and refuse the same requests. Contract: ``build_engine_request``
+returns a request the router may place, or raises ``OpenAIError`` (400, or 404 for an unknown
+model) whose ``param`` names the offending OpenAI field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+from gateway.openai_errors import error_for
+from gateway.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.tokenization import CHAT_ROLES, PromptTokenizer
+from gateway.validation import (
+    DEFAULT_MAX_TOKENS,
+    _check_cache_salt,
+    _check_lengths,
+    _check_request_id,
+    _check_stop,
+    _check_temperature,
+    _check_top_p,
+    check_model,
+    check_token_ids,
+)
+from protos.errors import InvalidRequest
+from protos.wire import EngineRequest, SamplingOptions
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What requests are checked against: the name, context window and vocabulary size."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+
+def checked(param: str | None, check: Callable[..., T], *args: Any) -> T:
+    """Runs one of ``gateway.validation``'s checks, naming the offending OpenAI field."""
+    try:
+        return check(*args)
+    except InvalidRequest as e:
+        raise error_for(e, param) from e
+
+
+def _chat_pairs(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    if not messages:
+        raise InvalidRequest("messages is empty; send at least one message")
+    for index, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"messages[{index}] has role '{message.role}'; use one of {', '.join(CHAT_ROLES)}"
+            )
+    return [(message.role, message.text()) for message in messages]
+
+
+def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    """The one prompt of a completion request: text or token ids."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > 1:
+            raise InvalidRequest(
+                f"only one prompt per request; send the {len(prompt)} prompts as "
+                f"{len(prompt)} separate requests"
+            )
+        prompt = prompt[0]
+    if not prompt:
+        raise InvalidRequest("prompt is empty; send at least one character or token id")
+    return prompt
+
+
+def build_engine_request(
+    body: ChatCompletionRequest | CompletionRequest,
+    tokenizer: PromptTokenizer,
+    served: ServedModel,
+    request_id: str = "",
+) -> EngineRequest:
+    """Checks an OpenAI body like ``validate_and_build`` checks a ``GenerateRequest``.
+
+    Cheap checks first, then tokenization. Raises ``OpenAIError`` whose ``param`` names the
+    offending field. ``cache_salt`` wins over ``tenant``; an unset temperature is OpenAI's 1.0
+    and an unset max_tokens is ``DEFAULT_MAX_TOKENS``, lowered to fit the context window.
+    """
+    checked("model", check_model, body.model, served.name)
+    if body.n != 1:
+        raise error_for(
+            InvalidRequest(
+                f"n must be 1 (one choice per request), got {body.n}; "
+                "send several requests for several completions"
+            ),
+            "n",
+        )
+    temperature = 1.0 if body.temperature is None else body.temperature
+    temperature = checked("temperature", _check_temperature, temperature)
+    top_p = 1.0 if body.top_p is None else checked("top_p", _check_top_p, body.top_p)
+    stop_strings = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    stop = checked("stop", _check_stop, stop_strings)
+    salt_param, cache_salt = (
+        ("cache_salt", body.cache_salt) if body.cache_salt is not None else ("tenant", body.tenant)
+    )
+    checked(salt_param, _check_cache_salt, cache_salt or "")
+    request_id = checked("X-Request-Id", _check_request_id, request_id)
+
+    if isinstance(body, ChatCompletionRequest):
+        prompt_param = "messages"
+        pairs = checked(prompt_param, _chat_pairs, body.messages)
+        prompt_token_ids = checked(prompt_param, tokenizer.encode_chat, pairs)
+    else:
+        prompt_param = "prompt"
+        prompt = checked(prompt_param, _single_prompt, body.prompt)
+        prompt_token_ids = tokenizer.encode_text(prompt) if isinstance(prompt, str) else prompt
+    if not prompt_token_ids:
+        raise error_for(
+            InvalidRequest("the prompt tokenizes to no tokens; send a longer prompt"), prompt_param
+        )
+    checked(prompt_param, check_token_ids, prompt_token_ids, served.vocab_size)
+    max_tokens_param, max_tokens = (
+        ("max_completion_tokens", body.max_completion_tokens)
+        if body.max_completion_tokens is not None
+        else ("max_tokens", body.max_tokens)
+    )
+    prompt_fits = len(prompt_token_ids) < served.max_model_len
+    length_param = max_tokens_param if prompt_fits else prompt_param
+    max_tokens = checked(
+        length_param,
+        _check_lengths,
+        len(prompt_token_ids),
+        max_tokens,
+        served.max_model_len,
+        DEFAULT_MAX_TOKENS,
+    )
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt_token_ids),
+        sampling=SamplingOptions(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=body.seed, stop=stop
+        ),
+        cache_salt=cache_salt or "",
+    )

@@ -1,0 +1,103 @@
+"""The OpenAI HTTP front's answers: usage and Baton's own fields from a request's progress, and
+how each endpoint spells its objects and choices.
+
+Contract: ``Progress`` accumulates the router's events for one request (the gateway's
+accounting: TTFT from receipt to the first token, cached and loaded tokens); ``Shape`` turns
+text and a finish reason into ``chat.completion``/``text_completion`` objects and chunks. Baton's
+response fields sit under a top-level ``baton`` key (placement, loaded tokens, TTFT).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from gateway.router import Placed, num_cached_tokens
+from protos.wire import TokenChunk
+
+
+@dataclass
+class Progress:
+    """What one request has produced so far; the gateway's accounting, for HTTP."""
+
+    placed: Placed
+    received_at: float
+    num_prompt_tokens: int
+    num_completion_tokens: int = 0
+    ttft_ms: float = 0.0
+    finish_reason: str | None = None
+    num_loaded_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, event: Placed | TokenChunk) -> None:
+        assert isinstance(event, TokenChunk), "router sent a second Placed event"
+        if event.token_ids and self.num_completion_tokens == 0:
+            self.ttft_ms = (time.perf_counter() - self.received_at) * 1000.0
+        self.num_completion_tokens += len(event.token_ids)
+        if event.finish_reason:
+            self.finish_reason = event.finish_reason
+            self.num_loaded_tokens = event.num_loaded_tokens
+            self.num_cached_tokens = num_cached_tokens(self.placed, event)
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_completion_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+        }
+
+    def baton(self) -> dict:
+        placement = self.placed.placement
+        return {
+            "placement": {
+                "prefill": placement.prefill_instance,
+                "decode": placement.decode_instance,
+                "policy": placement.policy,
+                "reason": placement.reason,
+                "transfer_ms": placement.transfer_ms,
+                "queue_ms": placement.queue_ms,
+                "prefill_ms": placement.prefill_ms,
+                "expected_cached_blocks": placement.expected_cached_blocks,
+                "pulled_from": placement.pulled_from,
+            },
+            "loaded_tokens": self.num_loaded_tokens,
+            "ttft_ms": self.ttft_ms,
+        }
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one endpoint spells its objects and choices."""
+
+    id_prefix: str
+    object_full: str
+    object_chunk: str
+    chat: bool
+
+    def header(self, request_id: str, created: int, model: str, chunk: bool) -> dict:
+        return {
+            "id": self.id_prefix + request_id,
+            "object": self.object_chunk if chunk else self.object_full,
+            "created": created,
+            "model": model,
+        }
+
+    def full_choice(self, text: str, finish_reason: str | None) -> dict:
+        if self.chat:
+            content = {"message": {"role": "assistant", "content": text}}
+        else:
+            content = {"text": text}
+        return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+
+    def chunk_choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else {}
+            content = {"delta": delta | ({"content": text} if text is not None else {})}
+        else:
+            content = {"text": text or ""}
+        return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+
+
+CHAT = Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True)
+COMPLETION = Shape("cmpl-", "text_completion", "text_completion", chat=False)
