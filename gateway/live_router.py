@@ -19,7 +19,7 @@ from gateway import metrics
 from protos.errors import InvalidRequest, NoWorkerReady, WorkerFailed
 from conductor.policy import Overloaded, PlacementRequest
 from gateway.router import Placed, RouterEvent
-from protos.wire import EngineRequest, Placement, PrefillResult, TokenChunk
+from protos.wire import CallCounts, EngineRequest, Placement, PrefillResult, TokenChunk
 from kvstore.keys import KeyExtras, block_keys
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,15 @@ class LiveRouter:
         self._interval_s = readiness_interval_s
         self._watcher: asyncio.Task | None = None
         self._scheme = None
+        self.calls = CallCounts()
+        """The remote calls this router made on behalf of requests (not its readiness polls)."""
+
+    def call_counts(self) -> CallCounts:
+        return self.calls.snapshot()
+
+    def _finished(self, request_id: str) -> None:
+        self.calls.count("conductor.finished", "sent")
+        self._conductor.finished.remote(request_id)
 
     def start(self) -> None:
         """Begin polling the conductor for readiness (call from the serving event loop)."""
@@ -91,6 +100,7 @@ class LiveRouter:
     def _handle(self, instance_id: str):
         handle = self._handles.get(instance_id)
         if handle is None:
+            self.calls.count("gcs.get_actor")
             handle = ray.get_actor(instance_id, namespace=self._namespace)
             self._handles[instance_id] = handle
         return handle
@@ -99,6 +109,7 @@ class LiveRouter:
         """The request as the conductor prices it: its full-block keys under the engines' key
         scheme (fetched once), so the KV index can match them."""
         if self._scheme is None:
+            self.calls.count("conductor.key_scheme")
             self._scheme = await self._conductor.key_scheme.remote()
         keys: tuple[bytes, ...] = ()
         if self._scheme is not None:
@@ -134,7 +145,7 @@ class LiveRouter:
                         raise WorkerFailed(f"{failure} (moved {moves} times already)") from exc
                 # Tokens already reached the client: continue the stream from them on another
                 # decode instance instead of failing it.
-                self._conductor.finished.remote(request.request_id)
+                self._finished(request.request_id)
                 if len(generated) >= request.sampling.max_tokens:  # died before its last word
                     yield TokenChunk((), "", finish_reason="length")
                     return
@@ -149,7 +160,7 @@ class LiveRouter:
                     raise WorkerFailed(f"{failure}; no other decode instance could continue it: "
                                        f"{error}") from error
         finally:  # however it ended, the conductor's books must close
-            self._conductor.finished.remote(request.request_id)
+            self._finished(request.request_id)
 
     async def _place_and_prefill(self, request: EngineRequest,
                                  placement_request: PlacementRequest) -> tuple[Placement, PrefillResult]:
@@ -161,18 +172,19 @@ class LiveRouter:
                 return placement, await self._prefill(request, placement)
             except PrefillWorkerDied as exc:
                 # nothing reached the client yet: close the books and place it again elsewhere
-                self._conductor.finished.remote(request.request_id)
+                self._finished(request.request_id)
                 metrics.RETRIES.labels("prefill_worker_died").inc()
                 if attempt + 1 == MAX_PREFILL_ATTEMPTS:
                     raise WorkerFailed(f"{exc}; gave up after {MAX_PREFILL_ATTEMPTS} placements") from exc
                 log.warning("request %s: %s; placing it again", request.request_id, exc)
             except BaseException:
-                self._conductor.finished.remote(request.request_id)
+                self._finished(request.request_id)
                 raise
         raise AssertionError("unreachable")
 
     async def _place(self, placement_request: PlacementRequest) -> Placement:
         try:
+            self.calls.count("conductor.place")
             return await self._conductor.place.remote(placement_request)
         except RayTaskError as exc:
             error = _unwrap(exc)
@@ -184,6 +196,7 @@ class LiveRouter:
 
     def _report_dead(self, instance_id: str, exc: BaseException) -> None:
         self._handles.pop(instance_id, None)
+        self.calls.count("conductor.report_failure", "sent")
         self._conductor.report_failure.remote(instance_id, type(exc).__name__)
 
     async def _prefill(self, request: EngineRequest, placement: Placement) -> PrefillResult:
@@ -196,13 +209,16 @@ class LiveRouter:
         if placement.pulled_from_node:
             request = msgspec.structs.replace(request, kv_source_node=placement.pulled_from_node)
         try:
-            result = await self._handle(placement.prefill_instance).prefill.remote(
+            handle = self._handle(placement.prefill_instance)
+            self.calls.count("prefill.prefill")
+            result = await handle.prefill.remote(
                 request, placement.priority)
         except (RayActorError, ValueError) as exc:  # the actor died, or its name is gone
             self._report_dead(placement.prefill_instance, exc)
             raise PrefillWorkerDied(f"prefill instance {placement.prefill_instance} died") from exc
         except RayTaskError as exc:
             raise _unwrap(exc) from exc
+        self.calls.count("conductor.prefill_done", "sent")
         self._conductor.prefill_done.remote(request.request_id, result.num_cached_tokens)
         return result
 
@@ -218,6 +234,7 @@ class LiveRouter:
             raise WorkerFailed(
                 f"decode instance {placement.decode_instance} is gone; retry: {exc}"
             ) from exc
+        self.calls.count("decode.generate")  # one streaming call, however many chunks
         chunks = decode.generate.options(num_returns="streaming").remote(request)
         finished = False
         try:
@@ -232,6 +249,7 @@ class LiveRouter:
             raise _unwrap(exc) from exc
         finally:
             if not finished:
+                self.calls.count("decode.cancel", "sent")
                 ray.cancel(chunks)
 
 

@@ -35,6 +35,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
+from protos.wire import CallCounts
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class StoreClient:
         self.arena: HostArena | None = None
         """The current (or, while detached, the last) store's arena."""
         self.stats = StoreClientStats()
+        self.calls = CallCounts()
+        """Every call this client made to a store actor (``kvstore.*`` and ``gcs.get_actor``)."""
         deadline = time.monotonic() + attach_timeout_s
         while not self._attach():
             if time.monotonic() > deadline:
@@ -166,6 +169,7 @@ class StoreClient:
             return True
 
     def _call(self, method: str, *args):
+        self.calls.count(f"store.{method}")
         return ray.get(getattr(self._actor, method).remote(*args), timeout=self._call_timeout_s)
 
     def _ensure_attached(self) -> bool:
@@ -178,7 +182,9 @@ class StoreClient:
 
     def _attach(self) -> bool:
         try:
+            self.calls.count("gcs.get_actor")
             actor = ray.get_actor(self._actor_name, namespace=self._namespace)
+            self.calls.count("store.arena_info")
             info = ray.get(actor.arena_info.remote(), timeout=self._call_timeout_s)
         except (ValueError, *_STORE_GONE):  # no actor by that name (yet), or it died again
             return False

@@ -191,3 +191,46 @@ class FrontAddresses(msgspec.Struct, frozen=True):
     http_port: int | None
     http_tls: bool = False
     """The HTTP front serves HTTPS (``http.tls_cert_file``)."""
+
+
+# ---------------------------------------------------------------- round trips
+
+
+class CallCounts(msgspec.Struct):
+    """Remote calls one component made, by ``target.method`` (``conductor.place``,
+    ``store.acquire``, ``gcs.get_actor``): what each component counts of its own calls, so a
+    test can read them back through an actor method and pin the round trips of one request.
+
+    ``blocking``: the caller waited for the answer before going on. ``deferred``: sent without
+    waiting where it was made; its answer is awaited later, off that path (a prefill's commits,
+    awaited once before its result returns). ``sent``: never awaited on the request's path
+    (fire-and-forget). Background polling (readiness, stats) is not counted."""
+
+    blocking: dict[str, int] = {}
+    deferred: dict[str, int] = {}
+    sent: dict[str, int] = {}
+
+    def count(self, call: str, kind: str = "blocking") -> None:
+        tally: dict[str, int] = getattr(self, kind)
+        tally[call] = tally.get(call, 0) + 1
+
+    def snapshot(self) -> "CallCounts":
+        return CallCounts(dict(self.blocking), dict(self.deferred), dict(self.sent))
+
+    def plus(self, other: "CallCounts") -> "CallCounts":
+        def add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+            return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(a.keys() | b.keys())}
+
+        return CallCounts(add(self.blocking, other.blocking), add(self.deferred, other.deferred),
+                          add(self.sent, other.sent))
+
+    def since(self, earlier: "CallCounts") -> "CallCounts":
+        """The calls made after ``earlier`` (a snapshot of the same counter); zeros left out."""
+        def sub(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+            return {k: a[k] - b.get(k, 0) for k in sorted(a) if a[k] != b.get(k, 0)}
+
+        return CallCounts(sub(self.blocking, earlier.blocking),
+                          sub(self.deferred, earlier.deferred), sub(self.sent, earlier.sent))
+
+    def total(self, kind: str = "blocking") -> int:
+        return sum(getattr(self, kind).values())

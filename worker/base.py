@@ -13,7 +13,7 @@ from engine.builder import EventsWiring, Role, build_engine_args
 
 from kvstore.attach import StoreWiring
 from engine.config import EngineConfig
-from protos.wire import EngineRequest, InstanceStats
+from protos.wire import CallCounts, EngineRequest, InstanceStats
 from engine.models import PreparedModel
 from engine.runner import EngineRunner
 from kvstore.redis_server import free_port
@@ -67,6 +67,8 @@ class EngineWorker:
         self.node_id = store.node_id if store else ""
         self._store = store
         self._store_handle = None  # resolved at the first pull
+        self.calls = CallCounts()
+        """The remote calls this worker made itself on behalf of requests (its pulls)."""
         events = None
         if conductor is not None:
             import ray
@@ -117,8 +119,10 @@ class EngineWorker:
         keys = self.prompt_keys(request)
         try:
             if self._store_handle is None:
+                self.calls.count("gcs.get_actor")
                 self._store_handle = ray.get_actor(self._store.store_actor,
                                                    namespace=self._store.namespace)
+            self.calls.count("store.pull")
             result = await self._store_handle.pull.remote(keys, source)
         except Exception:  # noqa: BLE001 - the store actor is gone: recompute
             self._store_handle = None  # look it up again next time: it may have been replaced
@@ -131,6 +135,17 @@ class EngineWorker:
             log.warning("request %s: pulled %d of %d blocks from %s: %s", request.request_id,
                         result.num_pulled, len(keys) - result.num_local, source, result.error)
         return result.num_pulled
+
+    def call_counts(self) -> CallCounts:
+        """Remote calls made in this worker's process on behalf of requests: the worker's own
+        and its engine's connector's (the process's store client)."""
+        calls = self.calls.snapshot()
+        if self._store is not None:
+            from kvstore.client import shared_store_client
+
+            calls = calls.plus(shared_store_client(self._store.store_actor,
+                                                   self._store.namespace).calls)
+        return calls
 
     def ready(self) -> float:
         """Seconds the engine took to start; returning at all means the engine is up."""

@@ -1,0 +1,95 @@
+"""The remote round trips of one disaggregated request, counted and pinned.
+
+A local cluster (tiny model, one prefill and one decode instance on one store node, every prompt
+disaggregated). Each component counts the remote calls it makes on behalf of requests
+(``protos.wire.CallCounts``): the router in the gateway's process, and each worker for itself
+and its engine's connector (the process's store client), read back through ``call_counts``.
+The conductor makes no remote call while placing. Background polling (readiness, stats) is not
+counted.
+
+A request's calls are pinned exactly, by component and kind: ``blocking`` (the caller waits for
+the answer), ``deferred`` (sent without waiting, awaited later off that path) and ``sent``
+(fire-and-forget)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import pytest_asyncio
+
+from gateway import client
+from protos.wire import CallCounts
+from tests.integration.engines import random_prompt, running_server
+
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
+
+BLOCK = 128  # vLLM's CPU block size
+MAX_TOKENS = 8
+
+ROUTER_STEADY = CallCounts(
+    blocking={"conductor.place": 1, "decode.generate": 1, "prefill.prefill": 1},
+    sent={"conductor.finished": 1, "conductor.prefill_done": 1},
+)
+"""place → prefill → one decode stream; the conductor's books are closed without waiting."""
+PREFILL_STEADY = CallCounts(blocking={"store.acquire": 1, "store.commit": 1, "store.reserve": 1})
+"""The producer's connector: a lookup of the prompt's blocks, then the save (reserve, commit)."""
+DECODE_STEADY = CallCounts(blocking={"store.acquire": 1, "store.release": 1})
+"""The consumer's connector: pin the prompt's blocks, copy them, unpin them."""
+FIRST_REQUEST_ONLY = CallCounts(blocking={"conductor.key_scheme": 1, "gcs.get_actor": 2})
+"""The router's first request also fetches the key scheme and looks up both workers' actors."""
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def server(tiny_model):
+    async with running_server({"engine.model": "tiny", "http.enabled": False, "name": "roundtrips",
+                               "prefill.num_instances": 1, "decode.num_instances": 1,
+                               "kvstore.host_capacity_bytes": 64 << 20,
+                               "conductor.tuning.short_prefill_tokens": 0}) as srv:
+        yield srv
+
+
+async def call_counts(server) -> dict[str, CallCounts]:
+    cluster = server.cluster
+    [prefill_id], [decode_id] = cluster.prefill_ids, cluster.decode_ids
+    return {"router": server.router.call_counts(),
+            "prefill": await cluster.actor(prefill_id).call_counts.remote(),
+            "decode": await cluster.actor(decode_id).call_counts.remote()}
+
+
+async def one_request(server, seed: int) -> dict[str, CallCounts]:
+    """The calls one disaggregated request of three full blocks and a tail made."""
+    prompt = random_prompt(3 * BLOCK + 20, seed=seed)
+    before = await call_counts(server)
+    result = await client.generate(server.target, token_ids=prompt, max_tokens=MAX_TOKENS)
+    # it went through the prefill engine and the store: the decode loaded all but the last token
+    assert result["usage"]["loaded_tokens"] == len(prompt) - 1
+    assert result["placement"]["prefill"] != result["placement"]["decode"]
+    deadline = time.monotonic() + 5
+    while True:  # the router closes the conductor's books as the stream ends
+        after = await call_counts(server)
+        if after["router"].sent.get("conductor.finished", 0) > before["router"].sent.get(
+                "conductor.finished", 0) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    return {name: after[name].since(before[name]) for name in after}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def first_request(server) -> dict[str, CallCounts]:
+    return await one_request(server, seed=1)
+
+
+async def test_the_first_request_also_fetches_what_the_router_caches(first_request):
+    assert first_request == {"router": ROUTER_STEADY.plus(FIRST_REQUEST_ONLY),
+                             "prefill": PREFILL_STEADY, "decode": DECODE_STEADY}
+
+
+async def test_a_steady_state_request_makes_exactly_these_round_trips(server, first_request):
+    calls = await one_request(server, seed=2)
+
+    assert calls == {"router": ROUTER_STEADY, "prefill": PREFILL_STEADY, "decode": DECODE_STEADY}
+    blocking = sum(c.total("blocking") + c.total("deferred") for c in calls.values())
+    assert blocking == 8
+    assert sum(c.total("sent") for c in calls.values()) == 2
