@@ -1,0 +1,126 @@
+"""The ``baton bench`` group: simulated fleet replay, the KV store's data paths, the conductor's
+decision time, and live trace replay against a running gateway.
+
+Contract: ``bench_app`` is added to the ``baton`` app as ``bench`` by ``cli.main``; each
+command only parses its flags and calls its benchmark in ``bench/`` (imported when it runs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from cli.common import err
+
+bench_app = typer.Typer(help="Benchmarks: simulated fleets, the live cluster, the KV store, the conductor.",
+                        no_args_is_help=True)
+
+
+@bench_app.command("replay")
+def bench_replay(
+    trace: Path = typer.Option(..., help="Mooncake-format trace (.jsonl)."),
+    prefill: int = typer.Option(16, help="Simulated prefill instances."),
+    decode: int = typer.Option(16, help="Simulated decode instances."),
+    policy: str = typer.Option("all", help="'all' or policy names, comma-separated."),
+    out: Path = typer.Option(Path("bench-out/replay"), help="Folder for results.json, results.md, plots."),
+    rate_scale: float = typer.Option(1.0, help="Arrival-rate multiplier of the main run."),
+    profile: str = typer.Option("analytic", help="'analytic' or a 'baton profile' JSON file."),
+    ttft_slo_ms: float = typer.Option(5000.0, help="TTFT SLO (ms)."),
+    tbt_slo_ms: float = typer.Option(100.0, help="TBT SLO: worst inter-token gap (ms)."),
+    goodput: bool = typer.Option(True, help="Sweep the rate scale for each policy's goodput."),
+    jobs: int = typer.Option(0, help="Processes running policies side by side (0: up to 2 by CPUs)."),
+    instances_per_node: int = typer.Option(8, help="Instances sharing one node's host/disk store."),
+    device_kv_gib: Optional[float] = typer.Option(None, help="Device KV per instance (GiB; default 37.3)."),
+    host_gib: Optional[float] = typer.Option(None, help="Host KV tier per node (GiB; default 256)."),
+    disk_gib: Optional[float] = typer.Option(None, help="Disk KV tier per node (GiB; default 1024)."),
+    admission: bool = typer.Option(True, help="Let the conductor reject requests predicted to miss SLOs."),
+) -> None:
+    """SIMULATE a fleet replaying a trace under each placement policy (the conductor's own code):
+    hit ratio, TTFT, TBT, SLO attainment and goodput per policy."""
+    from bench.replay import replay_command
+    from simulator.replay import default_jobs
+
+    replay_command(trace, prefill, decode, policy, out, rate_scale, profile, ttft_slo_ms, tbt_slo_ms,
+                   goodput, jobs or default_jobs(), instances_per_node, device_kv_gib, host_gib,
+                   disk_gib, admission, err)
+
+
+@bench_app.command("kvstore")
+def bench_kvstore(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    block_bytes: int = typer.Option(368_640, help="Bytes per KV block (SmolLM2, 16 tokens: "
+                                    "368,640 in bf16, 737,280 in float32)."),
+    blocks: int = typer.Option(
+        128, help="Blocks per batch: one prompt's pull (128 x 16 tokens = 2,048 tokens; the "
+        "Mooncake trace's median prompt is 11,587)."),
+    rounds: int = typer.Option(21, help="Measured rounds (after one warm-up)."),
+    disk_dir: Optional[Path] = typer.Option(None, help="Folder for the disk tier runs "
+                                            "(default: the system temp folder)."),
+    paths: str = typer.Option("shm,tcp,ucx,disk", help="Comma-separated: shm, tcp, ucx, disk."),
+) -> None:
+    """Each KV store data path (shared memory, tcp, ucx, disk tier) against its raw baseline."""
+    from bench.kvstore import main as run_kvstore_bench
+
+    run_kvstore_bench(str(json_path) if json_path else None, block_bytes, blocks, rounds,
+                      str(disk_dir) if disk_dir else None, tuple(paths.split(",")))
+
+
+@bench_app.command("conductor")
+def bench_conductor(
+    json_path: Optional[Path] = typer.Option(Path("bench-out/conductor.json"), "--json",
+                                             help="Where to write the figures as JSON."),
+    indexed_blocks: int = typer.Option(1_000_000, help="Blocks in the KV index while deciding."),
+    decisions: int = typer.Option(2_000, help="Placements timed per fleet size."),
+) -> None:
+    """Time the conductor's placement decision (index lookup, snapshot, `baton` policy, pricing,
+    admission) with 64, 256 and 1,024 prefill instances, and its KV-event ingestion rate."""
+    from bench.conductor import run
+
+    with err.status("filling the index and timing decisions") as status:
+        run(json_path, indexed_blocks, decisions, echo=lambda line: (status.update(line), print(line)))
+    err.print(f"[dim]wrote {json_path}[/dim]")
+
+
+@bench_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_serve(
+    ctx: typer.Context,
+    trace: Path = typer.Option(..., help="Mooncake-format trace (.jsonl)."),
+    target: str = typer.Option("127.0.0.1:50051", help="Gateway address host:port."),
+    token_scale: int = typer.Option(16, help="Divides the trace's 512 tokens per hash id and its prompt lengths."),
+    time_scale: float = typer.Option(1.0, help="Multiplies arrival times (0.5: twice the trace's rate)."),
+    max_requests: Optional[int] = typer.Option(None, help="Send only the trace's first N requests."),
+    top_sessions: Optional[int] = typer.Option(None, help="Keep only the K sessions (first hash id) with "
+                                               "the most requests, re-timed to start at 0."),
+    output_scale: float = typer.Option(1.0, help="Divides the trace's output lengths."),
+    min_output_tokens: int = typer.Option(1, help="Least tokens asked of a request (after scaling)."),
+    max_output_tokens: int = typer.Option(128, help="Most tokens asked of a request (after scaling)."),
+    max_input_tokens: Optional[int] = typer.Option(None, help="Cut longer prompts to this, keeping the prefix."),
+    max_concurrency: Optional[int] = typer.Option(None, help="Most requests in flight (default: no cap)."),
+    goodput: List[str] = typer.Option([], help="SLOs KEY:MS (ttft, tpot, e2el), e.g. --goodput ttft:2000 tpot:100."),
+    percentiles: str = typer.Option("99", "--metric-percentiles", help="Percentiles reported, e.g. '50,90,99'."),
+    seed: int = typer.Option(0, help="Seed mixed into every block's token ids."),
+    cache_salt: str = typer.Option("", help="Tenant salt sent with every request."),
+    timeout: float = typer.Option(600.0, help="Seconds before a request is given up (counted failed)."),
+    api_key: str = typer.Option("", envvar="BATON_API_KEY", show_default=False, help="API key, if required."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+) -> None:
+    """Replay a trace against a running gateway (live, not simulated) and report what `vllm bench
+    serve` reports: TTFT, TPOT, ITL, E2EL, throughput, goodput, plus the prefix-cache hit ratio."""
+    from bench.serve import ExpansionOptions, serve_command
+    from protos.errors import BatonError
+
+    extra = [a for a in ctx.args if ":" in a and not a.startswith("-")]  # --goodput ttft:1 tpot:2
+    if len(extra) != len(ctx.args):
+        err.print(f"[red]error:[/red] unexpected arguments {[a for a in ctx.args if a not in extra]}")
+        raise typer.Exit(2)
+    try:
+        options = ExpansionOptions(token_scale=token_scale, time_scale=time_scale, output_scale=output_scale,
+                                   min_output_tokens=min_output_tokens, max_output_tokens=max_output_tokens,
+                                   max_input_tokens=max_input_tokens, seed=seed)
+        serve_command(trace, target, options, max_requests, top_sessions, max_concurrency, [*goodput, *extra], percentiles,
+                      timeout, cache_salt, api_key, json_path, lambda m: err.print(f"[dim]{m}[/dim]"))
+    except BatonError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc

@@ -1,0 +1,288 @@
+"""The ``baton`` verbs that operate a Baton deployed on a Ray cluster: ``up``, ``down``, ``status``,
+``scale``, ``drain``, ``pin`` and ``unpin``.
+
+Contract: ``cli.main`` registers these functions as typer commands. A verb reaches the cluster
+through Ray (``--address``, ``--name``, ``--namespace``) or, where it takes ``--endpoint``,
+through the gateway's Admin service. Operator errors exit with a code per kind:
+``EXIT_CONFIG`` (fix the config, the options or the key), ``EXIT_NO_CLUSTER``,
+``EXIT_UNKNOWN_INSTANCE``, ``EXIT_FAILED``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from cli.common import err, parse_overrides
+
+EXIT_CONFIG, EXIT_NO_CLUSTER, EXIT_UNKNOWN_INSTANCE, EXIT_FAILED = 2, 3, 4, 5
+
+_ADDRESS = typer.Option(None, "--address", envvar="RAY_ADDRESS",
+                        help="Ray cluster address (host:port or 'auto'); default $RAY_ADDRESS.")
+_NAME = typer.Option("baton", "--name", help="Baton cluster name (config `name`).")
+_NAMESPACE = typer.Option("baton", "--namespace", help="Ray namespace (config `ray.namespace`).")
+_ENDPOINT = typer.Option(None, "--endpoint", metavar="HOST:PORT",
+                         help="Go through this gateway's Admin service instead of Ray "
+                         "(needs the admin key; --address, --name and --namespace are unused).")
+_ADMIN_KEY_FILE = typer.Option(None, "--admin-key-file",
+                               help="With --endpoint: file holding the admin key (default: "
+                               "$BATON_ADMIN_KEY).")
+_ADMIN_TLS_CA = typer.Option(None, "--tls-ca", envvar="BATON_TLS_CA",
+                             help="With --endpoint: PEM CA to trust: connect over TLS "
+                             "(or $BATON_TLS_CA).")
+
+
+def _fail(exc: BaseException) -> None:
+    """Print an operator error and exit with its code."""
+    from ray.exceptions import RayTaskError
+
+    from cli.admin_client import NotAuthorized
+    from cluster.deployment import NoRayCluster, NotUp
+    from protos.errors import ConfigError, InvalidRequest, UnknownInstance
+
+    if isinstance(exc, RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    code = EXIT_FAILED
+    if isinstance(exc, (ConfigError, NotAuthorized)):  # fix the config, the options or the key
+        code = EXIT_CONFIG
+    elif isinstance(exc, (NoRayCluster, NotUp)):
+        code = EXIT_NO_CLUSTER
+    elif isinstance(exc, (UnknownInstance, InvalidRequest)):  # a name or input that is not there
+        code = EXIT_UNKNOWN_INSTANCE
+    err.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(code)
+
+
+def _connected(address: Optional[str], namespace: str) -> None:
+    from cluster.deployment import connect
+
+    try:
+        connect(address, namespace)
+    except Exception as exc:  # noqa: BLE001 - reported with its exit code
+        _fail(exc)
+
+
+def _operator(address: Optional[str], name: str, namespace: str, endpoint: Optional[str],
+              admin_key_file: Optional[Path], tls_ca: Optional[Path]):
+    """Who carries out an operator verb: the gateway's Admin service with ``--endpoint``
+    (``AdminClient``), else the conductor through Ray (``RayOperator``)."""
+    if endpoint is None:
+        from cluster.deployment import RayOperator
+
+        _connected(address, namespace)
+        return RayOperator(name, namespace)
+    from cli.admin_client import AdminClient, read_admin_key
+
+    try:
+        return AdminClient(endpoint, read_admin_key(admin_key_file), str(tls_ca) if tls_ca else None)
+    except Exception as exc:  # noqa: BLE001 - reported with its exit code
+        _fail(exc)
+
+
+def _print_scale(results) -> bool:
+    ok = True
+    for r in results:
+        line = f"{r.role}: {r.size_before} -> {r.size_after}"
+        if r.added:
+            line += f"; added {', '.join(r.added)}"
+        if r.removed:
+            line += f"; drained and removed {', '.join(r.removed)}"
+        print(line)
+        if r.pending:
+            err.print(f"[yellow]{r.role}: not ready yet (waiting for a node or its engine): "
+                      f"{', '.join(r.pending)}[/yellow]")
+        for failure in r.failed:
+            ok = False
+            err.print(f"[red]{r.role}: {failure}[/red]")
+    return ok
+
+
+def up(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Cluster config YAML."),
+    address: Optional[str] = _ADDRESS,
+    set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
+    timeout: float = typer.Option(600.0, help="Seconds to wait for the first workers' engines."),
+) -> None:
+    """Start Baton on an existing Ray cluster as detached named actors (conductor, gateway with
+    the gRPC and HTTP fronts, prefill and decode pools, a KV store per node), then return.
+    Running it again when Baton is up changes nothing."""
+    from cluster.config import load_config
+    from cluster.deployment import up as run_up
+
+    try:
+        cfg = load_config(config, parse_overrides(set_))
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    _connected(address, cfg.ray.namespace)
+    try:
+        result = run_up(cfg, lambda msg: err.print(f"[cyan]baton[/cyan] {msg}"), timeout)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    a = result.addresses
+    if result.already_up:
+        print(f"Baton '{cfg.name}' is already up; nothing changed")
+    ok = _print_scale(result.scale)
+    if a.grpc_port is not None:
+        print(f"gRPC  {a.host_ip}:{a.grpc_port}")
+    if a.http_port is not None:
+        base = f"{'https' if a.http_tls else 'http'}://{a.host_ip}:{a.http_port}"
+        print(f"HTTP  {base}/v1   metrics: {base}/metrics")
+    if not ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def down(address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE) -> None:
+    """Remove everything `baton up` started for this cluster (fronts first, then workers,
+    stores, conductor, Redis). Nothing up: nothing to do (exit 0)."""
+    from cluster.deployment import down as run_down
+
+    _connected(address, namespace)
+    removed = run_down(name, namespace, lambda msg: err.print(f"[cyan]baton[/cyan] {msg}"))
+    print(f"removed {len(removed)} actors" if removed else f"Baton '{name}' was not up; nothing to remove")
+
+
+def _fmt_ms(value) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def status(
+    address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
+    endpoint: Optional[str] = _ENDPOINT, admin_key_file: Optional[Path] = _ADMIN_KEY_FILE,
+    tls_ca: Optional[Path] = _ADMIN_TLS_CA,
+) -> None:
+    """Pools and instances (node, state, queue depth, running sequences, KV use, prefix hits,
+    recent TTFT/ITL), KV store nodes, and the conductor's placement counters."""
+    import msgspec
+    from rich.table import Table
+
+    operator = _operator(address, name, namespace, endpoint, admin_key_file, tls_ca)
+    try:
+        view = operator.status()
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    pools, addresses = view.pools, view.fronts
+    if as_json:
+        print(msgspec.json.encode({"status": pools, "fronts": addresses}).decode())
+        return
+    out = Console()
+    sizes = ", ".join(
+        f"{pool} {sum(p.values())} ({', '.join(f'{n} {k}' for k, n in sorted(p.items())) or 'none'})"
+        for pool, p in pools.pool_sizes.items())
+    out.print(f"[bold]Baton '{view.cluster_name}'[/bold]  policy {pools.policy}  pools: {sizes}")
+    if addresses is not None:
+        http = "HTTPS" if addresses.http_tls else "HTTP"
+        out.print(f"fronts on {addresses.host_ip}: gRPC {addresses.grpc_port}, {http} {addresses.http_port}")
+    table = Table("instance", "pool", "node", "state", "waiting", "running", "booked", "KV used",
+                  "prefix hits", "TTFT ms", "ITL ms")
+    for r in pools.instances:
+        hits = (f"{r.num_cached_tokens / r.num_prompt_tokens:.0%} of {r.num_prompt_tokens:,}"
+                if r.num_prompt_tokens else "-")
+        table.add_row(r.instance_id, r.role, r.node_id or "-", r.phase, str(r.num_waiting_reqs),
+                      str(r.num_running_reqs), str(r.num_booked_reqs), f"{r.kv_usage_frac:.0%}",
+                      hits, _fmt_ms(r.recent_ttft_ms), _fmt_ms(r.recent_itl_ms))
+    out.print(table)
+    if pools.stores:
+        stores = Table("store node", "host blocks used", "pinned", "disk blocks", "evicted",
+                       "pulled", "pull failures")
+        for s in pools.stores:
+            stores.add_row(s.node_id, f"{s.host_used_blocks}/{s.host_capacity_blocks}",
+                           str(s.host_pinned_blocks), str(s.disk_used_blocks), str(s.evicted_blocks),
+                           str(s.counters.pulled_blocks), str(s.counters.pull_failures))
+        out.print(stores)
+    c = pools.counters
+    out.print(f"placements: {c.placed} placed, {c.rejected} rejected early, {c.coalesced} coalesced, "
+              f"{c.colocated} colocated, {c.pulled} pulled, {c.index_corrections} index corrections")
+    for line in pools.recent_events[-5:]:
+        out.print(f"[dim]{line}[/dim]")
+
+
+def scale(
+    prefill: Optional[int] = typer.Option(None, help="Prefill pool size."),
+    decode: Optional[int] = typer.Option(None, help="Decode pool size."),
+    address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+    timeout: float = typer.Option(600.0, help="Seconds to wait for new engines / for drains."),
+    endpoint: Optional[str] = _ENDPOINT, admin_key_file: Optional[Path] = _ADMIN_KEY_FILE,
+    tls_ca: Optional[Path] = _ADMIN_TLS_CA,
+) -> None:
+    """Resize the prefill and/or decode pool while serving. Instances leaving are drained first
+    (no new work; in-flight requests finish), so no request fails because of a scale-down."""
+    from protos.wire import PoolSizes
+
+    sizes = PoolSizes(prefill=prefill, decode=decode)
+    if not sizes.requested():
+        err.print("[red]error:[/red] give --prefill N and/or --decode M")
+        raise typer.Exit(EXIT_CONFIG)
+    operator = _operator(address, name, namespace, endpoint, admin_key_file, tls_ca)
+    try:
+        results = operator.scale(sizes, timeout)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    if not _print_scale(results):
+        raise typer.Exit(EXIT_FAILED)
+
+
+def drain(
+    instance: str = typer.Argument(..., help="Instance id, as `baton status` lists it."),
+    address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+    timeout: float = typer.Option(600.0, help="Seconds its in-flight requests may take."),
+    endpoint: Optional[str] = _ENDPOINT, admin_key_file: Optional[Path] = _ADMIN_KEY_FILE,
+    tls_ca: Optional[Path] = _ADMIN_TLS_CA,
+) -> None:
+    """Stop placing on one instance, let its in-flight requests finish, then remove it."""
+    operator = _operator(address, name, namespace, endpoint, admin_key_file, tls_ca)
+    try:
+        result = operator.drain(instance, timeout)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    print(f"{result.instance_id} drained in {result.drain_s:.1f} s "
+          f"({result.drained_requests} in-flight requests finished) and removed")
+
+
+def pin(
+    pin_name: str = typer.Argument(..., metavar="NAME", help="A name to unpin it by later."),
+    text: Optional[str] = typer.Option(None, help="The prefix (e.g. a system prompt)."),
+    file: Optional[Path] = typer.Option(None, help="... or a file holding it."),
+    cache_salt: str = typer.Option("", help="The tenant's cache_salt, if its requests carry one."),
+    address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+    endpoint: Optional[str] = _ENDPOINT, admin_key_file: Optional[Path] = _ADMIN_KEY_FILE,
+    tls_ca: Optional[Path] = _ADMIN_TLS_CA,
+) -> None:
+    """Soft-pin a prompt prefix on every KV store node: its blocks stay in host memory until
+    nothing else can be evicted (a shared system prompt). Only whole blocks are pinned; nodes
+    that join later get the pin too. Pinning NAME again replaces it; `baton unpin NAME` ends it."""
+    if (text is None) == (file is None):
+        err.print("[red]error:[/red] give exactly one of --text and --file")
+        raise typer.Exit(EXIT_CONFIG)
+    if file is not None:
+        try:
+            text = file.read_text()
+        except OSError as exc:
+            err.print(f"[red]error:[/red] cannot read {file}: {exc}")
+            raise typer.Exit(EXIT_CONFIG) from exc
+    operator = _operator(address, name, namespace, endpoint, admin_key_file, tls_ca)
+    try:
+        result = operator.pin(pin_name, text, cache_salt)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    held = ", ".join(f"{node} {n}" for node, n in sorted(result.present_blocks_by_node.items()))
+    print(f"pinned '{result.name}': {result.num_blocks} blocks ({result.num_tokens} tokens); "
+          f"in host memory now: {held or 'no store node yet'}")
+
+
+def unpin(
+    pin_name: str = typer.Argument(..., metavar="NAME", help="The name given to `baton pin`."),
+    address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+    endpoint: Optional[str] = _ENDPOINT, admin_key_file: Optional[Path] = _ADMIN_KEY_FILE,
+    tls_ca: Optional[Path] = _ADMIN_TLS_CA,
+) -> None:
+    """End a soft pin: its blocks age out like any others."""
+    operator = _operator(address, name, namespace, endpoint, admin_key_file, tls_ca)
+    try:
+        result = operator.unpin(pin_name)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    print(f"unpinned '{result.name}' ({result.num_blocks} blocks)")
