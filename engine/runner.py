@@ -172,8 +172,11 @@ class EngineRunner:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        from kvstore.connector import request_transfer_params
+
         req = command.request
         s = req.sampling
+        transfer = request_transfer_params(req)  # what the KV connector reads of this request
         params = SamplingParams(
             max_tokens=command.max_tokens,
             temperature=s.temperature,
@@ -182,6 +185,7 @@ class EngineRunner:
             stop=list(s.stop) or None,
             ignore_eos=s.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
         )
         prompt = TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
         if req.cache_salt:

@@ -19,8 +19,8 @@ from gateway import metrics
 from protos.errors import InvalidRequest, NoWorkerReady, WorkerFailed
 from conductor.policy import Overloaded, PlacementRequest
 from gateway.router import Placed, RouterEvent
-from protos.wire import CallCounts, EngineRequest, Placement, PrefillResult, TokenChunk
-from kvstore.keys import KeyExtras, block_keys
+from protos.wire import CallCounts, EngineRequest, Placement, PrefillResult, PromptBlocks, TokenChunk
+from kvstore.keys import KEY_SIZE_BYTES, KeyExtras, pack_keys, prompt_block_keys, unpack_keys
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,32 @@ def continuation(request: EngineRequest, generated: list[int]) -> EngineRequest:
     would have produced; a sampled one is a fresh draw from the same distribution."""
     sampling = msgspec.structs.replace(request.sampling,
                                        max_tokens=request.sampling.max_tokens - len(generated))
-    return msgspec.structs.replace(
-        request, prompt_token_ids=request.prompt_token_ids + tuple(generated), sampling=sampling,
-        kv_source_node="")
+    prompt = request.prompt_token_ids + tuple(generated)
+    blocks = request.blocks
+    if blocks is not None:  # the prompt's full blocks keep their keys; the reply's are hashed here
+        blocks = prompt_blocks(prompt, request.cache_salt, blocks.model_id, blocks.kv_layout,
+                               blocks.block_size_tokens,
+                               unpack_keys(blocks.keys)[:blocks.num_full_blocks])
+    return msgspec.structs.replace(request, prompt_token_ids=prompt, sampling=sampling,
+                                   kv_source_node="", blocks=blocks)
+
+
+def prompt_blocks(token_ids: tuple[int, ...], cache_salt: str, model_id: str, kv_layout: str,
+                  block_size_tokens: int, known_full: list[bytes] | tuple = ()) -> PromptBlocks:
+    """The block identity of a prompt under the engines' key scheme: the one place a request's
+    prompt is hashed (``known_full``: keys of its leading full blocks, hashed before)."""
+    extras = KeyExtras(model_id, cache_salt, "", kv_layout)
+    keys = prompt_block_keys(token_ids, block_size_tokens, extras, known_full)
+    return PromptBlocks(model_id, kv_layout, pack_keys(keys), block_size_tokens,
+                        len(token_ids) // block_size_tokens)
+
+
+def full_block_keys(request: EngineRequest) -> tuple[bytes, ...]:
+    """The keys of the request's full prompt blocks (what the KV index matches), if it has any."""
+    blocks = request.blocks
+    if blocks is None:
+        return ()
+    return tuple(unpack_keys(blocks.keys[:blocks.num_full_blocks * KEY_SIZE_BYTES]))
 
 
 class LiveRouter:
@@ -105,22 +128,33 @@ class LiveRouter:
             self._handles[instance_id] = handle
         return handle
 
-    async def _placement_request(self, request: EngineRequest) -> PlacementRequest:
-        """The request as the conductor prices it: its full-block keys under the engines' key
-        scheme (fetched once), so the KV index can match them."""
+    async def _with_blocks(self, request: EngineRequest) -> EngineRequest:
+        """``request`` with its prompt's block keys under the engines' key scheme (fetched
+        once): hashed here, once, and carried to the conductor, the workers and their engines'
+        connectors. Unchanged when it carries them already or no engine has registered yet."""
+        if request.blocks is not None:
+            return request
         if self._scheme is None:
             self.calls.count("conductor.key_scheme")
             self._scheme = await self._conductor.key_scheme.remote()
-        keys: tuple[bytes, ...] = ()
-        if self._scheme is not None:
-            extras = KeyExtras(self._scheme.model_id, request.cache_salt, "", self._scheme.kv_layout)
-            keys = tuple(block_keys(request.prompt_token_ids, self._scheme.block_size_tokens, extras))
-        return PlacementRequest(request.request_id, len(request.prompt_token_ids), keys,
-                                request.sampling.max_tokens)
+        scheme = self._scheme
+        if scheme is None:
+            return request
+        return msgspec.structs.replace(request, blocks=prompt_blocks(
+            request.prompt_token_ids, request.cache_salt, scheme.model_id, scheme.kv_layout,
+            scheme.block_size_tokens))
+
+    @staticmethod
+    def _placement_request(request: EngineRequest) -> PlacementRequest:
+        """The request as the conductor prices it: its full-block keys, so the KV index can
+        match them."""
+        return PlacementRequest(request.request_id, len(request.prompt_token_ids),
+                                full_block_keys(request), request.sampling.max_tokens)
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[RouterEvent]:
         timer = metrics.RequestTimer(time.perf_counter())
-        placement_request = await self._placement_request(request)
+        request = await self._with_blocks(request)
+        placement_request = self._placement_request(request)
         timer.kv_bytes_per_token = getattr(self._scheme, "kv_bytes_per_token", 0)
         placement, prefilled = await self._place_and_prefill(request, placement_request)
         generated: list[int] = []
@@ -155,7 +189,7 @@ class LiveRouter:
                 current = continuation(request, generated)
                 try:
                     placement, prefilled = await self._place_and_prefill(
-                        current, await self._placement_request(current))
+                        current, self._placement_request(current))
                 except (NoWorkerReady, Overloaded, WorkerFailed) as error:
                     raise WorkerFailed(f"{failure}; no other decode instance could continue it: "
                                        f"{error}") from error

@@ -39,7 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.client import shared_store_client
-from kvstore.keys import BlockKey, KeyExtras, block_keys, hash_block, root_key
+from kvstore.keys import BlockKey, KeyExtras, kv_layout_tag, prompt_block_keys, unpack_keys
+from protos.wire import EngineRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,25 +85,25 @@ def connector_stats(engine_id: str) -> ConnectorStats:
     return _STATS.setdefault(engine_id, ConnectorStats())
 
 
-def prompt_block_keys(
-    token_ids: list[int], block_size: int, extras: KeyExtras
-) -> list[BlockKey]:
-    """Keys of a prompt's full blocks, then of its partial tail block (if any).
-
-    The tail's key hashes fewer tokens than a full block's, so it can never name a full block;
-    it lets a decode engine load the whole prompt's KV and compute only the last token. Tail
-    blocks are leaves: nothing chains after them.
-    """
-    keys = block_keys(token_ids, block_size, extras)
-    tail = token_ids[len(keys) * block_size :]
-    if tail:
-        keys.append(hash_block(keys[-1] if keys else root_key(extras), tail))
-    return keys
+PARAMS_KEY = "baton"
+"""Baton's entry in a request's vLLM ``kv_transfer_params`` (``SamplingParams.extra_args``)."""
 
 
-def kv_layout_tag(dtype: str, block_size_tokens: int) -> str:
-    """The part of a block key that says how its bytes are laid out (dtype and block size)."""
-    return f"{dtype}:{block_size_tokens}"
+def request_transfer_params(request: EngineRequest) -> dict[str, Any] | None:
+    """What the connector needs of ``request`` beyond its tokens, as vLLM carries it per request
+    (``SamplingParams.extra_args["kv_transfer_params"]`` becomes ``Request.kv_transfer_params``):
+    the prompt's block keys hashed at the gateway. None when there is nothing to carry."""
+    blocks = request.blocks
+    if blocks is None:
+        return None
+    return {PARAMS_KEY: {"model_id": blocks.model_id, "kv_layout": blocks.kv_layout,
+                         "block_size": blocks.block_size_tokens, "keys": blocks.keys}}
+
+
+def _carried(request: "Request") -> dict[str, Any]:
+    params = request.kv_transfer_params
+    carried = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    return carried if isinstance(carried, dict) else {}
 
 
 @dataclass
@@ -178,18 +179,29 @@ class BatonConnector(KVConnectorBase_V1):
     def _state(self, request: "Request") -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            prompt = list(request.prompt_token_ids or [])
-            extras = KeyExtras(
-                model_id=self._model_id,
-                cache_salt=request.cache_salt or "",
-                kv_layout=self._kv_layout,
-            )
-            state = _RequestState(
-                keys=prompt_block_keys(prompt, self._block_size, extras),
-                num_prompt_tokens=len(prompt),
-            )
+            prompt = request.prompt_token_ids or []
+            state = _RequestState(keys=self._prompt_keys(request, prompt),
+                                  num_prompt_tokens=len(prompt))
             self._requests[request.request_id] = state
         return state
+
+    def _prompt_keys(self, request: "Request", prompt: list[int]) -> list[BlockKey]:
+        """The keys the request carries from the gateway when they were made under this
+        engine's scheme and name every block of this prompt; else the prompt hashed here (an
+        engine driven directly, or a gateway on another scheme)."""
+        carried = _carried(request)
+        if carried.get("keys") is not None:
+            scheme = (carried.get("model_id"), carried.get("kv_layout"), carried.get("block_size"))
+            keys = unpack_keys(carried["keys"])
+            if scheme == (self._model_id, self._kv_layout, self._block_size) and (
+                    len(keys) == -(-len(prompt) // self._block_size)):
+                return keys
+            log.warning("request %s carries block keys of another scheme (%s) than this engine's "
+                        "(%s); hashing its prompt here", request.request_id, scheme,
+                        (self._model_id, self._kv_layout, self._block_size))
+        extras = KeyExtras(model_id=self._model_id, cache_salt=request.cache_salt or "",
+                           kv_layout=self._kv_layout)
+        return prompt_block_keys(prompt, self._block_size, extras)
 
     def _unpin(self, state: _RequestState) -> None:
         self._store.release(state.pinned, state.pinned_arena)

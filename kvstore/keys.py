@@ -118,6 +118,47 @@ def chain_keys(parent: BlockKey, token_ids: Sequence[int], block_size: int) -> l
     return keys
 
 
+def prompt_block_keys(token_ids: Sequence[int], block_size: int, extras: KeyExtras,
+                      known_full: Sequence[BlockKey] = ()) -> list[BlockKey]:
+    """Keys of a prompt's full blocks, then of its partial tail block (if any): how the store
+    names a prompt's blocks.
+
+    The tail's key hashes fewer tokens than a full block's, so it can never name a full block;
+    it lets a decode engine load the whole prompt's KV and compute only the last token. Tail
+    blocks are leaves: nothing chains after them.
+
+    ``known_full``: keys of the prompt's leading full blocks hashed before (a continuation's
+    prompt is the original prompt plus the tokens generated so far): only the blocks after them
+    are hashed, so a block is hashed once where it is produced.
+    """
+    num_known = len(known_full)
+    assert num_known <= len(token_ids) // block_size, "more known keys than full blocks"
+    parent = known_full[-1] if known_full else root_key(extras)
+    rest = token_ids[num_known * block_size:]
+    keys = [*known_full, *chain_keys(parent, rest, block_size)]
+    tail = token_ids[len(keys) * block_size:]
+    if tail:
+        keys.append(hash_block(keys[-1] if keys else root_key(extras), tail))
+    return keys
+
+
+def kv_layout_tag(dtype: str, block_size_tokens: int) -> str:
+    """The part of a block key that says how its bytes are laid out (dtype and block size)."""
+    return f"{dtype}:{block_size_tokens}"
+
+
+def pack_keys(keys: Sequence[BlockKey]) -> bytes:
+    """Keys as one byte string, ``KEY_SIZE_BYTES`` each, in order: compact on the wire."""
+    return b"".join(keys)
+
+
+def unpack_keys(packed: bytes) -> list[BlockKey]:
+    """Inverse of ``pack_keys``; ``ValueError`` unless ``packed`` is whole keys."""
+    if len(packed) % KEY_SIZE_BYTES:
+        raise ValueError(f"packed keys are {KEY_SIZE_BYTES} bytes each, got {len(packed)} bytes")
+    return [BlockKey(packed[i:i + KEY_SIZE_BYTES]) for i in range(0, len(packed), KEY_SIZE_BYTES)]
+
+
 def key_hex(key: BlockKey) -> str:
     """The key as 32 lowercase hex digits, for logs and Redis."""
     return key.hex()

@@ -20,6 +20,23 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
 
 
+class PromptBlocks(msgspec.Struct, frozen=True):
+    """A prompt's block identity, hashed once at the gateway (``kvstore.keys.prompt_block_keys``)
+    and carried with the request to the workers and into their engines' connectors (vLLM's
+    per-request ``kv_transfer_params``), which use it instead of hashing the prompt again."""
+
+    model_id: str
+    kv_layout: str
+    """The key scheme the keys were made under (``kvstore.keys.KeyExtras``; the layout tag names
+    the dtype and the block size). A connector whose own scheme differs hashes the prompt itself."""
+    keys: bytes
+    """``kvstore.keys.pack_keys`` of the prompt's keys: 16 bytes each, every full block, then the
+    partial tail block if the prompt does not end on a block boundary."""
+    block_size_tokens: int
+    num_full_blocks: int
+    """Of those, the full blocks (the rest, 0 or 1, is the tail)."""
+
+
 class EngineRequest(msgspec.Struct, frozen=True):
     """One tokenized request as the workers see it."""
 
@@ -31,6 +48,8 @@ class EngineRequest(msgspec.Struct, frozen=True):
     """The store node holding this prompt's KV when it may not be the worker's own (for a decode:
     the prefill's node; for a prefill: the node of the instance it pulls a prefix from). A worker
     on another node pulls those blocks into its own store before the engine sees the request."""
+    blocks: PromptBlocks | None = None
+    """The prompt's block keys, hashed at the gateway (None: whoever needs them hashes)."""
 
 
 class Placement(msgspec.Struct, frozen=True):

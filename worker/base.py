@@ -97,14 +97,18 @@ class EngineWorker:
 
     def prompt_keys(self, request: EngineRequest) -> list[bytes]:
         """The store keys of ``request``'s prompt blocks, as this engine's connector names them
-        (full blocks, then the partial tail)."""
-        from kvstore.connector import kv_layout_tag, prompt_block_keys
-        from kvstore.keys import KeyExtras
+        (full blocks, then the partial tail): the ones the request carries from the gateway,
+        hashed here only when it carries none under this engine's key scheme."""
+        from kvstore.keys import KeyExtras, kv_layout_tag, prompt_block_keys, unpack_keys
 
         dtype, block_size = self.runner.kv_layout()
-        extras = KeyExtras(model_id=self.model.name, cache_salt=request.cache_salt,
-                           kv_layout=kv_layout_tag(dtype, block_size))
-        return prompt_block_keys(list(request.prompt_token_ids), block_size, extras)
+        layout = kv_layout_tag(dtype, block_size)
+        blocks = request.blocks
+        if blocks is not None and (blocks.model_id, blocks.kv_layout, blocks.block_size_tokens) == (
+                self.model.name, layout, block_size):
+            return unpack_keys(blocks.keys)
+        extras = KeyExtras(model_id=self.model.name, cache_salt=request.cache_salt, kv_layout=layout)
+        return prompt_block_keys(request.prompt_token_ids, block_size, extras)
 
     async def _pull_remote_kv(self, request: EngineRequest) -> int:
         """Bring the prompt's blocks held on ``request.kv_source_node`` into this node's store
