@@ -56,7 +56,7 @@ def continuation(request: EngineRequest, generated: list[int]) -> EngineRequest:
                                blocks.block_size_tokens,
                                unpack_keys(blocks.keys)[:blocks.num_full_blocks])
     return msgspec.structs.replace(request, prompt_token_ids=prompt, sampling=sampling,
-                                   kv_source_node="", blocks=blocks)
+                                   kv_source_node="", kv_source_blocks=None, blocks=blocks)
 
 
 def prompt_blocks(token_ids: tuple[int, ...], cache_salt: str, model_id: str, kv_layout: str,
@@ -240,8 +240,9 @@ class LiveRouter:
             return PrefillResult(request.request_id, placement.decode_instance,
                                  len(request.prompt_token_ids), 0, 0, 0.0,
                                  node_id=placement.pulled_from_node)
-        if placement.pulled_from_node:
-            request = msgspec.structs.replace(request, kv_source_node=placement.pulled_from_node)
+        if placement.pulled_from_node:  # the conductor's transfer plan: that node's prefix
+            request = msgspec.structs.replace(request, kv_source_node=placement.pulled_from_node,
+                                              kv_source_blocks=placement.expected_cached_blocks)
         try:
             handle = self._handle(placement.prefill_instance)
             self.calls.count("prefill.prefill")
@@ -260,7 +261,12 @@ class LiveRouter:
                      prefilled: PrefillResult, first: bool = True) -> AsyncIterator[RouterEvent]:
         if first:  # a continuation keeps the stream's one Placed
             yield Placed(placement, prefilled)
-        if prefilled.node_id:  # the decode worker pulls the prompt's KV if it is elsewhere
+        if placement.prefill_instance == placement.decode_instance:
+            if placement.pulled_from_node:  # it prefills itself: the conductor's transfer plan
+                request = msgspec.structs.replace(
+                    request, kv_source_node=placement.pulled_from_node,
+                    kv_source_blocks=placement.expected_cached_blocks)
+        elif prefilled.node_id:  # the decode worker pulls the prompt's KV if it is elsewhere
             request = msgspec.structs.replace(request, kv_source_node=prefilled.node_id)
         try:
             decode = self._handle(placement.decode_instance)

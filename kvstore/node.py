@@ -89,6 +89,17 @@ class PullResult(msgspec.Struct, frozen=True):
     """Why the pull stopped short, if it did: the rest is recomputed."""
 
 
+class TransferPlan(msgspec.Struct, frozen=True):
+    """What one pull brings to a node, decided before it by whoever knows where the blocks are
+    (the conductor's placement names the node a prefill pulls a prefix from; a decode pulls
+    from the node its prefill ran on): the store executes it and does not choose again."""
+
+    source_node: str
+    keys: tuple[BlockKey, ...]
+    """The prompt's leading blocks to have locally, in chain order (those already here are
+    not read)."""
+
+
 class KVStoreNode:
     """Host-tier owner for one node. Methods are called through Ray, one at a time."""
 
@@ -244,35 +255,74 @@ class KVStoreNode:
         return PinnedRun(keys=served, slots=slots, from_disk=from_disk, checksums=checksums)
 
     def pull(self, keys: Sequence[BlockKey], source_node: str | None = None) -> PullResult:
-        """Make the leading run of ``keys`` local: the blocks after the ones this node holds are
-        read from the node that holds the longest run of them (per Redis; ``source_node`` first
-        when it has them) over the transfer engine, verified, and committed to this node's host
-        tier, where the engines' connectors load them like any local block.
-
-        Never raises for a missing, dead or corrupting peer, a full arena or Redis trouble: the
-        result says how far it got and why it stopped, and the rest is recomputed. The network
-        read runs without the node's lock, so the connectors' calls go on meanwhile; the slots
-        being filled are reserved (WRITING), so no one reads or evicts them half-written."""
+        """Make the leading run of ``keys`` local. With ``source_node`` that is a transfer plan,
+        executed exactly (``execute``). Without one, the blocks after those this node holds are
+        read from the node that holds the longest run of them, per Redis (for callers with no
+        plan: drills, operators). Fails soft like ``execute``."""
+        if source_node:
+            return self.execute(TransferPlan(source_node, tuple(keys)))
         keys = list(keys)
-        with self._lock:
-            num_local = self._local_run(keys)
-        if num_local == len(keys):
-            return PullResult(num_local, 0)
-        if self._directory is None or self._config.transfer is None:
-            if not self._warned_no_transfer:
-                self._warned_no_transfer = True
-                log.warning("a request's KV is on another node, but %s: it is recomputed here. "
-                            "Set kvstore.transfer to pull it instead.", NO_TRANSFER)
-            return PullResult(num_local, 0, error=NO_TRANSFER)
-        wanted = keys[num_local:]
+        num_local, refused = self._pull_start(keys)
+        if refused is not None:
+            return refused
         try:
-            source, run, address = self._choose_source(wanted, source_node)
+            source, run, address = self._choose_source(keys[num_local:])
         except Exception as exc:  # noqa: BLE001 - Redis down: recompute, say why
             log.warning("pull: cannot look up block holders in Redis: %s", exc)
             return self._failed_pull(num_local, f"Redis lookup failed: {exc}")
         if not run:
             return PullResult(num_local, 0, error="no live node holds the next block")
-        wanted = wanted[:run]
+        return self._read_run(keys[:num_local + run], num_local, source, address)
+
+    def execute(self, plan: TransferPlan) -> PullResult:
+        """Make ``plan.keys`` local exactly as planned: the blocks after those this node holds
+        are read from ``plan.source_node`` over the transfer engine, verified, and committed to
+        this node's host tier, where the engines' connectors load them like any local block. No
+        other node is asked and no holder is looked up (the plan's maker knew where they are); a
+        source that no longer holds them all yields the run it still has.
+
+        Never raises for a missing, dead or corrupting peer, a full arena or Redis trouble: the
+        result says how far it got and why it stopped, and the rest is recomputed. The network
+        read runs without the node's lock, so the connectors' calls go on meanwhile; the slots
+        being filled are reserved (WRITING), so no one reads or evicts them half-written."""
+        keys = list(plan.keys)
+        num_local, refused = self._pull_start(keys)
+        if refused is not None:
+            return refused
+        source = plan.source_node
+        if source == self.node_id:
+            return PullResult(num_local, 0, error=f"the plan's source is this node ({source})")
+        try:
+            encoded = self._directory.transfer_addresses().get(source)
+        except Exception as exc:  # noqa: BLE001 - Redis down: recompute, say why
+            log.warning("pull: cannot look up node %s's transfer address in Redis: %s", source, exc)
+            return self._failed_pull(num_local, f"Redis lookup failed: {exc}", source)
+        if encoded is None:
+            return PullResult(num_local, 0, source, error=f"node {source} has no transfer address "
+                              "in Redis (it is gone, or serves no transfers)")
+        address = msgspec.json.decode(encoded, type=PeerAddress)
+        return self._read_run(keys, num_local, source, address)
+
+    def _pull_start(self, keys: list[BlockKey]) -> tuple[int, PullResult | None]:
+        """The leading run of ``keys`` held here, and the result to return at once when nothing
+        is to be pulled or this node cannot pull."""
+        with self._lock:
+            num_local = self._local_run(keys)
+        if num_local == len(keys):
+            return num_local, PullResult(num_local, 0)
+        if self._directory is None or self._config.transfer is None:
+            if not self._warned_no_transfer:
+                self._warned_no_transfer = True
+                log.warning("a request's KV is on another node, but %s: it is recomputed here. "
+                            "Set kvstore.transfer to pull it instead.", NO_TRANSFER)
+            return num_local, PullResult(num_local, 0, error=NO_TRANSFER)
+        return num_local, None
+
+    def _read_run(self, keys: list[BlockKey], num_local: int, source: str,
+                  address: PeerAddress) -> PullResult:
+        """Read ``keys[num_local:]`` from ``source`` into reserved host slots, and commit what
+        arrived whole (the run up to the first block that did not)."""
+        wanted = keys[num_local:]
         parents = [keys[num_local - 1] if num_local else None, *wanted[:-1]]
         with self._lock:
             slots = self.store.reserve(wanted, parents).slots
@@ -318,9 +368,8 @@ class KVStoreNode:
                 run += 1
         return run
 
-    def _choose_source(self, wanted: Sequence[BlockKey],
-                       preferred: str | None) -> tuple[str, int, PeerAddress | None]:
-        """The live peer holding the longest leading run of ``wanted`` (ties: ``preferred``)."""
+    def _choose_source(self, wanted: Sequence[BlockKey]) -> tuple[str, int, PeerAddress | None]:
+        """The live peer holding the longest leading run of ``wanted`` (ties: the first listed)."""
         holders = self._directory.locate(wanted)
         addresses = self._directory.transfer_addresses()
         runs: dict[str, int] = {}
@@ -333,7 +382,7 @@ class KVStoreNode:
             runs[node] = run
         if not runs:
             return "", 0, None
-        source = max(runs, key=lambda node: (runs[node], node == preferred))
+        source = max(runs, key=runs.__getitem__)
         address = msgspec.json.decode(addresses[source], type=PeerAddress)
         return source, runs[source], address
 

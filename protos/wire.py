@@ -50,6 +50,10 @@ class EngineRequest(msgspec.Struct, frozen=True):
     on another node pulls those blocks into its own store before the engine sees the request."""
     blocks: PromptBlocks | None = None
     """The prompt's block keys, hashed at the gateway (None: whoever needs them hashes)."""
+    kv_source_blocks: int | None = None
+    """How many of the prompt's leading blocks to pull from ``kv_source_node``: with it, the
+    transfer plan the worker's store executes (for a prefill: the placement's
+    ``expected_cached_blocks``). None: every prompt block (a decode after a prefill elsewhere)."""
 
 
 class Placement(msgspec.Struct, frozen=True):

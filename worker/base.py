@@ -111,30 +111,36 @@ class EngineWorker:
         return prompt_block_keys(request.prompt_token_ids, block_size, extras)
 
     async def _pull_remote_kv(self, request: EngineRequest) -> int:
-        """Bring the prompt's blocks held on ``request.kv_source_node`` into this node's store
-        (over the transfer engine), so the connector loads them instead of the engine
-        recomputing them. Returns the blocks pulled; 0 when there is nothing to pull or the pull
-        failed (the store logs why and the engine recomputes: a pull never fails a request)."""
+        """Bring the prompt's blocks held on ``request.kv_source_node`` (the first
+        ``request.kv_source_blocks`` of them, or all) into this node's store over the transfer
+        engine, so the connector loads them instead of the engine recomputing them: the store
+        executes that plan as given. Returns the blocks pulled; 0 when there is nothing to pull
+        or the pull failed (the store logs why and the engine recomputes: a pull never fails a
+        request)."""
         source = request.kv_source_node
         if not source or source == self.node_id or self._store is None:
             return 0
         import ray
 
+        from kvstore.node import NO_TRANSFER, TransferPlan
+
         keys = self.prompt_keys(request)
+        if request.kv_source_blocks is not None:
+            keys = keys[:request.kv_source_blocks]
+        if not keys:
+            return 0
         try:
             if self._store_handle is None:
                 self.calls.count("gcs.get_actor")
                 self._store_handle = ray.get_actor(self._store.store_actor,
                                                    namespace=self._store.namespace)
-            self.calls.count("store.pull")
-            result = await self._store_handle.pull.remote(keys, source)
+            self.calls.count("store.execute")
+            result = await self._store_handle.execute.remote(TransferPlan(source, tuple(keys)))
         except Exception:  # noqa: BLE001 - the store actor is gone: recompute
             self._store_handle = None  # look it up again next time: it may have been replaced
             log.warning("pull of request %s's KV from node %s failed", request.request_id, source,
                         exc_info=True)
             return 0
-        from kvstore.node import NO_TRANSFER
-
         if result.error and result.error != NO_TRANSFER:  # the store warns of that once itself
             log.warning("request %s: pulled %d of %d blocks from %s: %s", request.request_id,
                         result.num_pulled, len(keys) - result.num_local, source, result.error)
