@@ -27,9 +27,8 @@ from gateway.auth import ADMIN_KEY_ENV
 from gateway.client import open_channel
 from conductor.conductor import SoftPin
 from cluster.deployment import NotUp
-from protos.errors import BatonError, ConfigError, InvalidRequest
-from cluster.pools import UnknownInstance
-from protos.wire import DrainResult, ScaleResult
+from protos.errors import BatonError, ConfigError, InvalidRequest, UnknownInstance
+from protos.wire import DrainResult, PoolSizes, ScaleResult
 from protos.baton.v1 import admin_pb2 as apb
 from protos.baton.v1 import admin_pb2_grpc as apb_grpc
 from protos.baton.v1 import inference_pb2 as pb
@@ -41,8 +40,6 @@ QUICK_CALL_TIMEOUT_S = 60.0
 
 class NotAuthorized(BatonError):
     """The gateway refused the admin key, or has no Admin service enabled."""
-
-    grpc_status = grpc.StatusCode.UNAUTHENTICATED
 
 
 class AdminCallFailed(BatonError):
@@ -87,8 +84,8 @@ class AdminClient:
     def status(self) -> StatusView:
         return status_from_pb(self._call("Status", apb.StatusRequest()))
 
-    def scale(self, sizes: dict[str, int], timeout_s: float) -> list[ScaleResult]:
-        request = apb.ScaleRequest(timeout_s=timeout_s, **sizes)
+    def scale(self, sizes: PoolSizes, timeout_s: float) -> list[ScaleResult]:
+        request = apb.ScaleRequest(timeout_s=timeout_s, **dict(sizes.requested()))
         return scale_from_pb(self._call("Scale", request, timeout_s + QUICK_CALL_TIMEOUT_S))
 
     def drain(self, instance_id: str, timeout_s: float) -> DrainResult:

@@ -14,7 +14,7 @@ from cluster.pools import LaunchSpec, PoolManager
 from conductor.config import ConductorConfig
 from conductor.conductor import Conductor
 from conductor.policy import PolicyConfig
-from protos.wire import DrainResult, InstanceRow, PoolStatus, ScaleResult
+from protos.wire import DrainResult, InstanceRow, PoolSizes, PoolStatus, ScaleResult
 
 
 class ClusterConductor(Conductor):
@@ -30,11 +30,12 @@ class ClusterConductor(Conductor):
         """How to start workers (``baton up``); without it the pools cannot be resized."""
         self.pools.spec = spec
 
-    async def scale(self, sizes: dict[str, int], timeout_s: float,
+    async def scale(self, sizes: PoolSizes, timeout_s: float,
                     reason: str = "operator request") -> list[ScaleResult]:
-        """Resize the pools named in ``sizes`` side by side (``baton scale``)."""
+        """Resize the pools ``sizes`` gives side by side (``baton scale``), prefill first in the
+        results."""
         return list(await asyncio.gather(
-            *(self.pools.scale(role, size, timeout_s, reason) for role, size in sizes.items())))
+            *(self.pools.scale(role, size, timeout_s, reason) for role, size in sizes.requested())))
 
     async def drain(self, instance_id: str, timeout_s: float) -> DrainResult:
         """Finish an instance's work, then remove it (``baton drain``)."""

@@ -21,7 +21,7 @@ import ray
 from cluster.config import ClusterConfig
 from protos.errors import BatonError
 from cluster.pools import POOL_RESOURCES, LaunchSpec
-from protos.wire import PoolStatus, ScaleResult
+from protos.wire import PoolSizes, PoolStatus, ScaleResult
 
 UP_SCALE_REASON = "baton up: initial pool size from the config"
 
@@ -148,7 +148,7 @@ def up(cfg: ClusterConfig, progress: Callable[[str], None], timeout_s: float) ->
         progress(f"starting {cfg.prefill.num_instances} prefill and {cfg.decode.num_instances} "
                  "decode workers")
         scale_results = ray.get(conductor.scale.remote(
-            {"prefill": cfg.prefill.num_instances, "decode": cfg.decode.num_instances},
+            PoolSizes(prefill=cfg.prefill.num_instances, decode=cfg.decode.num_instances),
             timeout_s, UP_SCALE_REASON))
     return UpResult(already_up, addresses, scale_results)
 
@@ -168,7 +168,7 @@ def status(name: str, namespace: str) -> tuple[PoolStatus, object]:
     return ray.get(conductor.pool_status.remote()), addresses
 
 
-def scale(name: str, namespace: str, sizes: dict[str, int], timeout_s: float) -> list[ScaleResult]:
+def scale(name: str, namespace: str, sizes: PoolSizes, timeout_s: float) -> list[ScaleResult]:
     return ray.get(_conductor(name, namespace).scale.remote(sizes, timeout_s))
 
 
@@ -204,7 +204,7 @@ class RayOperator:
         pools, addresses = status(self.name, self.namespace)
         return StatusView(pools, addresses, self.name)
 
-    def scale(self, sizes: dict[str, int], timeout_s: float) -> list[ScaleResult]:
+    def scale(self, sizes: PoolSizes, timeout_s: float) -> list[ScaleResult]:
         return scale(self.name, self.namespace, sizes, timeout_s)
 
     def drain(self, instance_id: str, timeout_s: float):

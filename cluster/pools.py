@@ -18,11 +18,10 @@ import re
 import time
 from dataclasses import dataclass
 
-import grpc
 import msgspec
 import ray
 
-from protos.errors import BatonError
+from protos.errors import DrainTimeout, ScaleRefused, UnknownInstance
 from protos.wire import DrainResult, InstanceRow, PoolStatus, ScaleResult, StoreRow
 from kvstore.attach import NodeStoreSpec
 from conductor.state import ConductorState
@@ -36,25 +35,6 @@ PREFILL_RESOURCE = "baton_prefill"
 DECODE_RESOURCE = "baton_decode"
 POOL_RESOURCES = {"prefill": PREFILL_RESOURCE, "decode": DECODE_RESOURCE}
 DRAIN_POLL_S = 0.05
-
-
-class UnknownInstance(BatonError):
-    """No instance of that name in this cluster."""
-
-    grpc_status = grpc.StatusCode.NOT_FOUND
-
-
-class ScaleRefused(BatonError):
-    """A scale or drain request that would leave the cluster unable to serve, or that cannot run
-    on this cluster."""
-
-    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class DrainTimeout(BatonError):
-    """The instance still had work when the drain's time ran out; it stays draining."""
-
-    grpc_status = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class LaunchSpec(msgspec.Struct, frozen=True):

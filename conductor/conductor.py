@@ -21,8 +21,8 @@ import zmq.asyncio
 from conductor.config import ConductorConfig
 from protos.errors import InvalidRequest, NoWorkerReady
 from conductor.kv_index import StreamGap
-from conductor.policy import PlacementRequest, PolicyConfig
-from protos.wire import StoreRow
+from conductor.policy import PlacementRequest, PolicyConfig, PrefixHit
+from protos.wire import Registration, StoreRow
 from conductor.state import ConductorState, PlacementCounters
 from protos.wire import Placement
 from kvstore.keys import BlockKey
@@ -58,6 +58,15 @@ class KeyScheme(msgspec.Struct, frozen=True):
     kv_layout: str
     block_size_tokens: int
     kv_bytes_per_token: int = 0
+
+
+class PrefixHits(msgspec.Struct, frozen=True):
+    """What the KV index holds of one prompt's blocks (``Conductor.prefix_hits``)."""
+
+    num_blocks: int
+    """Block keys asked about."""
+    hits_by_instance: dict[str, PrefixHit]
+    """Per instance with a non-empty leading run of them: that run by fastest tier."""
 
 
 class SoftPin(msgspec.Struct, frozen=True):
@@ -115,15 +124,16 @@ class Conductor:
 
     # ------------------------------------------------------------------ membership
 
-    async def register(self, instance_id: str, role: str, node_id: str, model_id: str,
-                       kv_layout: str, replay_endpoint: str = "") -> None:
+    async def register(self, joining: Registration) -> None:
         """Add an instance (not ready until ``mark_ready``); re-registering resets its index."""
         self._start_tasks()
-        self.state.register(instance_id, role, node_id, model_id, kv_layout)
-        self._key_scheme = KeyScheme(model_id, kv_layout, self.state.config.block_size_tokens,
+        self.state.register(joining.instance_id, joining.role, joining.node_id, joining.model_id,
+                            joining.kv_layout)
+        self._key_scheme = KeyScheme(joining.model_id, joining.kv_layout,
+                                     self.state.config.block_size_tokens,
                                      self.state.config.kv_bytes_per_token)
-        if replay_endpoint:
-            self._replay_endpoints[instance_id] = replay_endpoint
+        if joining.replay_endpoint:
+            self._replay_endpoints[joining.instance_id] = joining.replay_endpoint
 
     async def add_store_node(self, node_id: str, events_endpoint: str, replay_endpoint: str = "",
                              actor_name: str = "") -> None:
@@ -305,13 +315,13 @@ class Conductor:
             except Exception:
                 continue
             rows.append(StoreRow(node_id, stats.capacity_blocks, stats.used_blocks,
-                                 stats.pinned_blocks, tiers.get("disk_blocks", 0), stats.evicted_blocks,
-                                 dict(tiers)))
+                                 stats.pinned_blocks, tiers.disk_blocks or 0, stats.evicted_blocks,
+                                 tiers))
         return rows
 
-    async def prefix_hits(self, block_keys: list[bytes]) -> dict:
-        """The index's view of one prompt (for operators and tests): instance → PrefixHit."""
-        return self.state.index.prefix_hits(block_keys)
+    async def prefix_hits(self, block_keys: list[bytes]) -> PrefixHits:
+        """The index's view of one prompt (for operators and tests)."""
+        return PrefixHits(len(block_keys), self.state.index.prefix_hits(block_keys))
 
     async def set_admission(self, ttft_slo_ms: float | None, tbt_slo_ms: float | None) -> None:
         """Change the SLOs admission enforces, live (None: no limit)."""

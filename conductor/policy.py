@@ -17,7 +17,6 @@ import math
 import random as _random
 from typing import Callable, Mapping, Sequence
 
-import grpc
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,8 +28,6 @@ from protos.wire import Placement
 
 class Overloaded(BatonError):
     """The request is predicted to miss its SLO on every instance; rejected before any prefill."""
-
-    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
 
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)

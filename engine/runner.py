@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from protos.errors import InvalidRequest, WorkerFailed
 from protos.wire import EngineRequest
 
 log = logging.getLogger(__name__)
@@ -23,11 +24,11 @@ log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
 
 
-class EngineDead(RuntimeError):
+class EngineDead(WorkerFailed):
     """The engine thread stopped (crash or shutdown); no request can be served."""
 
 
-class EngineRejected(ValueError):
+class EngineRejected(InvalidRequest):
     """vLLM refused the request itself (its own validation); the engine is fine."""
 
 

@@ -31,7 +31,8 @@ from gateway.admin_wire import (
 from gateway.auth import ADMIN_KEY_ENV, KeySet, bearer_key
 from protos.errors import BatonError
 from gateway.inference import UndecodableRequest, _tolerant_parser
-from protos.wire import FrontAddresses
+from gateway.status import status_of
+from protos.wire import FrontAddresses, PoolSizes
 from gateway.tokenization import PromptTokenizer
 from protos.baton.v1 import admin_pb2 as apb
 
@@ -109,9 +110,9 @@ class AdminServicer:
 
     async def Scale(self, request: apb.ScaleRequest, context) -> apb.ScaleResponse:
         await self._authorize(request, context, "Scale")
-        sizes = {role: getattr(request, role) for role in ("prefill", "decode")
-                 if request.HasField(role)}
-        if not sizes:
+        sizes = PoolSizes(prefill=request.prefill if request.HasField("prefill") else None,
+                          decode=request.decode if request.HasField("decode") else None)
+        if not sizes.requested():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set prefill and/or decode")
         timeout_s = await _timeout_s(request.timeout_s, context)
         reason = f"operator request (Admin API from {context.peer()})"
@@ -161,7 +162,7 @@ def _status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, RayTaskError) and exc.cause is not None:
         exc = exc.cause
     if isinstance(exc, BatonError):
-        return exc.grpc_status, str(exc)
+        return status_of(exc).grpc_code, str(exc)
     if isinstance(exc, RayActorError):
         return (grpc.StatusCode.UNAVAILABLE,
                 f"the conductor does not answer ({type(exc).__name__}); is Baton up?")

@@ -11,7 +11,7 @@ import msgspec
 
 from conductor.conductor import SoftPin
 from protos.wire import FrontAddresses
-from protos.wire import DrainResult, InstanceRow, PoolStatus, ScaleResult, StoreRow
+from protos.wire import DrainResult, InstanceRow, PoolStatus, ScaleResult, StoreRow, TierCounters
 from conductor.state import PlacementCounters
 from protos.baton.v1 import admin_pb2 as apb
 
@@ -41,7 +41,8 @@ def status_to_pb(view: StatusView) -> apb.StatusResponse:
         if row.recent_itl_ms is not None:
             message.recent_itl_ms = row.recent_itl_ms
     for store in pools.stores:
-        reply.stores.add(counters=store.counters, **{f: getattr(store, f) for f in STORE_FIELDS})
+        reply.stores.add(counters=store.counters.as_dict(),
+                         **{f: getattr(store, f) for f in STORE_FIELDS})
     counters = msgspec.structs.asdict(pools.counters)
     reply.placements_by_prefill_instance.update(counters.pop("by_prefill_instance"))
     reply.placement_counters.update({k: v for k, v in counters.items() if isinstance(v, int)})
@@ -66,7 +67,8 @@ def status_from_pb(reply: apb.StatusResponse) -> StatusView:
                     recent_itl_ms=_optional(m, "recent_itl_ms"))
         for m in reply.instances
     ]
-    stores = [StoreRow(**{f: getattr(m, f) for f in STORE_FIELDS}, counters=dict(m.counters))
+    stores = [StoreRow(**{f: getattr(m, f) for f in STORE_FIELDS},
+                       counters=msgspec.convert(dict(m.counters), TierCounters))
               for m in reply.stores]
     counters = msgspec.convert({**reply.placement_counters,
                                 "by_prefill_instance": dict(reply.placements_by_prefill_instance)},

@@ -12,11 +12,12 @@ import grpc
 
 from protos.baton.v1 import inference_pb2 as pb
 from protos.baton.v1 import inference_pb2_grpc as pb_grpc
+from protos.errors import BatonError
 
 DeltaCallback = Callable[[str, list[int]], None]
 
 
-class GenerateFailed(Exception):
+class GenerateFailed(BatonError):
     """The gateway answered with a gRPC error; ``status`` is its name, e.g. INVALID_ARGUMENT."""
 
     def __init__(self, status: str, details: str) -> None:

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from gateway.auth import KeySet, bearer_key
 from protos.errors import BatonError, ConfigError
 from gateway.router import Placed, Router, num_cached_tokens
+from gateway.status import status_of
 from gateway.tokenization import PromptTokenizer
 from gateway.validation import tokenize_prompt, validate_and_build
 from protos.wire import EngineRequest, TokenChunk
@@ -133,7 +134,7 @@ class InferenceServicer:
                 self._vocab_size,
             )
         except BatonError as e:
-            await context.abort(e.grpc_status, str(e))
+            await context.abort(status_of(e).grpc_code, str(e))
         if not self._router.is_ready():
             await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY_MESSAGE)
 
@@ -181,7 +182,7 @@ class InferenceServicer:
             retry_after_s = getattr(e, "retry_after_s", None)
             if retry_after_s is not None:
                 context.set_trailing_metadata((("retry-after-ms", str(round(retry_after_s * 1000))),))
-            return e.grpc_status, str(e)
+            return status_of(e).grpc_code, str(e)
         except Exception:
             logger.exception("request %s failed inside the gateway", request.request_id)
             return (
@@ -237,7 +238,7 @@ class InferenceServicer:
                 self._vocab_size,
             )
         except BatonError as e:
-            await context.abort(e.grpc_status, str(e))
+            await context.abort(status_of(e).grpc_code, str(e))
         return pb.TokenizeResponse(token_ids=token_ids, num_tokens=len(token_ids))
 
 

@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from gateway import metrics
-from protos.errors import InvalidRequest, NoWorkerReady, WorkerFailed
+from protos.errors import BatonError, NoWorkerReady, WorkerFailed
 from conductor.policy import Overloaded, PlacementRequest
 from gateway.router import Placed, RouterEvent
 from protos.wire import CallCounts, EngineRequest, Placement, PrefillResult, PromptBlocks, TokenChunk
@@ -301,18 +301,10 @@ def _as_original(chunk: TokenChunk, num_prompt_tokens: int) -> TokenChunk:
         num_cached_tokens=min(chunk.num_cached_tokens, num_prompt_tokens))
 
 
-def _unwrap(exc: RayTaskError) -> Exception:
-    """Turn a remote exception back into the Baton error it carries."""
-    from protos.errors import BatonError
-    from engine.runner import EngineDead, EngineRejected
-
-    if isinstance(exc.cause, BatonError):  # the original exception, with its own attributes
+def _unwrap(exc: RayTaskError) -> BatonError:
+    """The Baton error a worker or the conductor raised, as itself (class and attributes intact:
+    the fronts map it, ``gateway.status``). Anything else from a worker is a bug there, which
+    the client sees as a failed worker."""
+    if isinstance(exc.cause, BatonError):
         return exc.cause
-    cause = exc.as_instanceof_cause() if hasattr(exc, "as_instanceof_cause") else exc
-    if isinstance(cause, BatonError):
-        return cause
-    if isinstance(cause, EngineRejected):
-        return InvalidRequest(str(exc.cause))
-    if isinstance(cause, EngineDead):
-        return WorkerFailed(str(exc.cause))
     return WorkerFailed(f"worker error: {exc.cause!r}")

@@ -169,8 +169,8 @@ def set_pool_gauges(status) -> None:
         STORE_BLOCKS.labels(store.node_id, "host").set(store.host_used_blocks)
         STORE_BLOCKS.labels(store.node_id, "disk").set(store.disk_used_blocks)
         STORE_BLOCKS.labels(store.node_id, "host_soft_pinned").set(
-            store.counters.get("soft_pinned_blocks", 0))
-        for event, count in store.counters.items():
+            store.counters.soft_pinned_blocks)
+        for event, count in store.counters.as_dict().items():
             if event not in ("disk_blocks", "soft_pinned_blocks"):
                 STORE_EVENTS.labels(store.node_id, event).set(count)
 

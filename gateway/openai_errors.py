@@ -1,8 +1,9 @@
 """The OpenAI HTTP front's errors: Baton errors and bad bodies as OpenAI error answers.
 
-Every failure is answered as ``{"error": {message, type, param, code}}``. The HTTP status
-follows the error's gRPC category: INVALID_ARGUMENT 400, ``UnknownModel`` 404,
-RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, anything else 500; 429 and 503 carry ``Retry-After``.
+Every failure is answered as ``{"error": {message, type, param, code}}``. The HTTP status is
+the error kind's in ``gateway.status`` (``InvalidRequest`` 400, ``UnknownModel`` 404,
+``Overloaded`` 429, ``NoWorkerReady``/``WorkerFailed`` 503, anything else 500) and ``code`` is
+that kind's name; 429 and 503 carry ``Retry-After``.
 Malformed JSON and wrong field types are 400 (``validation_message``), not FastAPI's 422.
 ``translated`` is the one place router exceptions become ``OpenAIError``.
 """
@@ -14,11 +15,11 @@ import logging
 import re
 from http import HTTPStatus
 
-import grpc
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from protos.errors import BatonError, UnknownModel
+from gateway.status import STATUS_BY_ERROR, category_of
+from protos.errors import BatonError
 
 logger = logging.getLogger(__name__)
 
@@ -47,20 +48,18 @@ class OpenAIError(Exception):
 
 
 def error_for(error: BatonError, param: str | None = None) -> OpenAIError:
-    """The HTTP answer for a Baton error, chosen by its gRPC category (see module docstring)."""
-    code = re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__).lower()
+    """The HTTP answer for a Baton error, chosen by its kind (see module docstring)."""
+    kind = category_of(error)
+    status = STATUS_BY_ERROR[kind].http_status
+    code = re.sub(r"(?<!^)(?=[A-Z])", "_", kind.__name__).lower()
     retry_after_s = getattr(error, "retry_after_s", DEFAULT_RETRY_AFTER_S)
-    if isinstance(error, UnknownModel):
-        return OpenAIError(HTTPStatus.NOT_FOUND, str(error), "invalid_request_error", param, code)
-    if error.grpc_status == grpc.StatusCode.INVALID_ARGUMENT:
-        return OpenAIError(HTTPStatus.BAD_REQUEST, str(error), "invalid_request_error", param, code)
-    if error.grpc_status == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        status, type_ = HTTPStatus.TOO_MANY_REQUESTS, "rate_limit_error"
-        return OpenAIError(status, str(error), type_, param, code, retry_after_s)
-    if error.grpc_status == grpc.StatusCode.UNAVAILABLE:
-        status, type_ = HTTPStatus.SERVICE_UNAVAILABLE, "server_error"
-        return OpenAIError(status, str(error), type_, param, code, retry_after_s)
-    return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(error), "server_error", param, code)
+    if status in (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND):
+        return OpenAIError(status, str(error), "invalid_request_error", param, code)
+    if status == HTTPStatus.TOO_MANY_REQUESTS:
+        return OpenAIError(status, str(error), "rate_limit_error", param, code, retry_after_s)
+    if status == HTTPStatus.SERVICE_UNAVAILABLE:
+        return OpenAIError(status, str(error), "server_error", param, code, retry_after_s)
+    return OpenAIError(status, str(error), "server_error", param, code)
 
 
 def _internal_error(request_id: str) -> OpenAIError:

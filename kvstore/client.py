@@ -36,6 +36,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
 from protos.wire import CallCounts
+from protos.errors import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ _STORE_GONE = (RayActorError, GetTimeoutError)
 ``ActorUnavailableError`` are ``RayActorError``s)."""
 
 
-class StoreUnavailable(RuntimeError):
+class StoreUnavailable(StoreError):
     """No store actor by that name answered within the attach timeout."""
 
 

@@ -27,6 +27,7 @@ from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
 from kvstore.transfer_server import BlockServer, PeerAddress, PinnedRun
 from kvstore.transfer_wire import TransferError, block_checksum
+from protos.wire import TierCounters
 
 log = logging.getLogger(__name__)
 _F = TypeVar("_F", bound=Callable)
@@ -142,7 +143,7 @@ class KVStoreNode:
         self._soft_pin_keys: set[BlockKey] = set()  # operator-pinned prefixes' blocks
         self._transfer_client = None  # created at the first pull
         self._warned_no_transfer = False
-        self.pull_counters = {"pulled_blocks": 0, "pulled_bytes": 0, "pull_failures": 0}
+        self.pulled_blocks = self.pulled_bytes = self.pull_failures = 0  # pulls from other nodes
         self._stop_heartbeat = threading.Event()
         self.transfer_server: BlockServer | None = None
         if config.transfer is not None:
@@ -220,18 +221,21 @@ class KVStoreNode:
         return self.store.stats()
 
     @_locked
-    def tier_counters(self) -> dict[str, int]:
+    def tier_counters(self) -> TierCounters:
         """Blocks moved between tiers, and the disk tier's own counters."""
-        counters = {"promoted_blocks": self.promoted_blocks, "demoted_blocks": self.demoted_blocks,
-                    "host_full_rejected_blocks": self.store.stats().reserve_rejected_blocks,
-                    "soft_pinned_blocks": self.store.stats().soft_pinned_blocks,
-                    **self.pull_counters}
-        if self.disk is not None:
-            disk = self.disk.stats()
-            counters.update(disk_blocks=disk.used_blocks, disk_hits=disk.hits,
-                            disk_corrupt_blocks=disk.corrupt_blocks, disk_evictions=disk.evictions,
-                            disk_write_errors=disk.write_errors, disk_rejected_puts=disk.rejected_puts)
-        return counters
+        stats = self.store.stats()
+        counters = TierCounters(
+            promoted_blocks=self.promoted_blocks, demoted_blocks=self.demoted_blocks,
+            host_full_rejected_blocks=stats.reserve_rejected_blocks,
+            soft_pinned_blocks=stats.soft_pinned_blocks, pulled_blocks=self.pulled_blocks,
+            pulled_bytes=self.pulled_bytes, pull_failures=self.pull_failures)
+        if self.disk is None:
+            return counters
+        disk = self.disk.stats()
+        return msgspec.structs.replace(
+            counters, disk_blocks=disk.used_blocks, disk_hits=disk.hits,
+            disk_corrupt_blocks=disk.corrupt_blocks, disk_evictions=disk.evictions,
+            disk_write_errors=disk.write_errors, disk_rejected_puts=disk.rejected_puts)
 
     def transfer_address(self) -> PeerAddress | None:
         """Where this node's block server listens (None without ``config.transfer``)."""
@@ -351,8 +355,8 @@ class KVStoreNode:
         with self._lock:
             self.commit(wanted[:got])
             self.store.abort(wanted[got:])
-            self.pull_counters["pulled_blocks"] += got
-            self.pull_counters["pulled_bytes"] += got * self.arena.slot_bytes
+            self.pulled_blocks += got
+            self.pulled_bytes += got * self.arena.slot_bytes
         error = ""
         if result.corrupt_blocks:
             error = f"{result.corrupt_blocks} block(s) from {source} failed their checksum"
@@ -395,7 +399,7 @@ class KVStoreNode:
 
     def _failed_pull(self, num_local: int, error: str, source: str = "") -> PullResult:
         with self._lock:
-            self.pull_counters["pull_failures"] += 1
+            self.pull_failures += 1
         return PullResult(num_local, 0, source, error=error)
 
     def _demote(self, key: BlockKey, parent: BlockKey | None, slot: int) -> None:

@@ -15,8 +15,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from protos.errors import StoreError
 
-class RedisUnavailable(RuntimeError):
+
+class RedisUnavailable(StoreError):
     """No redis-server binary, or it did not start; the message says what to install."""
 
 

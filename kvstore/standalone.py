@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(ready), flush=True)
         for line in sys.stdin:
             if line.strip() == "stats":
-                counters = dict(node.tier_counters())
+                counters = node.tier_counters().as_dict()
                 counters.update(msgspec.to_builtins(node.transfer_server.stats()))
                 print(json.dumps(counters), flush=True)
     finally:

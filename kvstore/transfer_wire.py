@@ -37,6 +37,7 @@ import msgspec
 import xxhash
 
 from kvstore.config import TransferConfig
+from protos.errors import StoreError
 
 PROTOCOL_VERSION = 1
 NONCE_BYTES = 16
@@ -50,7 +51,7 @@ TRANSFER_PATHS: tuple[str, ...] = ("shm", "tcp", "ucx")
 # -- errors ------------------------------------------------------------------------------------
 
 
-class TransferError(RuntimeError):
+class TransferError(StoreError):
     """Base of every error the transfer engine raises to its callers."""
 
 

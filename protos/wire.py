@@ -192,7 +192,7 @@ class StoreRow(msgspec.Struct, frozen=True):
     host_pinned_blocks: int
     disk_used_blocks: int
     evicted_blocks: int
-    counters: dict[str, int] = {}
+    counters: TierCounters
     """Everything ``KVStoreNode.tier_counters`` reports: full-arena and full-disk rejections,
     disk write errors, corrupt blocks, promotions, demotions, pulls."""
 
@@ -214,6 +214,72 @@ class FrontAddresses(msgspec.Struct, frozen=True):
     http_port: int | None
     http_tls: bool = False
     """The HTTP front serves HTTPS (``http.tls_cert_file``)."""
+
+
+# ---------------------------------------------------------------- actor calls (no raw dicts)
+
+
+class Registration(msgspec.Struct, frozen=True):
+    """An engine instance joining the conductor once its engine is up (``Conductor.register``)."""
+
+    instance_id: str
+    role: str
+    """prefill | decode."""
+    node_id: str
+    """The store node it runs on ('' without a store)."""
+    model_id: str
+    kv_layout: str
+    """Its KV key layout tag (``kvstore.keys.kv_layout_tag``: dtype and block size)."""
+    replay_endpoint: str = ""
+    """Where its engine's KV-event replay buffer answers ('' without one)."""
+
+
+class PoolSizes(msgspec.Struct, frozen=True):
+    """The pool sizes a ``scale`` asks for (instances); None leaves that pool as it is."""
+
+    prefill: int | None = None
+    decode: int | None = None
+
+    def requested(self) -> list[tuple[str, int]]:
+        """(pool, size) of each pool given, prefill first."""
+        return [(pool, size) for pool, size in (("prefill", self.prefill), ("decode", self.decode))
+                if size is not None]
+
+
+class TierCounters(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What ``KVStoreNode.tier_counters`` reports: blocks moved between the node's tiers, host
+    rejections and soft pins, pulls from other nodes, and the disk tier's own counters.
+
+    The ``disk_*`` fields are None on a node without a disk tier and are then left out of the
+    encoded form (``baton status --json``, the Admin proto's ``counters`` map, ``as_dict``)."""
+
+    promoted_blocks: int
+    """Blocks copied up from disk into host memory."""
+    demoted_blocks: int
+    """Blocks written down to disk when host memory evicted them."""
+    host_full_rejected_blocks: int
+    """Blocks a writer could not store: host memory was full of pinned blocks."""
+    soft_pinned_blocks: int
+    """Blocks of operator-pinned prefixes in host memory now (a level, not a count of events)."""
+    pulled_blocks: int
+    pulled_bytes: int
+    pull_failures: int
+    """Pulls from another node that failed (that node gone, Redis down, a transfer error)."""
+    disk_blocks: int | None = None
+    """Blocks on disk now (a level)."""
+    disk_hits: int | None = None
+    disk_corrupt_blocks: int | None = None
+    """Disk blocks that failed their checksum (deleted, served as misses)."""
+    disk_evictions: int | None = None
+    disk_write_errors: int | None = None
+    disk_rejected_puts: int | None = None
+    """Blocks the disk tier refused: no room could be made for them."""
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters present, by name, in field order: what the Admin proto's map and the
+        Prometheus store series carry."""
+        return {name: value for name, value in msgspec.structs.asdict(self).items()
+                if value is not None}
 
 
 # ---------------------------------------------------------------- round trips

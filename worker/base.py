@@ -13,7 +13,7 @@ from engine.builder import EventsWiring, Role, build_engine_args
 
 from kvstore.attach import StoreWiring
 from engine.config import EngineConfig
-from protos.wire import CallCounts, EngineRequest, InstanceStats
+from protos.wire import CallCounts, EngineRequest, InstanceStats, Registration
 from engine.models import PreparedModel
 from engine.runner import EngineRunner
 from kvstore.redis_server import free_port
@@ -90,10 +90,10 @@ class EngineWorker:
 
         dtype, block_size = self.runner.kv_layout()
         handle = ray.get_actor(conductor.actor_name, namespace=conductor.namespace)
-        ray.get(handle.register.remote(
+        ray.get(handle.register.remote(Registration(
             self.instance_id, self.role, store.node_id if store else "", self.model.name,
             kv_layout_tag(dtype, block_size), events.replay_endpoint,
-        ))
+        )))
 
     def prompt_keys(self, request: EngineRequest) -> list[bytes]:
         """The store keys of ``request``'s prompt blocks, as this engine's connector names them

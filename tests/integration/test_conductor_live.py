@@ -50,7 +50,7 @@ async def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"
 
 
 async def indexed(server, tokens: list[int], instance: str, min_device_blocks: int) -> bool:
-    hits = await server.cluster.conductor.prefix_hits.remote(keys_of(tokens))
+    hits = (await server.cluster.conductor.prefix_hits.remote(keys_of(tokens))).hits_by_instance
     return instance in hits and hits[instance].num_blocks_device >= min_device_blocks
 
 

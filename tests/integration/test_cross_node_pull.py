@@ -134,7 +134,7 @@ async def test_decode_on_node_b_pulls_the_kv_prefilled_on_node_a(cluster, refere
     assert last.num_pulled_blocks == num_blocks
     assert last.num_loaded_tokens == len(prompt) - 1  # vLLM computes the last prompt token itself
     counters = ray.get(cluster.stores[f"b-{backend}"].tier_counters.remote())
-    assert counters["pulled_blocks"] >= num_blocks and counters["pull_failures"] == 0
+    assert counters.pulled_blocks >= num_blocks and counters.pull_failures == 0
     served = ray.get(cluster.stores["a"].transfer_address.remote())
     assert served is not None and served.node_id == "a"
 
@@ -195,13 +195,13 @@ async def test_a_corrupt_block_on_the_source_nodes_disk_is_never_served_and_is_r
         byte = f.read(1)[0]
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 0x40]))
-    before = ray.get(cluster.stores["a"].tier_counters.remote())["disk_corrupt_blocks"]
+    before = ray.get(cluster.stores["a"].tier_counters.remote()).disk_corrupt_blocks
 
     tokens, last = await decode(cluster.decode["tcp"], greedy("corrupt-d", prompt, kv_source_node="a"))
 
     assert tokens == expected
     assert (last.num_pulled_blocks, last.num_loaded_tokens) == (2, 2 * block)
-    assert ray.get(cluster.stores["a"].tier_counters.remote())["disk_corrupt_blocks"] == before + 1
+    assert ray.get(cluster.stores["a"].tier_counters.remote()).disk_corrupt_blocks == before + 1
     assert find_block(tier_dir, keys[2], cluster.block_bytes) is None  # dropped: header zeroed
 
 

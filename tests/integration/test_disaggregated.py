@@ -152,10 +152,12 @@ async def test_request_while_no_worker_is_ready_is_unavailable(server):
     from gateway.tokenization import PromptTokenizer
 
     from conductor.policy import PolicyConfig
+    from protos.wire import Registration
 
     empty = ray.remote(Conductor).options(num_cpus=0).remote(
         ConductorConfig(), server.cluster.namespace, PolicyConfig())
-    await empty.register.remote("not-started-prefill", "prefill", "node0", "m", "float32:128")
+    await empty.register.remote(
+        Registration("not-started-prefill", "prefill", "node0", "m", "float32:128"))
     router = LiveRouter(empty, server.cluster.namespace, readiness_interval_s=0.05)
     router.start()
     model = server.cluster.model

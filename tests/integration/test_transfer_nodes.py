@@ -324,7 +324,7 @@ def test_pull_makes_the_run_local_from_the_node_that_holds_it(redis_url, node_a,
         assert len(held) == 12
         assert_blocks(keys, [node_b.arena.slot(s).numpy() for s in held])
         node_b.release(keys)
-        assert node_b.tier_counters()["pulled_blocks"] == 9
+        assert node_b.tier_counters().pulled_blocks == 9
         assert node_b.pull(keys) == msgspec.convert(
             {"num_local": 12, "num_pulled": 0}, type=type(result))
     finally:
@@ -344,7 +344,7 @@ def test_a_pull_from_a_dead_node_reports_why_and_moves_nothing(tmp_path, redis_u
         assert "is its store node running" in result.error
         assert node_b.acquire(keys) == []  # the reserved slots were given back
         assert node_b.stats().used_blocks == 0
-        assert node_b.tier_counters()["pull_failures"] == 1
+        assert node_b.tier_counters().pull_failures == 1
     finally:
         node_b.shutdown()
         doomed.stop()
@@ -360,7 +360,7 @@ def test_a_pull_into_a_full_arena_keeps_what_fits_and_says_so(redis_url, node_a,
             result = node_b.pull(keys, source_node="a")
         assert (result.num_local, result.num_pulled, result.source) == (0, 3, "a")
         assert "room for 3 of 12 blocks from a" in caplog.text
-        assert node_b.tier_counters()["host_full_rejected_blocks"] == 9
+        assert node_b.tier_counters().host_full_rejected_blocks == 9
         held = node_b.acquire(keys)
         assert_blocks(keys[:3], [node_b.arena.slot(s).numpy() for s in held])
         node_b.release(keys[:3])

@@ -28,7 +28,7 @@ from gateway.inference import InferenceServicer, start_gateway
 from protos.wire import FrontAddresses
 from conductor.policy import PolicyConfig
 from cluster.pools import ScaleRefused
-from protos.wire import ScaleResult
+from protos.wire import Registration, ScaleResult
 from gateway.tokenization import PromptTokenizer
 from engine.models import prepare_model
 from protos.baton.v1 import admin_pb2 as apb
@@ -73,7 +73,7 @@ async def conductor():
     # stats polling far away: the instances below are not Ray actors
     real = Conductor(ConductorConfig(stats_interval_s=3600), "admintest", PolicyConfig(), "127.0.0.1")
     for instance_id, role in (("t-prefill-0", "prefill"), ("t-decode-0", "decode")):
-        await real.register(instance_id, role, "node-a", "tiny", "layout-1")
+        await real.register(Registration(instance_id, role, "node-a", "tiny", "layout-1"))
         await real.mark_ready(instance_id)
     yield InProcessActor(real)
     for task in real._tasks:
@@ -169,20 +169,30 @@ async def test_status_is_the_conductors_pool_status(stub, conductor):
 
 
 def test_status_round_trips_every_field():
-    from protos.wire import InstanceRow, PoolStatus, StoreRow
+    from protos.wire import InstanceRow, PoolStatus, StoreRow, TierCounters
     from conductor.state import PlacementCounters
 
     pools = PoolStatus(
         "baton", {"prefill": {"ready": 2, "draining": 1}, "decode": {}},
         [InstanceRow("c-prefill-0", "prefill", "n1", "ready", 3, 4, 5, 0.25, 1000, 640, 12.5, None,
                      1.5)],
-        [StoreRow("n1", 100, 40, 6, 7, 8, {"pulled_blocks": 9, "pull_failures": 1})],
+        [StoreRow("n1", 100, 40, 6, 7, 8, TierCounters(1, 2, 3, 4, 9, 5, 1, disk_blocks=7)),
+         StoreRow("n2", 100, 0, 0, 0, 0, TierCounters(0, 0, 0, 0, 0, 0, 0))],
         PlacementCounters(placed=10, rejected=1, coalesced=2, colocated=3, pulled=4,
                           index_corrections=5, by_prefill_instance={"c-prefill-0": 10}),
         ["12:00:00 scale prefill 1 -> 2"])
     for fronts in (None, FrontAddresses("h", None, 8000, False)):
         view = StatusView(pools, fronts, "c")
         assert status_from_pb(status_to_pb(view)) == view
+    # the proto's counters map holds what the node reported: no disk counters without a disk
+    stores = status_to_pb(StatusView(pools, None, "c")).stores
+    assert dict(stores[0].counters) == {
+        "promoted_blocks": 1, "demoted_blocks": 2, "host_full_rejected_blocks": 3,
+        "soft_pinned_blocks": 4, "pulled_blocks": 9, "pulled_bytes": 5, "pull_failures": 1,
+        "disk_blocks": 7}
+    assert sorted(stores[1].counters) == [
+        "demoted_blocks", "host_full_rejected_blocks", "promoted_blocks", "pull_failures",
+        "pulled_blocks", "pulled_bytes", "soft_pinned_blocks"]
 
 
 async def test_scale_goes_through_the_conductors_pool_manager(stub, conductor):

@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-import grpc
 import httpx
 import openai
 import prometheus_client
 import pytest
 import pytest_asyncio
 
-from protos.errors import BatonError, ConfigError, NoWorkerReady, WorkerFailed
+from protos.errors import ConfigError, NoWorkerReady, WorkerFailed
 from gateway.inference import NOT_READY_MESSAGE
 from gateway.openai_http import build_app, error_for, start_http
 from gateway.tokenization import PromptTokenizer
@@ -407,15 +406,10 @@ async def test_refusal_before_placement_is_503_even_when_streaming(tokenizer):
     assert info.value.body["message"] == "every decode instance is full; retry in a second"
 
 
-class Overloaded(BatonError):
-    """What an admission-control error would look like; ``protos.errors`` has none yet."""
-
-    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
-    retry_after_s = 3
-
-
 def test_resource_exhausted_maps_to_429_with_retry_after():
-    error = error_for(Overloaded("the queue holds 512 requests; retry in 3 s"))
+    from conductor.policy import Overloaded
+
+    error = error_for(Overloaded("the queue holds 512 requests; retry in 3 s", retry_after_s=3))
 
     assert error.status == 429
     assert error.headers == {"Retry-After": "3"}

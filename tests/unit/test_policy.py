@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import grpc
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -243,7 +242,6 @@ def test_mooncake_rejects_a_request_predicted_to_miss_the_ttft_slo():
     s = ClusterSnapshot((InstanceView("p0", queued_prefill_ms=3000.0),), (InstanceView("d0"),))
     with pytest.raises(Overloaded, match="exceeds ttft_slo_ms 500") as caught:
         mooncake(s, REQ20, unit_config(ttft_slo_ms=500.0))
-    assert caught.value.grpc_status == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert isinstance(caught.value, BatonError)
     assert caught.value.retry_after_s == pytest.approx(2.82)  # (3000 + 320 - 500) ms
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import msgspec
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from kvstore.config import KVStoreConfig
 from kvstore.disk_tier import HEADER_BYTES, find_block
 from kvstore.keys import KeyExtras, block_keys
 from kvstore.node import KVStoreNode
+from protos.wire import TierCounters
 
 BLOCK_BYTES = 256 * 1024
 EXTRAS = KeyExtras(model_id="m")
@@ -57,14 +59,18 @@ def test_evicted_host_blocks_are_demoted_and_promoted_back_intact(node):
     write(node, a)
     write(node, b)  # host holds 4 blocks: three of a's go to disk, leaves first
     assert node.store.match_prefix(a) == 1
-    assert node.tier_counters()["demoted_blocks"] == 3
+    assert node.tier_counters().demoted_blocks == 3
 
     data = read(node, a)
 
     assert len(data) == 4
     assert all(torch.equal(d, payload(k)) for d, k in zip(data, a))
     counters = node.tier_counters()
-    assert counters["promoted_blocks"] == 3 and counters["disk_hits"] == 3
+    assert counters.promoted_blocks == 3 and counters.disk_hits == 3
+    assert list(counters.as_dict()) == [  # the names and order `baton status` always showed
+        "promoted_blocks", "demoted_blocks", "host_full_rejected_blocks", "soft_pinned_blocks",
+        "pulled_blocks", "pulled_bytes", "pull_failures", "disk_blocks", "disk_hits",
+        "disk_corrupt_blocks", "disk_evictions", "disk_write_errors", "disk_rejected_puts"]
     node.store.check_invariants()
     node.disk.check_invariants()
 
@@ -84,7 +90,7 @@ def test_a_corrupt_disk_block_ends_the_run_and_is_never_served(node):
 
     assert len(data) == 2  # a[0] in host, a[1] promoted, a[2] corrupt: the run stops there
     assert all(torch.equal(d, payload(k)) for d, k in zip(data, a))
-    assert node.tier_counters()["disk_corrupt_blocks"] == 1
+    assert node.tier_counters().disk_corrupt_blocks == 1
     assert not node.disk.contains(a[2])
     assert find_block(node.disk.directory, a[2], BLOCK_BYTES) is None  # its header was zeroed
     node.disk.check_invariants()
@@ -98,10 +104,14 @@ def test_without_a_disk_tier_evicted_blocks_are_dropped(tmp_path):
         write(node, a)
         write(node, b)
         assert len(read(node, a)) == 1
-        assert node.tier_counters() == {"promoted_blocks": 0, "demoted_blocks": 0,
-                                        "host_full_rejected_blocks": 0, "soft_pinned_blocks": 0,
-                                        "pulled_blocks": 0,
-                                        "pulled_bytes": 0, "pull_failures": 0}
+        counters = node.tier_counters()
+        assert counters == TierCounters(promoted_blocks=0, demoted_blocks=0,
+                                        host_full_rejected_blocks=0, soft_pinned_blocks=0,
+                                        pulled_blocks=0, pulled_bytes=0, pull_failures=0)
+        # without a disk tier the disk counters are absent from the encoded form, as before
+        assert msgspec.json.encode(counters) == (
+            b'{"promoted_blocks":0,"demoted_blocks":0,"host_full_rejected_blocks":0,'
+            b'"soft_pinned_blocks":0,"pulled_blocks":0,"pulled_bytes":0,"pull_failures":0}')
     finally:
         node.shutdown()
 
@@ -122,7 +132,7 @@ def test_a_soft_pinned_prefix_stays_in_host_memory_while_newer_blocks_are_demote
     write(node, system)
     assert node.set_soft_pins([*system, *late]) == 2
     write(node, late)
-    assert node.tier_counters()["soft_pinned_blocks"] == 3
+    assert node.tier_counters().soft_pinned_blocks == 3
 
     for keys in traffic:  # 8 newer blocks through the one unpinned slot of a 4-block host tier
         write(node, keys)
@@ -130,7 +140,7 @@ def test_a_soft_pinned_prefix_stays_in_host_memory_while_newer_blocks_are_demote
     assert node.store.match_prefix(system) == 2 and node.store.match_prefix(late) == 1
     assert node.store.match_prefix(traffic[0]) == 0  # the unpinned older traffic went to disk
     assert node.set_soft_pins([]) == 0
-    assert node.tier_counters()["soft_pinned_blocks"] == 0
+    assert node.tier_counters().soft_pinned_blocks == 0
     for keys in traffic[:4]:
         write(node, keys)
     assert node.store.match_prefix(system) == 0
