@@ -15,20 +15,19 @@ from conductor.cost_model import (
     kv_bytes_per_token,
 )
 from protos.errors import BatonError, NoWorkerReady
+from conductor.picking import decode_by_load
 from conductor.policy import (
     POLICIES,
     ClusterSnapshot,
     InstanceView,
+    LoadArrays,
     Overloaded,
     PlacementRequest,
     PolicyConfig,
-    LoadArrays,
-    _decode_by_load,
     PoolArrays,
     PrefixHit,
+    admit,
     baton,
-    baton_options,
-    mooncake_options,
     dynamo_kv,
     least_loaded,
     mooncake,
@@ -36,6 +35,7 @@ from conductor.policy import (
     round_robin,
     sglang_cache_aware,
 )
+from tests.unit.policy_oracles import baton_options, mooncake_options
 
 REQ = PlacementRequest("r", 100)
 
@@ -238,10 +238,11 @@ def test_mooncake_prices_the_queue_and_stays_on_the_holder_when_it_is_idle():
     assert placement.reason.startswith("p0: T=transfer 0.0 + queue 0.0 + prefill 160.0 = 160.0 ms")
 
 
-def test_mooncake_rejects_a_request_predicted_to_miss_the_ttft_slo():
+def test_admission_rejects_a_mooncake_placement_predicted_to_miss_the_ttft_slo():
     s = ClusterSnapshot((InstanceView("p0", queued_prefill_ms=3000.0),), (InstanceView("d0"),))
-    with pytest.raises(Overloaded, match="exceeds ttft_slo_ms 500") as caught:
-        mooncake(s, REQ20, unit_config(ttft_slo_ms=500.0))
+    config = unit_config(ttft_slo_ms=500.0)
+    with pytest.raises(Overloaded, match="predicted TTFT 3320.0 ms on p0 exceeds ttft_slo_ms 500") as caught:
+        admit(s, REQ20, config, mooncake(s, REQ20, config))
     assert isinstance(caught.value, BatonError)
     assert caught.value.retry_after_s == pytest.approx(2.82)  # (3000 + 320 - 500) ms
 
@@ -473,7 +474,7 @@ def reference_choice(name, snapshot, request, config):
 
 def with_makers_fields(snapshot: ClusterSnapshot) -> ClusterSnapshot:
     """``snapshot`` with the fields ``ConductorState`` adds for speed: the ready subsets, the
-    pool index and (when every prefill instance is ready) the pool's arrays."""
+    pool index and both pools' arrays (for the whole pool, instances not ready included)."""
     prefill_ready = tuple(v for v in snapshot.prefill if v.ready)
     decode_ready = tuple(v for v in snapshot.decode if v.ready)
     all_ready = len(prefill_ready) == len(snapshot.prefill)
@@ -483,7 +484,7 @@ def with_makers_fields(snapshot: ClusterSnapshot) -> ClusterSnapshot:
         snapshot,
         ready_prefill=snapshot.prefill if all_ready else prefill_ready,
         ready_decode=snapshot.decode if len(decode_ready) == len(snapshot.decode) else decode_ready,
-        pool_index=index, prefill_arrays=PoolArrays.of(snapshot.prefill) if all_ready else None,
+        pool_index=index, prefill_arrays=PoolArrays.of(snapshot.prefill),
         decode_arrays=LoadArrays.of(snapshot.decode))
 
 
@@ -504,17 +505,18 @@ def test_the_makers_fields_change_no_decision(name, scenario):
 
 
 @pytest.mark.parametrize("name", ["baton", "mooncake"])
-@pytest.mark.parametrize("arrays", [False, True], ids=["loop", "vectorized"])
+@pytest.mark.parametrize("arrays", ["built", "kept", "kept-some-not-ready"])
 @settings(max_examples=200, deadline=None)
 @given(scenario=scenarios(), tie_prone_queues=st.lists(st.sampled_from([0.0, 0.5, 2.5, 1e3]),
                                                        min_size=6, max_size=6))
 def test_the_one_pass_scan_chooses_exactly_what_full_pricing_chooses(name, arrays, scenario,
                                                                      tie_prone_queues):
-    """Both scans (the loop, and the vector one over ``PoolArrays`` that the conductor's state
-    keeps) choose what pricing every instance does, to the last bit and first listed on ties."""
+    """The one-pass scan, over the arrays it builds for a bare snapshot and over the
+    ``PoolArrays`` the conductor's state keeps (all ready, or not), chooses what pricing every
+    instance with ``price`` does, to the last bit and first listed on ties."""
     snapshot, request = scenario
-    if arrays:  # all ready (the vector scan's case) and queues that often tie
-        prefill = tuple(msgspec.structs.replace(v, ready=True, queued_prefill_ms=q)
+    if arrays != "built":  # queues that often tie
+        prefill = tuple(msgspec.structs.replace(v, ready=v.ready or arrays == "kept", queued_prefill_ms=q)
                         for v, q in zip(snapshot.prefill, tie_prone_queues))
         snapshot = with_makers_fields(msgspec.structs.replace(snapshot, prefill=prefill))
     config = PolicyConfig(short_prefill_tokens=0)
@@ -542,7 +544,7 @@ def test_the_decode_choice_over_arrays_is_the_first_least_loaded(loads):
     snapshot = ClusterSnapshot((), decode)
     expected = min(decode, key=lambda v: (v.num_running_reqs + v.num_waiting_reqs,
                                           v.kv_usage_frac, v.num_active_decode_blocks))
-    assert _decode_by_load(snapshot) == expected
+    assert decode_by_load(snapshot) == expected
     with_arrays = msgspec.structs.replace(snapshot, ready_decode=decode,
                                           decode_arrays=LoadArrays.of(decode))
-    assert _decode_by_load(with_arrays) == expected
+    assert decode_by_load(with_arrays) == expected

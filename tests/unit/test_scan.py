@@ -1,7 +1,10 @@
-"""``conductor._scan.cheapest``, the policies' one-pass pool scan, against the loop it replaces.
+"""``conductor._scan.cheapest``, the policies' one-pass pool scan, against the price's definition.
 
-Values come from small sets so that ties are common: equal totals across instances (first listed
-wins) and a pull that costs exactly what recomputing does (no pull: only strictly faster pulls).
+The reference prices each instance with ``conductor.pricing.predicted_ttft_ms``, the one sum of
+the prefill price, in a plain loop; the C pass must agree to the bit. Values come from small sets
+so that ties are common (equal totals across instances: first listed wins; a pull that costs
+exactly what recomputing does: only strictly faster pulls), and from all of [0, 1e4] so that the
+order of the additions shows in the last bit.
 """
 
 from __future__ import annotations
@@ -14,24 +17,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conductor import _scan
+from conductor.pricing import predicted_ttft_ms
 
 SMALL = st.sampled_from([0.0, 0.5, 1.0, 2.0, 2.5])
+ANY = st.floats(0, 1e4)
 
 
 def reference(q, on_node, same_transfer, same_prefill, other_transfer, other_prefill, recompute_ms,
               always_pull, overrides):
-    """The Python loop of ``conductor.policy._cheapest`` over plain lists."""
+    """What ``conductor.pricing.cheapest`` defines, over plain lists: each instance's T by
+    ``predicted_ttft_ms`` (an override's as given), the least, and the least without a pull."""
     best_i, best_t, local_j, local_t = -1, math.inf, -1, math.inf
     for k, qk in enumerate(q):
         if k in overrides:
             t, pulled = overrides[k]
         else:
-            t_pull = ((same_transfer + qk) + same_prefill if on_node is not None and on_node[k]
-                      else (other_transfer + qk) + other_prefill)
+            t_pull = (predicted_ttft_ms(same_transfer, qk, same_prefill)
+                      if on_node is not None and on_node[k]
+                      else predicted_ttft_ms(other_transfer, qk, other_prefill))
             if always_pull:
                 t, pulled = t_pull, True
             else:
-                t, pulled = 0.0 + qk + recompute_ms, False
+                t, pulled = predicted_ttft_ms(0.0, qk, recompute_ms), False
                 if t_pull < t:
                     t, pulled = t_pull, True
         if best_i < 0 or t < best_t:
@@ -41,14 +48,15 @@ def reference(q, on_node, same_transfer, same_prefill, other_transfer, other_pre
     return best_i, best_t, local_j, local_t
 
 
+@pytest.mark.parametrize("values", [SMALL, ANY], ids=["tie-prone", "any"])
 @settings(max_examples=400, deadline=None)
-@given(data=st.data(), n=st.integers(1, 12), consts=st.tuples(SMALL, SMALL, SMALL, SMALL, SMALL),
-       always_pull=st.booleans(), with_node=st.booleans())
-def test_cheapest_equals_the_loop_to_the_bit_ties_included(data, n, consts, always_pull, with_node):
-    q = data.draw(st.lists(SMALL, min_size=n, max_size=n))
+@given(data=st.data(), n=st.integers(1, 12), always_pull=st.booleans(), with_node=st.booleans())
+def test_cheapest_equals_the_definition_to_the_bit_ties_included(values, data, n, always_pull, with_node):
+    consts = data.draw(st.tuples(values, values, values, values, values))
+    q = data.draw(st.lists(values, min_size=n, max_size=n))
     on_node = data.draw(st.lists(st.booleans(), min_size=n, max_size=n)) if with_node else None
     positions = sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=n)))
-    overrides = {p: (data.draw(SMALL), data.draw(st.booleans())) for p in positions}
+    overrides = {p: (data.draw(values), data.draw(st.booleans())) for p in positions}
     got = _scan.cheapest(np.asarray(q, dtype=np.float64),
                          None if on_node is None else np.asarray(on_node, dtype=bool),
                          *consts, always_pull, positions, [overrides[p][0] for p in positions],

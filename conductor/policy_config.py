@@ -1,0 +1,67 @@
+"""The knobs of every placement policy and of admission, in one frozen model.
+
+Each policy reads only its own fields (prefixed by its name) plus the shared pricing models
+(``prefill_cost``, ``transfer``, ``decode_cost``) and the block geometry; admission reads the SLOs.
+``ConductorConfig.tuning`` composes it into the cluster config.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from conductor.cost_model import DecodeCostModel, PrefillCostModel, TransferModel
+
+
+class PolicyConfig(BaseModel):
+    """Knobs of every policy; each policy reads only its own (prefixed by its name)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_size_tokens: int = Field(16, gt=0, description="Tokens per KV block (tokens).")
+    kv_bytes_per_token: int = Field(
+        23_040, gt=0, description="KV bytes one token occupies (bytes); see cost_model.kv_bytes_per_token."
+    )
+    prefill_cost: PrefillCostModel = Field(PrefillCostModel(), description="Predicted prefill time.")
+    transfer: TransferModel = Field(TransferModel(), description="Predicted KV transfer time per path.")
+    sglang_cache_threshold: float = Field(
+        0.3, ge=0, le=1, description="SGLang: min matched fraction of the prompt to follow the cache."
+    )
+    sglang_balance_abs_threshold: int = Field(
+        64, ge=0, description="SGLang: imbalanced when max - min load exceeds this (requests)."
+    )
+    sglang_balance_rel_threshold: float = Field(
+        1.5, ge=1, description="SGLang: ... and max load exceeds this × min load (ratio)."
+    )
+    dynamo_overlap_score_weight: float = Field(
+        1.0, ge=0, description="Dynamo: weight of prefill_blocks against decode_blocks."
+    )
+    dynamo_temperature: float = Field(
+        0.0, ge=0, description="Dynamo: softmax temperature over normalized cost; 0 is argmin."
+    )
+    dynamo_host_hit_credit: float = Field(
+        0.75, ge=0, le=1, description="Dynamo: a host-tier hit counts as this fraction of a device hit."
+    )
+    dynamo_disk_hit_credit: float = Field(
+        0.0, ge=0, le=1, description="Dynamo: a disk-tier hit counts as this fraction of a device hit."
+    )
+    mooncake_kvcache_balancing_threshold: float = Field(
+        2.0, gt=0, description="Mooncake: pull the best prefix when best_len / local_len exceeds this."
+    )
+    baton_replication_margin_frac: float = Field(
+        0.05, ge=0, description="Baton: keep a local-prefix choice unless a pull is faster by more "
+        "than this fraction of its TTFT (avoids replicating a prefix for a marginal gain)."
+    )
+    short_prefill_tokens: int = Field(
+        256, ge=0, description="Baton: an uncached suffix shorter than this prefills on the decode "
+        "instance (tokens); 0 always disaggregates."
+    )
+    ttft_slo_ms: float | None = Field(
+        None, gt=0, description="Reject when the chosen placement's predicted TTFT exceeds this "
+        "(ms); unset: never reject."
+    )
+    tbt_slo_ms: float | None = Field(
+        None, gt=0, description="Reject when the chosen decode instance's predicted inter-token time "
+        "with this request exceeds this (ms); unset: never reject."
+    )
+    decode_cost: DecodeCostModel = Field(DecodeCostModel(), description="Predicted decode step time.")
+    min_retry_after_s: float = Field(1.0, ge=0, description="Least retry-after hint on rejection (s).")

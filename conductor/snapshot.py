@@ -1,0 +1,187 @@
+"""What a placement policy reads: the cluster at one instant and the request to place.
+
+``ClusterSnapshot`` holds both pools as ``InstanceView``s, the KV index as this request sees it
+(``PrefixHit`` per instance) and the placement count; ``PlacementRequest`` is the request. A
+snapshot is read-only by contract: policies never mutate it. ``ConductorState`` makes them and
+may add fields that only make a policy faster (ready subsets, a pool index, ``PoolArrays`` and
+``LoadArrays``): a snapshot with them decides exactly as one without.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import msgspec
+
+
+class InstanceView(msgspec.Struct, frozen=True):
+    """What a policy may know about one instance. Every field past ``ready`` defaults to idle."""
+
+    instance_id: str
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    ready: bool = True
+    num_queued_prefill_tokens: int = 0
+    """Uncached prompt tokens waiting to be prefilled here (tokens)."""
+    queued_prefill_ms: float = 0.0
+    """Mooncake's T_queue: the sum of predicted prefill times of the requests queued here (ms).
+    When 0 and ``num_queued_prefill_tokens`` > 0, policies price the queue as one prefill of that
+    many tokens."""
+    num_active_decode_blocks: int = 0
+    """KV blocks held by the sequences running here (Dynamo's ``decode_blocks``) (blocks)."""
+    kv_usage_frac: float = 0.0
+    """Fraction of the device KV cache in use, 0..1."""
+    num_cached_blocks: int = 0
+    """Blocks in this instance's prefix cache, all tiers (SGLang's tree size) (blocks)."""
+    node_id: str = ""
+    """The machine the instance runs on; equal non-empty ids make a pull ``same_node``."""
+
+
+def load(view: InstanceView) -> int:
+    """An instance's load: its running plus waiting requests."""
+    return view.num_running_reqs + view.num_waiting_reqs
+
+
+def has_unpriced_queue(view: InstanceView) -> bool:
+    """Whether ``view``'s queue is tokens without a priced time (``queued_prefill_ms`` <= 0 and
+    ``num_queued_prefill_tokens`` > 0): the price then prices those tokens
+    (``conductor.pricing.queue_ms``)."""
+    return view.queued_prefill_ms <= 0 and view.num_queued_prefill_tokens > 0
+
+
+class PrefixHit(msgspec.Struct, frozen=True):
+    """How much of one request's prefix one instance holds, by tier.
+
+    The caller walks the request's ``block_keys`` in order and stops at the first key the instance
+    holds in no tier: that *leading run* is all that is reusable (chain hashing makes keys
+    positional). Each block of the run is counted once, in the fastest tier the instance holds it
+    in. Policies price the run as laid out device → host → disk (the first ``num_blocks_device``
+    blocks on device, then host, then disk), the shape leaf-first eviction produces, where an
+    ancestor is always at least as hot as its descendants.
+    """
+
+    num_blocks_device: int = 0
+    num_blocks_host: int = 0
+    num_blocks_disk: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_blocks_device + self.num_blocks_host + self.num_blocks_disk
+
+    def tiers_in(self, start: int, end: int) -> tuple[int, int, int]:
+        """Blocks of the run's ``[start, end)`` on (device, host, disk)."""
+        host_start = self.num_blocks_device
+        disk_start = host_start + self.num_blocks_host
+        disk_end = disk_start + self.num_blocks_disk
+        return (max(0, min(end, host_start) - max(start, 0)),
+                max(0, min(end, disk_start) - max(start, host_start)),
+                max(0, min(end, disk_end) - max(start, disk_start)))
+
+
+NO_HIT = PrefixHit()
+
+
+class PoolArrays(msgspec.Struct, frozen=True):
+    """The prefill pool's queue terms as arrays aligned with ``ClusterSnapshot.prefill``, kept by
+    ``ConductorState`` as it patches views. With them the pool scan (``conductor.pricing.cheapest``)
+    reads every instance's queue without a pass over the views."""
+
+    queued_prefill_ms: object  # np.ndarray[float64]: view.queued_prefill_ms
+    queued_prefill_tokens: object  # np.ndarray[int64]: view.num_queued_prefill_tokens
+    node_code: Mapping[str, int]
+    """node_id → a small int ('' has none)."""
+    position: Mapping[str, int]
+    """instance id → its index in the pool."""
+    on_node: Sequence[object] = ()
+    """Per node code, the pool's mask (np.ndarray[bool]) of instances on that node."""
+    unpriced: set[int] = msgspec.field(default_factory=set)
+    """Positions whose view ``has_unpriced_queue``: the scan prices those tokens."""
+
+    @classmethod
+    def of(cls, views: Sequence[InstanceView]) -> "PoolArrays":
+        import numpy as np
+
+        codes: dict[str, int] = {}
+        node_codes = np.array(
+            [(-1 if not v.node_id else codes.setdefault(v.node_id, len(codes))) for v in views],
+            dtype=np.int64)
+        return cls(np.array([v.queued_prefill_ms for v in views], dtype=np.float64),
+                   np.array([v.num_queued_prefill_tokens for v in views], dtype=np.int64),
+                   codes, {v.instance_id: i for i, v in enumerate(views)},
+                   [node_codes == code for code in range(len(codes))],
+                   {i for i, v in enumerate(views) if has_unpriced_queue(v)})
+
+    def patch(self, position: int, view: InstanceView) -> None:
+        """Bring one position up to date with ``view`` (the maker's live arrays only)."""
+        self.queued_prefill_ms[position] = view.queued_prefill_ms
+        self.queued_prefill_tokens[position] = view.num_queued_prefill_tokens
+        if has_unpriced_queue(view):
+            self.unpriced.add(position)
+        else:
+            self.unpriced.discard(position)
+
+    def copy(self) -> "PoolArrays":
+        """A copy that later patches of this one do not reach."""
+        return msgspec.structs.replace(
+            self, queued_prefill_ms=self.queued_prefill_ms.copy(),
+            queued_prefill_tokens=self.queued_prefill_tokens.copy(), unpriced=set(self.unpriced))
+
+
+class LoadArrays(msgspec.Struct, frozen=True):
+    """The decode pool's load terms as arrays aligned with ``ClusterSnapshot.decode``, kept by
+    ``ConductorState`` like ``PoolArrays``: the choice by load is then a few vector operations."""
+
+    load: object  # np.ndarray[int64]: running + waiting requests
+    kv_usage_frac: object  # np.ndarray[float64]
+    active_blocks: object  # np.ndarray[int64]: num_active_decode_blocks
+
+    @classmethod
+    def of(cls, views: Sequence[InstanceView]) -> "LoadArrays":
+        import numpy as np
+
+        return cls(np.array([load(v) for v in views], dtype=np.int64),
+                   np.array([v.kv_usage_frac for v in views], dtype=np.float64),
+                   np.array([v.num_active_decode_blocks for v in views], dtype=np.int64))
+
+    def patch(self, position: int, view: InstanceView) -> None:
+        self.load[position] = view.num_running_reqs + view.num_waiting_reqs
+        self.kv_usage_frac[position] = view.kv_usage_frac
+        self.active_blocks[position] = view.num_active_decode_blocks
+
+    def copy(self) -> "LoadArrays":
+        return LoadArrays(self.load.copy(), self.kv_usage_frac.copy(), self.active_blocks.copy())
+
+
+class ClusterSnapshot(msgspec.Struct, frozen=True):
+    """The pools at one instant, the count of placements made so far (the RR cursor and seed),
+    and the KV index as this request sees it: ``prefix_hits[instance_id]`` for any instance in
+    either pool (absent: no hit). Read-only by contract."""
+
+    prefill: tuple[InstanceView, ...]
+    decode: tuple[InstanceView, ...]
+    num_placed: int = 0
+    prefix_hits: Mapping[str, PrefixHit] = msgspec.field(default_factory=dict)
+    prefill_arrays: PoolArrays | None = None
+    """``prefill`` as arrays (optional: the scan builds what it needs without them)."""
+    ready_prefill: tuple[InstanceView, ...] | None = None
+    """The ready instances of ``prefill`` in order, when the snapshot's maker keeps them (it is
+    ``prefill`` itself when all are ready); None: policies filter."""
+    ready_decode: tuple[InstanceView, ...] | None = None
+    """The same for ``decode``."""
+    decode_arrays: LoadArrays | None = None
+    """``decode`` as arrays (optional, like ``prefill_arrays``)."""
+    pool_index: Mapping[str, tuple[int, int]] | None = None
+    """Instance id → (0 for ``prefill`` or 1 for ``decode``, its index there), when the maker
+    keeps it; lets a policy go from a prefix hit to its view without scanning the pools."""
+
+    def hit(self, instance_id: str) -> PrefixHit:
+        return self.prefix_hits.get(instance_id, NO_HIT)
+
+
+class PlacementRequest(msgspec.Struct, frozen=True):
+    request_id: str
+    num_prompt_tokens: int
+    block_keys: tuple[bytes, ...] = ()
+    """The prompt's chain-hashed full-block keys, in order (what ``prefix_hits`` was matched on)."""
+    max_tokens: int = 0
+    """Most tokens the request may generate (sizes its decode KV for admission)."""
