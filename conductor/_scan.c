@@ -1,10 +1,11 @@
-/* The cost-aware policies' scan over a prefill pool, in one pass (conductor.policy).
+/* The cost-aware policies' scan over a prefill pool, in one pass (behind conductor.pricing.cheapest).
  *
  * Each instance's T is its queue plus one of a few constants: recompute everything, or pull the
  * best run over the same-node or the remote path (pulling only when strictly faster, or always
  * for Mooncake). Instances with a prefix hit are priced in Python and passed in as overrides.
- * The sums are the same double operations, in the same order, as the Python loop
- * (``(transfer + q) + prefill``, ``q + recompute``), so the totals agree to the bit; ties go to
+ * The sums are the same double operations, in the same order, as the one definition of the
+ * price (conductor.pricing.predicted_ttft_ms: ``(transfer + q) + prefill``, ``q + recompute``),
+ * so the totals agree to the bit (tests/unit/test_scan.py); ties go to
  * the first listed, like ``argmin``. Compiled without -ffast-math: IEEE doubles, no reordering.
  */
 #define PY_SSIZE_T_CLEAN
