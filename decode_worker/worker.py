@@ -19,37 +19,33 @@ class DecodeWorker(EngineWorker):
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenChunk]:
         """Yield ``TokenChunk``s as the engine produces them; the last one has a finish reason
         and the number of prompt tokens whose KV was loaded instead of recomputed."""
-        from kvstore.connector import connector_stats
+        from kvstore.connector import request_transfer
 
-        loaded = connector_stats(self.instance_id).loaded_tokens_by_request
         started = last = time.perf_counter()
         num_pulled = await self._pull_remote_kv(request)
         first_token_ms: float | None = None
         num_tokens = 0
-        try:
-            async for output in self.runner.generate(request):
-                completion = output.outputs[0]
-                now = time.perf_counter()
-                if completion.token_ids:
-                    if first_token_ms is None:
-                        first_token_ms = (now - started) * 1000.0
-                    num_tokens += len(completion.token_ids)
-                    last = now
-                if output.finished:
-                    first_ms = first_token_ms or 0.0
-                    itl_ms = ((last - started) * 1000.0 - first_ms) / (num_tokens - 1) if (
-                        num_tokens > 1) else None
-                    self._record_request(len(request.prompt_token_ids), output.num_cached_tokens or 0,
-                                         first_token_ms, itl_ms)
-                    yield TokenChunk(
-                        token_ids=tuple(completion.token_ids),
-                        text=completion.text,
-                        finish_reason=completion.finish_reason or "stop",
-                        num_loaded_tokens=loaded.get(request.request_id, 0),
-                        num_cached_tokens=output.num_cached_tokens or 0,
-                        num_pulled_blocks=num_pulled,
-                    )
-                elif completion.token_ids or completion.text:
-                    yield TokenChunk(token_ids=tuple(completion.token_ids), text=completion.text)
-        finally:
-            loaded.pop(request.request_id, None)
+        async for output in self.runner.generate(request):
+            completion = output.outputs[0]
+            now = time.perf_counter()
+            if completion.token_ids:
+                if first_token_ms is None:
+                    first_token_ms = (now - started) * 1000.0
+                num_tokens += len(completion.token_ids)
+                last = now
+            if output.finished:
+                first_ms = first_token_ms or 0.0
+                itl_ms = ((last - started) * 1000.0 - first_ms) / (num_tokens - 1) if (
+                    num_tokens > 1) else None
+                self._record_request(len(request.prompt_token_ids), output.num_cached_tokens or 0,
+                                     first_token_ms, itl_ms)
+                yield TokenChunk(
+                    token_ids=tuple(completion.token_ids),
+                    text=completion.text,
+                    finish_reason=completion.finish_reason or "stop",
+                    num_loaded_tokens=request_transfer(output).num_loaded_tokens,
+                    num_cached_tokens=output.num_cached_tokens or 0,
+                    num_pulled_blocks=num_pulled,
+                )
+            elif completion.token_ids or completion.text:
+                yield TokenChunk(token_ids=tuple(completion.token_ids), text=completion.text)

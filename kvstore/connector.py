@@ -26,7 +26,6 @@ block (``get_block_ids_with_load_errors``; vLLM recomputes them, ``kv_load_failu
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,9 +35,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
-from kvstore.client import shared_store_client
+from kvstore.client import StoreSlots, shared_store_client
 from kvstore.keys import BlockKey, KeyExtras, kv_layout_tag, prompt_block_keys, unpack_keys
 from protos.wire import EngineRequest
 
@@ -66,22 +66,18 @@ class ConnectorStats:
     """Promised blocks whose arena was gone by the time they were copied (recomputed)."""
     dropped_save_blocks: int = 0
     """Blocks not saved because the store was gone (between its death and its return)."""
-    loaded_tokens_by_request: dict[str, int] = field(default_factory=dict)
-    saved_blocks_by_request: dict[str, int] = field(default_factory=dict)
+    hashed_prompts: int = 0
+    """Prompts the connector hashed itself: the request carried no block keys under its scheme."""
 
 
 log = logging.getLogger(__name__)
 _STATS: dict[str, ConnectorStats] = {}
-_INTERNAL_SUFFIX = re.compile(r"-[0-9a-zA-Z]{8}$")
-
-
-def external_request_id(internal_id: str) -> str:
-    """The caller's request id: vLLM appends ``-`` and 8 random characters to make its own."""
-    return _INTERNAL_SUFFIX.sub("", internal_id)
 
 
 def connector_stats(engine_id: str) -> ConnectorStats:
-    """The stats of the connector built for ``engine_id`` in this process."""
+    """The per-engine totals of the connector built for ``engine_id`` in this process (the two
+    halves of one engine's connector add to the same totals). What the connector did for one
+    request travels with that request instead (``request_transfer``)."""
     return _STATS.setdefault(engine_id, ConnectorStats())
 
 
@@ -98,6 +94,26 @@ def request_transfer_params(request: EngineRequest) -> dict[str, Any] | None:
         return None
     return {PARAMS_KEY: {"model_id": blocks.model_id, "kv_layout": blocks.kv_layout,
                          "block_size": blocks.block_size_tokens, "keys": blocks.keys}}
+
+
+@dataclass(frozen=True)
+class RequestTransfer:
+    """What the connector did for one request, as vLLM returns it with the request's last
+    output (``request_finished``'s kv_transfer_params become ``RequestOutput.kv_transfer_params``)."""
+
+    num_loaded_tokens: int = 0
+    """Prompt tokens whose KV was loaded from the store instead of computed."""
+    num_stored_blocks: int = 0
+    """Prompt blocks the store granted this request to write, and the connector wrote."""
+
+
+def request_transfer(output: Any) -> RequestTransfer:
+    """The ``RequestTransfer`` a finished vLLM ``RequestOutput`` carries (zeros without one)."""
+    params = getattr(output, "kv_transfer_params", None)
+    done = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    if not isinstance(done, dict):
+        return RequestTransfer()
+    return RequestTransfer(int(done.get("loaded_tokens", 0)), int(done.get("stored_blocks", 0)))
 
 
 def _carried(request: "Request") -> dict[str, Any]:
@@ -118,16 +134,35 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
+    """Blocks to write this step: the scheduler half reserved their slots (``granted``, one per
+    key, None where the store holds the block already or has no room)."""
+
     request_id: str
     block_ids: list[int]
     keys: list[BlockKey]
-    parents: list[BlockKey | None]
+    granted: StoreSlots
 
 
 @dataclass
 class BatonConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class BatonWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the worker half tells the scheduler half after a step (vLLM hands it to
+    ``update_connector_output``): requests whose loads failed (their KV is recomputed), and
+    blocks the store granted but that were not written, by request."""
+
+    failed_loads: set[str] = field(default_factory=set)
+    dropped_blocks: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: "BatonWorkerMetadata") -> "BatonWorkerMetadata":
+        dropped = dict(self.dropped_blocks)
+        for request_id, n in other.dropped_blocks.items():
+            dropped[request_id] = dropped.get(request_id, 0) + n
+        return BatonWorkerMetadata(self.failed_loads | other.failed_loads, dropped)
 
 
 @dataclass
@@ -143,6 +178,8 @@ class _RequestState:
     pinned_slots: list[int] = field(default_factory=list)
     pinned_arena: str = ""
     first_load_block: int = 0
+    num_loaded_tokens: int = 0
+    num_stored_blocks: int = 0
 
 
 class BatonConnector(KVConnectorBase_V1):
@@ -173,6 +210,7 @@ class BatonConnector(KVConnectorBase_V1):
         self._arena_layers: torch.Tensor | None = None
         self._arena_layers_path = ""
         self._load_errors: set[int] = set()
+        self._step = BatonWorkerMetadata()  # this step's news for the scheduler half
 
     # ---------------------------------------------------------------- scheduler half
 
@@ -199,6 +237,7 @@ class BatonConnector(KVConnectorBase_V1):
             log.warning("request %s carries block keys of another scheme (%s) than this engine's "
                         "(%s); hashing its prompt here", request.request_id, scheme,
                         (self._model_id, self._kv_layout, self._block_size))
+        self.stats.hashed_prompts += 1
         extras = KeyExtras(model_id=self._model_id, cache_salt=request.cache_salt or "",
                            kv_layout=self._kv_layout)
         return prompt_block_keys(prompt, self._block_size, extras)
@@ -256,9 +295,7 @@ class BatonConnector(KVConnectorBase_V1):
                 arena_path=state.pinned_arena,
             )
         )
-        self.stats.loaded_tokens_by_request[external_request_id(request.request_id)] = (
-            num_external_tokens
-        )
+        state.num_loaded_tokens = num_external_tokens
         # the worker half releases them now
         state.pinned, state.pinned_slots, state.pinned_arena = [], [], ""
 
@@ -295,25 +332,42 @@ class BatonConnector(KVConnectorBase_V1):
             if full_blocks <= state.saved_blocks:
                 continue
             first = state.saved_blocks
+            keys = state.keys[first:full_blocks]
             parents = [state.keys[i - 1] if i > 0 else None for i in range(first, full_blocks)]
-            meta.saves.append(
-                SaveSpec(
-                    request_id=req_id,
-                    block_ids=state.block_ids[first:full_blocks],
-                    keys=state.keys[first:full_blocks],
-                    parents=parents,
-                )
-            )
+            granted = self._store.reserve(keys, parents)
             state.saved_blocks = full_blocks
+            if not granted.arena_path:  # the store is gone
+                self.stats.dropped_save_blocks += len(keys)
+                continue
+            state.num_stored_blocks += sum(slot is not None for slot in granted.slots)
+            meta.saves.append(SaveSpec(req_id, state.block_ids[first:full_blocks], keys, granted))
         return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        news = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(news, BatonWorkerMetadata):
+            return
+        for request_id in news.failed_loads:  # a failed load fails in a step before the last
+            state = self._requests.get(request_id)
+            if state is not None:
+                state.num_loaded_tokens = 0
+        for request_id, n in news.dropped_blocks.items():
+            state = self._requests.get(request_id)
+            if state is not None:  # (after its last step the request has reported already)
+                state.num_stored_blocks -= n
 
     def request_finished(
         self, request: "Request", block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """Returns what the connector did for the request, which vLLM hands back with its last
+        output (``request_transfer`` reads it)."""
         state = self._requests.pop(request.request_id, None)
-        if state is not None and state.pinned:
+        if state is None:
+            return False, None
+        if state.pinned:
             self._unpin(state)
-        return False, None
+        return False, {PARAMS_KEY: {"loaded_tokens": state.num_loaded_tokens,
+                                    "stored_blocks": state.num_stored_blocks}}
 
     # ---------------------------------------------------------------- worker half
 
@@ -414,7 +468,7 @@ class BatonConnector(KVConnectorBase_V1):
                     "them", load.request_id, len(load.block_ids))
         self._load_errors.update(load.block_ids)
         self.stats.failed_load_blocks += len(load.block_ids)
-        self.stats.loaded_tokens_by_request.pop(external_request_id(load.request_id), None)
+        self._step.failed_loads.add(load.request_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -431,18 +485,15 @@ class BatonConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, BatonConnectorMetadata)
         for save in meta.saves:
-            granted = self._store.reserve(save.keys, save.parents)
-            if not granted.arena_path:  # the store is gone
-                self.stats.dropped_save_blocks += len(save.keys)
-                continue
-            written = [(i, s) for i, s in enumerate(granted.slots) if s is not None]
+            written = [(i, s) for i, s in enumerate(save.granted.slots) if s is not None]
             if not written:
                 continue
             keys = [save.keys[i] for i, _ in written]
-            arena_layers = self._arena_view(granted.arena_path)
+            arena_path = save.granted.arena_path
+            arena_layers = self._arena_view(arena_path)
             if arena_layers is None:
-                self._store.abort(keys, granted.arena_path)
-                self.stats.dropped_save_blocks += len(keys)
+                self._store.abort(keys, arena_path)
+                self._dropped(save.request_id, len(keys))
                 continue
             try:
                 src = torch.tensor([save.block_ids[i] for i, _ in written], dtype=torch.long,
@@ -451,12 +502,18 @@ class BatonConnector(KVConnectorBase_V1):
                 for index, layer in enumerate(self._layers):
                     arena_layers[dst, index] = layer[src].to("cpu")
             except BaseException:
-                self._store.abort(keys, granted.arena_path)
+                self._store.abort(keys, arena_path)
                 raise
-            if not self._store.commit(keys, granted.arena_path):
-                self.stats.dropped_save_blocks += len(keys)
+            if not self._store.commit(keys, arena_path):
+                self._dropped(save.request_id, len(keys))
                 continue
             self.stats.saved_blocks += len(written)
-            by_request = self.stats.saved_blocks_by_request
-            external_id = external_request_id(save.request_id)
-            by_request[external_id] = by_request.get(external_id, 0) + len(written)
+
+    def _dropped(self, request_id: str, num_blocks: int) -> None:
+        self.stats.dropped_save_blocks += num_blocks
+        dropped = self._step.dropped_blocks
+        dropped[request_id] = dropped.get(request_id, 0) + num_blocks
+
+    def build_connector_worker_meta(self) -> BatonWorkerMetadata | None:
+        news, self._step = self._step, BatonWorkerMetadata()
+        return news if news.failed_loads or news.dropped_blocks else None

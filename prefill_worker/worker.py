@@ -20,20 +20,18 @@ class PrefillWorker(EngineWorker):
 
         ``priority``: lower runs first among waiting prefills (the conductor passes minus the
         matched prefix length, so the cheapest-to-finish requests go first)."""
+        from kvstore.connector import request_transfer
+
         started = time.perf_counter()
         num_pulled = await self._pull_remote_kv(request)
         num_cached_tokens = 0
-        from kvstore.connector import connector_stats
-
-        stats = connector_stats(self.instance_id)
-        saved = stats.saved_blocks_by_request
-        try:
-            async for output in self.runner.generate(request, max_tokens=1, priority=priority):
-                if output.num_cached_tokens is not None:
-                    num_cached_tokens = output.num_cached_tokens
-        finally:  # an aborted prefill must not leave its counters behind
-            num_stored_blocks = saved.pop(request.request_id, 0)
-            num_loaded_tokens = stats.loaded_tokens_by_request.pop(request.request_id, 0)
+        last = None
+        async for output in self.runner.generate(request, max_tokens=1, priority=priority):
+            if output.num_cached_tokens is not None:
+                num_cached_tokens = output.num_cached_tokens
+            last = output
+        done = request_transfer(last)  # what the connector did, with the last output
+        num_stored_blocks, num_loaded_tokens = done.num_stored_blocks, done.num_loaded_tokens
         prefill_ms = (time.perf_counter() - started) * 1000.0
         self._record_request(len(request.prompt_token_ids), num_cached_tokens, prefill_ms)
         return PrefillResult(

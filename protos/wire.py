@@ -323,3 +323,27 @@ class CallCounts(msgspec.Struct):
 
     def total(self, kind: str = "blocking") -> int:
         return sum(getattr(self, kind).values())
+
+
+class ConnectorCounters(msgspec.Struct, frozen=True):
+    """What ``EngineWorker.connector_counters`` reports: one engine's KV connector, since start
+    (blocks, unless named otherwise)."""
+
+    lookups_blocks: int
+    """Prompt blocks looked up in the store (beyond the engine's own prefix cache)."""
+    hits_blocks: int
+    """Of those, the blocks the store held and pinned."""
+    loaded_blocks: int
+    """Blocks copied from the store into the engine's KV cache."""
+    saved_blocks: int
+    """Blocks written into the store."""
+    failed_load_blocks: int
+    """Promised blocks whose store was gone by the time they were copied (recomputed)."""
+    dropped_save_blocks: int
+    """Blocks not saved because the store was gone."""
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    """Wall time spent copying loaded blocks into the engine's KV cache (s)."""
+    hashed_prompts: int = 0
+    """Prompts the connector hashed itself because the request carried no block keys under its
+    key scheme (engines driven directly); 0 for requests through the gateway."""

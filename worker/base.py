@@ -13,7 +13,7 @@ from engine.builder import EventsWiring, Role, build_engine_args
 
 from kvstore.attach import StoreWiring
 from engine.config import EngineConfig
-from protos.wire import CallCounts, EngineRequest, InstanceStats, Registration
+from protos.wire import CallCounts, ConnectorCounters, EngineRequest, InstanceStats, Registration
 from engine.models import PreparedModel
 from engine.runner import EngineRunner
 from kvstore.redis_server import free_port
@@ -193,19 +193,17 @@ class EngineWorker:
         if itl_ms is not None:
             self._recent_itl_ms.append(itl_ms)
 
-    def connector_counters(self) -> dict[str, int]:
-        """The KV connector's counters (blocks looked up, hit, loaded, saved)."""
+    def connector_counters(self) -> ConnectorCounters:
+        """The KV connector's counters (blocks looked up, hit, loaded, saved), since start."""
         from kvstore.connector import connector_stats
 
         s = connector_stats(self.instance_id)
-        return {
-            "lookups_blocks": s.lookups_blocks,
-            "hits_blocks": s.hits_blocks,
-            "loaded_blocks": s.loaded_blocks,
-            "saved_blocks": s.saved_blocks,
-            "failed_load_blocks": s.failed_load_blocks,
-            "dropped_save_blocks": s.dropped_save_blocks,
-        }
+        return ConnectorCounters(
+            lookups_blocks=s.lookups_blocks, hits_blocks=s.hits_blocks,
+            loaded_blocks=s.loaded_blocks, saved_blocks=s.saved_blocks,
+            failed_load_blocks=s.failed_load_blocks, dropped_save_blocks=s.dropped_save_blocks,
+            loaded_bytes=s.loaded_bytes, load_seconds=s.load_seconds,
+            hashed_prompts=s.hashed_prompts)
 
     def shutdown(self) -> None:
         self.runner.shutdown()

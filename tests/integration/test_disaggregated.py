@@ -14,6 +14,7 @@ import ray
 
 from gateway import client
 from cluster.serve import BatonServer
+from protos.wire import ConnectorCounters
 from tests.integration.engines import plain_generate, plain_runner, random_prompt, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
@@ -36,7 +37,7 @@ def reference(tiny_model):
     runner.shutdown()
 
 
-def decode_counters(srv: BatonServer) -> dict[str, int]:
+def decode_counters(srv: BatonServer) -> ConnectorCounters:
     return ray.get(srv.cluster.actor(srv.cluster.decode_ids[0]).connector_counters.remote())
 
 
@@ -67,7 +68,7 @@ async def test_greedy_output_matches_plain_engine_and_decode_loads_kv(server, re
     loaded = expected_loaded_tokens(num_tokens)
     assert usage["loaded_tokens"] == loaded
     after = decode_counters(server)
-    assert after["loaded_blocks"] - before["loaded_blocks"] == -(-loaded // BLOCK)
+    assert after.loaded_blocks - before.loaded_blocks == -(-loaded // BLOCK)
     assert result["placement"]["prefill"] == server.cluster.prefill_ids[0]
     assert result["placement"]["decode"] == server.cluster.decode_ids[0]
 

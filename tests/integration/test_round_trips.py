@@ -58,9 +58,17 @@ async def call_counts(server) -> dict[str, CallCounts]:
             "decode": await cluster.actor(decode_id).call_counts.remote()}
 
 
+async def hashed_prompts(server) -> list[int]:
+    """Prompts the prefill and the decode engine's connectors hashed themselves."""
+    cluster = server.cluster
+    return [(await cluster.actor(i).connector_counters.remote()).hashed_prompts
+            for i in (*cluster.prefill_ids, *cluster.decode_ids)]
+
+
 async def one_request(server, seed: int) -> dict[str, CallCounts]:
     """The calls one disaggregated request of three full blocks and a tail made."""
     prompt = random_prompt(3 * BLOCK + 20, seed=seed)
+    hashed_before = await hashed_prompts(server)
     before = await call_counts(server)
     result = await client.generate(server.target, token_ids=prompt, max_tokens=MAX_TOKENS)
     # it went through the prefill engine and the store: the decode loaded all but the last token
@@ -73,6 +81,8 @@ async def one_request(server, seed: int) -> dict[str, CallCounts]:
                 "conductor.finished", 0) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.05)
+    # the prompt was hashed once, at the gateway: neither engine's connector hashed it again
+    assert await hashed_prompts(server) == hashed_before
     return {name: after[name].since(before[name]) for name in after}
 
 
@@ -93,3 +103,17 @@ async def test_a_steady_state_request_makes_exactly_these_round_trips(server, fi
     blocking = sum(c.total("blocking") + c.total("deferred") for c in calls.values())
     assert blocking == 8
     assert sum(c.total("sent") for c in calls.values()) == 2
+
+
+async def test_an_engine_driven_directly_hashes_the_prompt_itself(server, first_request):
+    """The control for "hashed once": a request that carries no keys (sent to the decode worker
+    directly, not through the gateway) is hashed by the engine's connector."""
+    from protos.wire import EngineRequest, SamplingOptions
+
+    decode = server.cluster.actor(server.cluster.decode_ids[0])
+    before = await hashed_prompts(server)
+    request = EngineRequest("direct", tuple(random_prompt(BLOCK + 5, seed=3)),
+                            SamplingOptions(max_tokens=2, temperature=0.0))
+    async for ref in decode.generate.options(num_returns="streaming").remote(request):
+        await ref
+    assert await hashed_prompts(server) == [before[0], before[1] + 1]

@@ -22,6 +22,7 @@ import ray
 from gateway import client
 from kvstore.keys import KeyExtras, block_keys
 from kvstore.metadata import BlockDirectory
+from protos.wire import ConnectorCounters
 from tests.integration.engines import plain_generate, plain_runner, random_prompt, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
@@ -73,7 +74,7 @@ async def assert_exact(reference, results) -> None:
         assert result["token_ids"] == expected
 
 
-async def counters(server, instance_id: str) -> dict[str, int]:
+async def counters(server, instance_id: str) -> ConnectorCounters:
     return await server.cluster.actor(instance_id).connector_counters.remote()
 
 
@@ -83,7 +84,7 @@ async def test_requests_complete_while_the_store_node_is_lost_and_it_comes_back(
     warm = fresh_prompt()
     before = await client.generate(server.target, token_ids=warm, max_tokens=MAX_TOKENS)
     assert before["usage"]["loaded_tokens"] == len(warm) - 1  # the store path works
-    dropped_before = (await counters(server, prefill_id))["dropped_save_blocks"]
+    dropped_before = (await counters(server, prefill_id)).dropped_save_blocks
 
     stop = asyncio.Event()
     load = asyncio.create_task(stream_until(server, stop))
@@ -104,7 +105,7 @@ async def test_requests_complete_while_the_store_node_is_lost_and_it_comes_back(
     assert len(during) >= STREAMS  # requests were served from start to end without a store
     assert all(r["usage"]["loaded_tokens"] == 0 for r in during)  # recomputed
     assert index_while_gone["host"] == 0  # the lost node's entries were dropped
-    assert (await counters(server, prefill_id))["dropped_save_blocks"] > dropped_before
+    assert (await counters(server, prefill_id)).dropped_save_blocks > dropped_before
 
     # recovered: the connectors use the new store without being told
     again = fresh_prompt()
@@ -117,7 +118,7 @@ async def test_requests_complete_while_the_store_node_is_lost_and_it_comes_back(
     status = await cluster.conductor.status.remote()
     assert status.indexed_blocks["host"] > 0 and status.last_seq_by_source["node0"] >= 0
     assert (await cluster.store.stats.remote()).pinned_blocks == 0
-    assert (await counters(server, decode_id))["failed_load_blocks"] == 0
+    assert (await counters(server, decode_id)).failed_load_blocks == 0
     assert (status.num_in_flight_prefills, status.num_in_flight_decodes) == (0, 0)
 
 
