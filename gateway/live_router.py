@@ -110,9 +110,14 @@ class LiveRouter:
         self._ready = False
 
     async def _watch(self) -> None:
+        """Poll readiness; the engines' key scheme is fetched here too, once, before the router
+        says it is ready (an engine registers before it is ready), so no request waits for it."""
         while True:
             try:
-                self._ready = await self._conductor.is_ready.remote()
+                ready = await self._conductor.is_ready.remote()
+                if ready and self._scheme is None:
+                    self._scheme = await self._conductor.key_scheme.remote()
+                self._ready = ready
             except Exception:
                 self._ready = False
             await asyncio.sleep(self._interval_s)
@@ -134,7 +139,7 @@ class LiveRouter:
         connectors. Unchanged when it carries them already or no engine has registered yet."""
         if request.blocks is not None:
             return request
-        if self._scheme is None:
+        if self._scheme is None:  # not fetched by the watcher yet (a router used unstarted)
             self.calls.count("conductor.key_scheme")
             self._scheme = await self._conductor.key_scheme.remote()
         scheme = self._scheme
@@ -243,6 +248,8 @@ class LiveRouter:
         if placement.pulled_from_node:  # the conductor's transfer plan: that node's prefix
             request = msgspec.structs.replace(request, kv_source_node=placement.pulled_from_node,
                                               kv_source_blocks=placement.expected_cached_blocks)
+        elif not placement.expected_cached_blocks:  # nothing cached: no store lookup either
+            request = msgspec.structs.replace(request, store_lookup=False)
         try:
             handle = self._handle(placement.prefill_instance)
             self.calls.count("prefill.prefill")

@@ -2,8 +2,19 @@
 the shared-memory arena.
 
 The store actor (``kvstore.node.KVStoreNode``) decides which slot holds which block; the client
-only moves bytes into and out of those slots. Every call is synchronous because vLLM calls the
-connector from its (synchronous) scheduler and model runner.
+only moves bytes into and out of those slots. vLLM calls the connector from its (synchronous)
+scheduler and model runner, so a call whose answer decides what the engine does next waits for
+it (``acquire``); the others do not wait where they are made:
+
+- ``reserve_later`` is sent before the forward pass and answered by the time its KV is copied;
+- ``commit_later`` is awaited before this client's next grant (read-your-writes: a chunk's
+  parents, a prefix it stored itself) and by whoever hands the blocks to another process
+  (``unsettled_commits``: the prefill worker, before its result returns);
+- ``release`` and ``abort`` are never awaited. Their answers (and the commits') are looked at
+  during later calls, so a store found gone detaches the client as a waited call would.
+
+Nothing here depends on Ray running one caller's calls in order: a call that must see an
+earlier one's effect waits for that one's answer first.
 
 The store node can die (its process killed, its machine lost) and be replaced by a new one under
 the same actor name, with a new arena file. The client outlives it:
@@ -28,10 +39,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
@@ -56,6 +67,36 @@ class StoreSlots:
 
     arena_path: str
     slots: list
+
+
+class PendingSlots:
+    """A reservation sent without waiting for its answer (``StoreClient.reserve_later``):
+    ``result`` waits for it, once. Sent before the forward pass whose KV the slots will hold,
+    it is normally answered by the time that KV is copied."""
+
+    def __init__(self, client: "StoreClient | None", ref, arena_path: str, args: tuple,
+                 done: StoreSlots | None = None) -> None:
+        self._client, self._ref, self.arena_path = client, ref, arena_path
+        self._args, self._done = args, done  # (keys, parents), to ask a new store on a loss
+
+    def result(self) -> StoreSlots:
+        """The granted slots (as ``StoreClient.reserve`` returns them)."""
+        if self._done is None:
+            self._done = self._client._resolve(self._ref, self.arena_path, *self._args)
+            self._client = self._ref = self._args = None
+        return self._done
+
+
+@dataclass
+class _InFlight:
+    """A call sent without waiting, until its answer is seen (``StoreClient._reap``)."""
+
+    method: str
+    ref: object
+    arena_path: str
+    num_keys: int
+    on_lost: Callable[[int], None] | None = None
+    """Told the number of keys when the call turns out to have found its store gone."""
 
 
 @dataclass
@@ -83,6 +124,8 @@ class StoreClient:
         self.stats = StoreClientStats()
         self.calls = CallCounts()
         """Every call this client made to a store actor (``kvstore.*`` and ``gcs.get_actor``)."""
+        self._commits: list[_InFlight] = []  # commits sent, not yet seen answered
+        self._casts: list[_InFlight] = []  # releases and aborts sent
         deadline = time.monotonic() + attach_timeout_s
         while not self._attach():
             if time.monotonic() > deadline:
@@ -103,7 +146,8 @@ class StoreClient:
     # ------------------------------------------------------------------ store calls
 
     def acquire(self, keys: Sequence[BlockKey]) -> StoreSlots:
-        """Pin the leading run of ``keys`` the store holds; their slots."""
+        """Pin the leading run of ``keys`` the store holds; their slots. Waits for this client's
+        commits in flight first, so it finds what the client itself stored."""
         return self._granting("acquire", list(keys))
 
     def reserve(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> StoreSlots:
@@ -114,15 +158,47 @@ class StoreClient:
             return StoreSlots("", [None] * len(keys))
         return granted
 
+    def reserve_later(self, keys: Sequence[BlockKey],
+                      parents: Sequence[BlockKey | None]) -> PendingSlots:
+        """``reserve``, sent without waiting: the answer is awaited when the slots are needed
+        (``PendingSlots.result``). Waits for this client's commits in flight first (a chunk's
+        parents are the previous chunk's blocks)."""
+        with self._lock:
+            self._settle_commits()
+            if not self._ensure_attached():
+                return PendingSlots(None, None, "", (), StoreSlots("", [None] * len(keys)))
+            keys, parents = list(keys), list(parents)
+            self.calls.count("store.reserve", "deferred")
+            ref = self._actor.reserve.remote(keys, parents)
+            return PendingSlots(self, ref, self.arena_path, (keys, parents))
+
     def release(self, keys: Sequence[BlockKey], arena_path: str) -> None:
-        self._settling("release", keys, arena_path)
+        """Unpin ``keys``, sent without waiting: nothing waits on an unpin (a failure means the
+        store is gone, and its pins with it)."""
+        self._send("release", keys, arena_path)
 
     def commit(self, keys: Sequence[BlockKey], arena_path: str) -> bool:
         """True when the store committed the blocks (False: it is gone, they are dropped)."""
         return self._settling("commit", keys, arena_path)
 
+    def commit_later(self, keys: Sequence[BlockKey], arena_path: str,
+                     on_lost: Callable[[int], None] | None = None) -> None:
+        """``commit``, sent without waiting. Its answer is awaited before this client's next
+        grant (``acquire``, ``reserve_later``), or by whoever must know the blocks are readable
+        from other processes (``unsettled_commits``); ``on_lost(len(keys))`` when it turns out
+        the store was gone (the blocks are dropped)."""
+        if keys and not self._send("commit", keys, arena_path, on_lost) and on_lost is not None:
+            on_lost(len(keys))
+
+    def unsettled_commits(self) -> list:
+        """The ``ObjectRef``s of the commits sent and not yet seen answered: awaiting them (from
+        any thread or event loop) means every block this client committed so far is readable by
+        any other process (an answered commit is applied)."""
+        return [sent.ref for sent in list(self._commits)]
+
     def abort(self, keys: Sequence[BlockKey], arena_path: str) -> None:
-        self._settling("abort", keys, arena_path)
+        """Give reserved slots back, sent without waiting."""
+        self._send("abort", keys, arena_path)
 
     def arena_for(self, arena_path: str) -> HostArena | None:
         """The arena ``arena_path`` names, if the client still maps it: the current store's, or
@@ -144,6 +220,7 @@ class StoreClient:
         """A call that grants slots. When it finds the store dead, a new store that is already
         up (the client was idle while the node was replaced) is asked at once."""
         with self._lock:
+            self._settle_commits()
             if not self._ensure_attached():
                 return StoreSlots("", [])
             for attempt in range(2):
@@ -168,6 +245,79 @@ class StoreClient:
                 self._detach(method, exc)
                 return False
             return True
+
+    def _send(self, method: str, keys: Sequence[BlockKey], arena_path: str,
+              on_lost: Callable[[int], None] | None = None) -> bool:
+        """Send a settling call without waiting; False when it is not sent (nothing to settle:
+        it was granted by a store that is gone)."""
+        if not keys:
+            return True
+        with self._lock:
+            self._reap()
+            if not self._ensure_attached() or arena_path != self.arena_path:
+                return False
+            kind = "deferred" if method == "commit" else "sent"
+            self.calls.count(f"store.{method}", kind)
+            ref = getattr(self._actor, method).remote(list(keys))
+            sent = _InFlight(method, ref, arena_path, len(keys), on_lost)
+            (self._commits if method == "commit" else self._casts).append(sent)
+            return True
+
+    def _resolve(self, ref, arena_path: str, keys: list[BlockKey],
+                 parents: list[BlockKey | None]) -> StoreSlots:
+        """The answer to a reservation sent by ``reserve_later``. When its store was found
+        gone and a new one is already up (the client was idle while the node was replaced), the
+        new one is asked at once and waited for, as ``reserve`` would."""
+        try:
+            return StoreSlots(arena_path, ray.get(ref, timeout=self._call_timeout_s))
+        except _STORE_GONE as exc:
+            with self._lock:
+                if arena_path == self.arena_path:
+                    self._detach("reserve", exc)
+                if self._attach() and self.arena_path not in ("", arena_path):
+                    path = self.arena_path
+                    try:
+                        return StoreSlots(path, self._call("reserve", keys, parents))
+                    except _STORE_GONE as again:
+                        self._detach("reserve", again)
+            return StoreSlots("", [None] * len(keys))
+
+    def _settle_commits(self) -> None:
+        """Wait for the commits in flight (normally answered already), then see their answers."""
+        if self._commits:
+            ray.wait([sent.ref for sent in self._commits], num_returns=len(self._commits),
+                     timeout=self._call_timeout_s)
+        self._reap()
+
+    def _reap(self) -> None:
+        """See the answers that arrived to calls sent without waiting: a store found gone
+        detaches the client (as a call waited on would have), and lost commits are told."""
+        for in_flight in (self._commits, self._casts):
+            if not in_flight:
+                continue
+            refs = [sent.ref for sent in in_flight]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if not ready:
+                continue
+            answered = set(ready)
+            still = []
+            for sent in in_flight:
+                if sent.ref not in answered:
+                    still.append(sent)
+                    continue
+                try:
+                    ray.get(sent.ref, timeout=0)
+                except _STORE_GONE as exc:
+                    if sent.arena_path == self.arena_path:
+                        self._detach(sent.method, exc)
+                    if sent.on_lost is not None:
+                        sent.on_lost(sent.num_keys)
+                except RayTaskError:  # the store refused it (a bug there): say so, go on
+                    log.exception("KV store %s refused a %s of %d blocks", self._actor_name,
+                                  sent.method, sent.num_keys)
+                    if sent.on_lost is not None:
+                        sent.on_lost(sent.num_keys)
+            in_flight[:] = still
 
     def _call(self, method: str, *args):
         self.calls.count(f"store.{method}")

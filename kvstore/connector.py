@@ -2,19 +2,33 @@
 
 Roles (``kv_transfer_config.kv_role``):
 
-- ``kv_producer``: after each forward pass, every full prompt block that is not yet in the
-  store is written into a host-tier slot (two-phase: reserve, copy, commit).
+- ``kv_producer``: every prompt block a step completes that is not yet in the store is written
+  into a host-tier slot (two-phase: reserve before the forward pass, copy and commit after it).
 - ``kv_consumer`` (decode): before scheduling a new request, the longest run of its full prompt
   blocks that the store holds (beyond vLLM's own prefix cache) is pinned and copied into the
   engine's paged KV cache, so the engine computes only the rest.
 - ``kv_both`` (prefill): both, so a prefix another instance computed is loaded, not recomputed.
 
 Blocks are named by Baton's chain-hashed keys (``kvstore.keys``), never by vLLM's own hashes,
-so a producer and a consumer in different processes agree on them. Only full blocks are stored.
+so a producer and a consumer in different processes agree on them. The keys come hashed from
+the gateway with the request (vLLM's per-request ``kv_transfer_params``); a request without
+them (an engine driven directly) is hashed here. Full blocks and the prompt's partial tail are
+stored.
 
-The scheduler half pins the blocks it promises to vLLM (``get_num_new_matched_tokens``); the
-pin travels with the connector metadata to the worker half, which copies the blocks and
-releases the pin. Pins of requests that never got to load are released by the scheduler half.
+The scheduler half decides, the worker half moves bytes. Loads: the scheduler half pins the
+blocks it promises to vLLM (``get_num_new_matched_tokens``, the one store call a request waits
+for); the pin travels with the connector metadata to the worker half, which copies the blocks
+and releases the pin without waiting. Pins of requests that never got to load are released by
+the scheduler half. Saves: the scheduler half reserves a step's slots without waiting
+(``build_connector_meta``); the worker half takes the answer after the forward pass, copies,
+and commits without waiting (the prefill worker waits for its commits before its result
+returns, so a decode elsewhere finds the blocks). A request whose placement expects nothing
+cached is not looked up at all.
+
+What the connector did for one request (tokens loaded, blocks stored) is returned by
+``request_finished`` and reaches the request's last ``RequestOutput`` (``request_transfer``);
+the worker half's news of a step (failed loads, unwritten blocks) reaches the scheduler half
+through ``build_connector_worker_meta``. Per-engine totals are ``connector_stats``.
 
 The store node may die and come back as a new process (``kvstore.client``): meanwhile a lookup
 is a miss and a save is dropped (``ConnectorStats.dropped_save_blocks``); every pin and every
@@ -38,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvstore.client import StoreSlots, shared_store_client
+from kvstore.client import PendingSlots, shared_store_client
 from kvstore.keys import BlockKey, KeyExtras, kv_layout_tag, prompt_block_keys, unpack_keys
 from protos.wire import EngineRequest
 
@@ -88,12 +102,16 @@ PARAMS_KEY = "baton"
 def request_transfer_params(request: EngineRequest) -> dict[str, Any] | None:
     """What the connector needs of ``request`` beyond its tokens, as vLLM carries it per request
     (``SamplingParams.extra_args["kv_transfer_params"]`` becomes ``Request.kv_transfer_params``):
-    the prompt's block keys hashed at the gateway. None when there is nothing to carry."""
+    the prompt's block keys hashed at the gateway, and whether to look its blocks up in the
+    store at all. None when there is nothing to carry."""
+    carried: dict[str, Any] = {}
     blocks = request.blocks
-    if blocks is None:
-        return None
-    return {PARAMS_KEY: {"model_id": blocks.model_id, "kv_layout": blocks.kv_layout,
-                         "block_size": blocks.block_size_tokens, "keys": blocks.keys}}
+    if blocks is not None:
+        carried.update(model_id=blocks.model_id, kv_layout=blocks.kv_layout,
+                       block_size=blocks.block_size_tokens, keys=blocks.keys)
+    if not request.store_lookup:
+        carried["lookup"] = False
+    return {PARAMS_KEY: carried} if carried else None
 
 
 @dataclass(frozen=True)
@@ -134,13 +152,14 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Blocks to write this step: the scheduler half reserved their slots (``granted``, one per
-    key, None where the store holds the block already or has no room)."""
+    """Blocks to write this step: the scheduler half asked the store for their slots before
+    the forward pass (``granted``: one per key once answered, None where the store holds the
+    block already or has no room); the worker half waits for the answer after it."""
 
     request_id: str
     block_ids: list[int]
     keys: list[BlockKey]
-    granted: StoreSlots
+    granted: PendingSlots
 
 
 @dataclass
@@ -172,6 +191,8 @@ class _RequestState:
 
     keys: list[BlockKey]
     num_prompt_tokens: int
+    lookup: bool = True
+    """False: the placement expects nothing cached, so the store is not asked (a round trip)."""
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0
     pinned: list[BlockKey] = field(default_factory=list)
@@ -179,7 +200,15 @@ class _RequestState:
     pinned_arena: str = ""
     first_load_block: int = 0
     num_loaded_tokens: int = 0
-    num_stored_blocks: int = 0
+    reservations: list[PendingSlots] = field(default_factory=list)
+    """Every save reservation made for the request (answered by the time it finishes)."""
+    num_dropped_blocks: int = 0
+    """Granted blocks the worker half could not write (its news of steps before the last)."""
+
+    def num_stored_blocks(self) -> int:
+        granted = (r.result() for r in self.reservations)
+        return sum(sum(s is not None for s in g.slots) for g in granted if g.arena_path) - (
+            self.num_dropped_blocks)
 
 
 class BatonConnector(KVConnectorBase_V1):
@@ -219,7 +248,8 @@ class BatonConnector(KVConnectorBase_V1):
         if state is None:
             prompt = request.prompt_token_ids or []
             state = _RequestState(keys=self._prompt_keys(request, prompt),
-                                  num_prompt_tokens=len(prompt))
+                                  num_prompt_tokens=len(prompt),
+                                  lookup=_carried(request).get("lookup", True) is not False)
             self._requests[request.request_id] = state
         return state
 
@@ -250,7 +280,7 @@ class BatonConnector(KVConnectorBase_V1):
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         state = self._state(request)
-        if not self._loads:
+        if not self._loads or not state.lookup:
             return 0, False
         self._unpin(state)  # a request that was not scheduled last time asks again
         first_block = num_computed_tokens // self._block_size
@@ -334,12 +364,10 @@ class BatonConnector(KVConnectorBase_V1):
             first = state.saved_blocks
             keys = state.keys[first:full_blocks]
             parents = [state.keys[i - 1] if i > 0 else None for i in range(first, full_blocks)]
-            granted = self._store.reserve(keys, parents)
+            # answered during the forward pass; the worker half waits for it after
+            granted = self._store.reserve_later(keys, parents)
             state.saved_blocks = full_blocks
-            if not granted.arena_path:  # the store is gone
-                self.stats.dropped_save_blocks += len(keys)
-                continue
-            state.num_stored_blocks += sum(slot is not None for slot in granted.slots)
+            state.reservations.append(granted)
             meta.saves.append(SaveSpec(req_id, state.block_ids[first:full_blocks], keys, granted))
         return meta
 
@@ -354,7 +382,7 @@ class BatonConnector(KVConnectorBase_V1):
         for request_id, n in news.dropped_blocks.items():
             state = self._requests.get(request_id)
             if state is not None:  # (after its last step the request has reported already)
-                state.num_stored_blocks -= n
+                state.num_dropped_blocks += n
 
     def request_finished(
         self, request: "Request", block_ids: list[int]
@@ -367,7 +395,7 @@ class BatonConnector(KVConnectorBase_V1):
         if state.pinned:
             self._unpin(state)
         return False, {PARAMS_KEY: {"loaded_tokens": state.num_loaded_tokens,
-                                    "stored_blocks": state.num_stored_blocks}}
+                                    "stored_blocks": state.num_stored_blocks()}}
 
     # ---------------------------------------------------------------- worker half
 
@@ -485,11 +513,15 @@ class BatonConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, BatonConnectorMetadata)
         for save in meta.saves:
-            written = [(i, s) for i, s in enumerate(save.granted.slots) if s is not None]
+            granted = save.granted.result()
+            if not granted.arena_path:  # the store is gone
+                self.stats.dropped_save_blocks += len(save.keys)
+                continue
+            written = [(i, s) for i, s in enumerate(granted.slots) if s is not None]
             if not written:
                 continue
             keys = [save.keys[i] for i, _ in written]
-            arena_path = save.granted.arena_path
+            arena_path = granted.arena_path
             arena_layers = self._arena_view(arena_path)
             if arena_layers is None:
                 self._store.abort(keys, arena_path)
@@ -504,10 +536,16 @@ class BatonConnector(KVConnectorBase_V1):
             except BaseException:
                 self._store.abort(keys, arena_path)
                 raise
-            if not self._store.commit(keys, arena_path):
-                self._dropped(save.request_id, len(keys))
-                continue
+            # readable by other processes once answered: the prefill worker waits for that
+            # before its result returns (``StoreClient.unsettled_commits``)
             self.stats.saved_blocks += len(written)
+            self._store.commit_later(keys, arena_path, self._commit_lost)
+
+    def _commit_lost(self, num_blocks: int) -> None:
+        """A commit found its store gone: the blocks are dropped (counted for the engine; the
+        request that wrote them may have reported them stored already)."""
+        self.stats.saved_blocks -= num_blocks
+        self.stats.dropped_save_blocks += num_blocks
 
     def _dropped(self, request_id: str, num_blocks: int) -> None:
         self.stats.dropped_save_blocks += num_blocks

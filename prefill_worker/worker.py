@@ -6,10 +6,17 @@ what matters is the side effect, the connector writing every full prompt block t
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 from protos.wire import EngineRequest, PrefillResult
 from worker.base import EngineWorker
+
+log = logging.getLogger(__name__)
+
+COMMIT_WAIT_S = 30.0
+"""Longest a prefill result waits for the store to answer its blocks' commits."""
 
 
 class PrefillWorker(EngineWorker):
@@ -30,6 +37,7 @@ class PrefillWorker(EngineWorker):
             if output.num_cached_tokens is not None:
                 num_cached_tokens = output.num_cached_tokens
             last = output
+        await self._saves_readable()
         done = request_transfer(last)  # what the connector did, with the last output
         num_stored_blocks, num_loaded_tokens = done.num_stored_blocks, done.num_loaded_tokens
         prefill_ms = (time.perf_counter() - started) * 1000.0
@@ -45,3 +53,24 @@ class PrefillWorker(EngineWorker):
             node_id=self.node_id,
             num_pulled_blocks=num_pulled,
         )
+
+    async def _saves_readable(self) -> None:
+        """Wait until the store has answered every commit the engine's connector sent so far
+        (they are sent without waiting, on the engine's step): the decode instance that is
+        given this result next must find the prompt's blocks committed. Normally answered by
+        the time the prefill's output got here; a store that does not answer is given up on
+        (its blocks are then recomputed, as for a lost store)."""
+        if self._store is None:
+            return
+        from kvstore.client import shared_store_client
+
+        client = shared_store_client(self._store.store_actor, self._store.namespace)
+        commits = client.unsettled_commits()
+        if not commits:
+            return
+        try:  # a failed commit is the client's to see (it detaches); here only the wait counts
+            await asyncio.wait_for(asyncio.gather(*commits, return_exceptions=True), COMMIT_WAIT_S)
+        except asyncio.TimeoutError:
+            log.warning("the KV store did not answer %d commits within %.0f s; returning the "
+                        "prefill result anyway (its blocks may be recomputed)", len(commits),
+                        COMMIT_WAIT_S)

@@ -54,6 +54,9 @@ class EngineRequest(msgspec.Struct, frozen=True):
     """How many of the prompt's leading blocks to pull from ``kv_source_node``: with it, the
     transfer plan the worker's store executes (for a prefill: the placement's
     ``expected_cached_blocks``). None: every prompt block (a decode after a prefill elsewhere)."""
+    store_lookup: bool = True
+    """False: the placement expects no block of the prompt to be cached anywhere it can reach,
+    so the engine's connector does not ask the store (one round trip less per prefill)."""
 
 
 class Placement(msgspec.Struct, frozen=True):

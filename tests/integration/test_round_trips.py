@@ -9,7 +9,17 @@ counted.
 
 A request's calls are pinned exactly, by component and kind: ``blocking`` (the caller waits for
 the answer), ``deferred`` (sent without waiting, awaited later off that path) and ``sent``
-(fire-and-forget)."""
+(fire-and-forget).
+
+Before this was pinned, one steady-state request made 8 blocking round trips (place, prefill,
+decode stream; the prefill's store lookup, reserve and commit; the decode's acquire and
+release) and sent 2 (prefill_done, finished); the first also fetched the key scheme. Now: 4
+blocking (place, prefill, decode stream, the decode's acquire, which decides what vLLM
+computes and so must be answered on its scheduler step), 2 deferred (the prefill's reserve,
+sent before the forward pass and awaited after it; its commit, awaited once before the prefill
+result returns, so the decode finds the blocks), 3 sent (prefill_done, finished, the decode's
+release). The prefill asks the store nothing when its placement expects nothing cached, and the
+router fetches the key scheme while it polls readiness."""
 
 from __future__ import annotations
 
@@ -33,12 +43,13 @@ ROUTER_STEADY = CallCounts(
     sent={"conductor.finished": 1, "conductor.prefill_done": 1},
 )
 """place → prefill → one decode stream; the conductor's books are closed without waiting."""
-PREFILL_STEADY = CallCounts(blocking={"store.acquire": 1, "store.commit": 1, "store.reserve": 1})
-"""The producer's connector: a lookup of the prompt's blocks, then the save (reserve, commit)."""
-DECODE_STEADY = CallCounts(blocking={"store.acquire": 1, "store.release": 1})
-"""The consumer's connector: pin the prompt's blocks, copy them, unpin them."""
-FIRST_REQUEST_ONLY = CallCounts(blocking={"conductor.key_scheme": 1, "gcs.get_actor": 2})
-"""The router's first request also fetches the key scheme and looks up both workers' actors."""
+PREFILL_STEADY = CallCounts(deferred={"store.commit": 1, "store.reserve": 1})
+"""The producer's connector saves the prompt (no lookup: the placement expects nothing cached):
+the reservation overlaps the forward pass, the commit is awaited before the result returns."""
+DECODE_STEADY = CallCounts(blocking={"store.acquire": 1}, sent={"store.release": 1})
+"""The consumer's connector: pin the prompt's blocks, copy them, unpin them without waiting."""
+FIRST_REQUEST_ONLY = CallCounts(blocking={"gcs.get_actor": 2})
+"""The router's first request also looks up both workers' actors (then cached)."""
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -68,11 +79,19 @@ async def hashed_prompts(server) -> list[int]:
 async def one_request(server, seed: int) -> dict[str, CallCounts]:
     """The calls one disaggregated request of three full blocks and a tail made."""
     prompt = random_prompt(3 * BLOCK + 20, seed=seed)
+    return await request_calls(server, prompt)
+
+
+async def request_calls(server, prompt: list[int],
+                        num_loaded_tokens: int | None = None) -> dict[str, CallCounts]:
+    """The calls a request for ``prompt`` made; its decode loaded ``num_loaded_tokens`` from the
+    store (default: all of the prompt but the last token)."""
     hashed_before = await hashed_prompts(server)
     before = await call_counts(server)
     result = await client.generate(server.target, token_ids=prompt, max_tokens=MAX_TOKENS)
     # it went through the prefill engine and the store: the decode loaded all but the last token
-    assert result["usage"]["loaded_tokens"] == len(prompt) - 1
+    expected = len(prompt) - 1 if num_loaded_tokens is None else num_loaded_tokens
+    assert result["usage"]["loaded_tokens"] == expected
     assert result["placement"]["prefill"] != result["placement"]["decode"]
     deadline = time.monotonic() + 5
     while True:  # the router closes the conductor's books as the stream ends
@@ -100,9 +119,9 @@ async def test_a_steady_state_request_makes_exactly_these_round_trips(server, fi
     calls = await one_request(server, seed=2)
 
     assert calls == {"router": ROUTER_STEADY, "prefill": PREFILL_STEADY, "decode": DECODE_STEADY}
-    blocking = sum(c.total("blocking") + c.total("deferred") for c in calls.values())
-    assert blocking == 8
-    assert sum(c.total("sent") for c in calls.values()) == 2
+    assert sum(c.total("blocking") for c in calls.values()) == 4
+    assert sum(c.total("deferred") for c in calls.values()) == 2
+    assert sum(c.total("sent") for c in calls.values()) == 3
 
 
 async def test_an_engine_driven_directly_hashes_the_prompt_itself(server, first_request):
@@ -117,3 +136,20 @@ async def test_an_engine_driven_directly_hashes_the_prompt_itself(server, first_
     async for ref in decode.generate.options(num_returns="streaming").remote(request):
         await ref
     assert await hashed_prompts(server) == [before[0], before[1] + 1]
+
+
+async def test_a_prefill_whose_placement_expects_a_cached_prefix_looks_it_up(server, first_request):
+    """The same prompt again: the placement expects its three full blocks cached, so the
+    prefill's connector asks the store for the rest (the tail); its reservation finds every
+    block stored already, so nothing is committed."""
+    prompt = random_prompt(3 * BLOCK + 20, seed=4)
+    await request_calls(server, prompt)
+
+    # the decode engine's own prefix cache holds the full blocks now: it loads the tail
+    calls = await request_calls(server, prompt, num_loaded_tokens=len(prompt) - 1 - 3 * BLOCK)
+
+    assert calls == {"router": ROUTER_STEADY,
+                     "prefill": CallCounts(blocking={"store.acquire": 1},
+                                           deferred={"store.reserve": 1},
+                                           sent={"store.release": 1}),
+                     "decode": DECODE_STEADY}
