@@ -1,4 +1,4 @@
-"""The conductor: the one place where placement is decided.
+"""The conductor actor: the deciding core as a Ray actor.
 
 A Ray async actor around ``ConductorState``. It binds the ZMQ socket every engine publishes its
 KV events to (vLLM's ``KVEventsConfig``: the conductor binds, engines connect, topic = instance
