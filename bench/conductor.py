@@ -22,7 +22,8 @@ import msgspec
 import numpy as np
 
 from conductor.kv_index import KvIndex
-from conductor.policy import PlacementRequest, PolicyConfig
+from conductor.policy import PolicyConfig
+from protos.wire import PlacementRequest
 from conductor.state import ConductorState
 from kvstore.events import MEDIUM_HOST, BlockStored, KVEventBatch
 from kvstore.keys import KeyExtras, block_keys

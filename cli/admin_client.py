@@ -25,10 +25,9 @@ from gateway.admin_wire import (
 )
 from gateway.auth import ADMIN_KEY_ENV
 from gateway.client import open_channel
-from conductor.conductor import SoftPin
+from protos.wire import DrainResult, PoolSizes, ScaleResult, SoftPin
 from cluster.deployment import NotUp
 from protos.errors import BatonError, ConfigError, InvalidRequest, UnknownInstance
-from protos.wire import DrainResult, PoolSizes, ScaleResult
 from protos.baton.v1 import admin_pb2 as apb
 from protos.baton.v1 import admin_pb2_grpc as apb_grpc
 from protos.baton.v1 import inference_pb2 as pb

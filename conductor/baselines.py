@@ -19,8 +19,8 @@ from typing import Sequence
 from conductor.picking import decode_by_load, decode_terms, ready, seeded_rng
 from conductor.policy_config import PolicyConfig
 from conductor.pricing import Pricer, best_hit_source, cheapest
-from conductor.snapshot import ClusterSnapshot, InstanceView, PlacementRequest, load
-from protos.wire import Placement
+from conductor.snapshot import ClusterSnapshot, InstanceView, load
+from protos.wire import Placement, PlacementRequest
 
 
 def random(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:

@@ -13,8 +13,8 @@ from functools import partial
 from conductor.picking import decode_by_load, decode_terms, ready
 from conductor.policy_config import PolicyConfig
 from conductor.pricing import Pricer, best_hit_source, cheapest, price
-from conductor.snapshot import ClusterSnapshot, InstanceView, PlacementRequest
-from protos.wire import Placement
+from conductor.snapshot import ClusterSnapshot, InstanceView
+from protos.wire import Placement, PlacementRequest
 
 
 def _pull_source(pricer: Pricer, best: InstanceView | None, best_len: int,

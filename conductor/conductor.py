@@ -21,10 +21,9 @@ import zmq.asyncio
 from conductor.config import ConductorConfig
 from protos.errors import InvalidRequest, NoWorkerReady
 from conductor.kv_index import StreamGap
-from conductor.policy import PlacementRequest, PolicyConfig, PrefixHit
-from protos.wire import Registration, StoreRow
+from conductor.policy import PolicyConfig, PrefixHit
+from protos.wire import KeyScheme, Placement, PlacementRequest, Registration, SoftPin, StoreRow
 from conductor.state import ConductorState, PlacementCounters
-from protos.wire import Placement
 from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
@@ -51,15 +50,6 @@ class ConductorStatus(msgspec.Struct, frozen=True):
     """The last event batch applied from each stream (-1: none yet)."""
 
 
-class KeyScheme(msgspec.Struct, frozen=True):
-    """How the fronts must name a prompt's blocks so the index can match them."""
-
-    model_id: str
-    kv_layout: str
-    block_size_tokens: int
-    kv_bytes_per_token: int = 0
-
-
 class PrefixHits(msgspec.Struct, frozen=True):
     """What the KV index holds of one prompt's blocks (``Conductor.prefix_hits``)."""
 
@@ -67,15 +57,6 @@ class PrefixHits(msgspec.Struct, frozen=True):
     """Block keys asked about."""
     hits_by_instance: dict[str, PrefixHit]
     """Per instance with a non-empty leading run of them: that run by fastest tier."""
-
-
-class SoftPin(msgspec.Struct, frozen=True):
-    """An operator-pinned prefix: its name, size, and how much of it each store holds now."""
-
-    name: str
-    num_blocks: int
-    num_tokens: int
-    present_blocks_by_node: dict[str, int]
 
 
 class Conductor:

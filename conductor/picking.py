@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import random as _random
 
-from conductor.snapshot import ClusterSnapshot, InstanceView, PlacementRequest, load
+from conductor.snapshot import ClusterSnapshot, InstanceView, load
+
+from protos.wire import PlacementRequest
 from protos.errors import NoWorkerReady
 
 SERVES_WITHOUT_PREFILL_POOL = frozenset({"baton"})

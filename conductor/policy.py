@@ -24,16 +24,8 @@ from conductor.baton_policy import baton
 from conductor.picking import SERVES_WITHOUT_PREFILL_POOL
 from conductor.policy_config import PolicyConfig
 from conductor.pricing import PrefillPrice, price, with_prices
-from conductor.snapshot import (
-    NO_HIT,
-    ClusterSnapshot,
-    InstanceView,
-    LoadArrays,
-    PlacementRequest,
-    PoolArrays,
-    PrefixHit,
-)
-from protos.wire import Placement
+from conductor.snapshot import NO_HIT, ClusterSnapshot, InstanceView, LoadArrays, PoolArrays, PrefixHit
+from protos.wire import Placement, PlacementRequest
 
 __all__ = [
     "NO_HIT", "POLICIES", "SERVES_WITHOUT_PREFILL_POOL", "ClusterSnapshot", "InstanceView",

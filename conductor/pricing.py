@@ -21,16 +21,8 @@ import msgspec
 
 from conductor import _scan
 from conductor.policy_config import PolicyConfig
-from conductor.snapshot import (
-    NO_HIT,
-    ClusterSnapshot,
-    InstanceView,
-    PlacementRequest,
-    PoolArrays,
-    PrefixHit,
-    has_unpriced_queue,
-)
-from protos.wire import Placement
+from conductor.snapshot import NO_HIT, ClusterSnapshot, InstanceView, PoolArrays, PrefixHit, has_unpriced_queue
+from protos.wire import Placement, PlacementRequest
 
 
 def predicted_ttft_ms(transfer_ms: float, queue_ms: float, prefill_ms: float) -> float:

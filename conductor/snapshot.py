@@ -1,8 +1,8 @@
 """What a placement policy reads: the cluster at one instant and the request to place.
 
 ``ClusterSnapshot`` holds both pools as ``InstanceView``s, the KV index as this request sees it
-(``PrefixHit`` per instance) and the placement count; ``PlacementRequest`` is the request. A
-snapshot is read-only by contract: policies never mutate it. ``ConductorState`` makes them and
+(``PrefixHit`` per instance) and the placement count; ``protos.wire.PlacementRequest`` is the
+request. A snapshot is read-only by contract: policies never mutate it. ``ConductorState`` makes them and
 may add fields that only make a policy faster (ready subsets, a pool index, ``PoolArrays`` and
 ``LoadArrays``): a snapshot with them decides exactly as one without.
 """
@@ -178,10 +178,3 @@ class ClusterSnapshot(msgspec.Struct, frozen=True):
         return self.prefix_hits.get(instance_id, NO_HIT)
 
 
-class PlacementRequest(msgspec.Struct, frozen=True):
-    request_id: str
-    num_prompt_tokens: int
-    block_keys: tuple[bytes, ...] = ()
-    """The prompt's chain-hashed full-block keys, in order (what ``prefix_hits`` was matched on)."""
-    max_tokens: int = 0
-    """Most tokens the request may generate (sizes its decode KV for admission)."""

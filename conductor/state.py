@@ -23,20 +23,8 @@ from typing import Callable
 import msgspec
 
 from conductor.kv_index import KvIndex
-from conductor.policy import (
-    POLICIES,
-    SERVES_WITHOUT_PREFILL_POOL,
-    ClusterSnapshot,
-    InstanceView,
-    LoadArrays,
-    Overloaded,
-    PlacementRequest,
-    PolicyConfig,
-    PoolArrays,
-    admit,
-    with_prices,
-)
-from protos.wire import Placement
+from conductor.policy import POLICIES, SERVES_WITHOUT_PREFILL_POOL, ClusterSnapshot, InstanceView, LoadArrays, Overloaded, PolicyConfig, PoolArrays, admit, with_prices
+from protos.wire import Placement, PlacementRequest
 
 log = logging.getLogger(__name__)
 

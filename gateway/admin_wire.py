@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import msgspec
 
-from conductor.conductor import SoftPin
-from protos.wire import FrontAddresses
-from protos.wire import DrainResult, InstanceRow, PoolStatus, ScaleResult, StoreRow, TierCounters
+from protos.wire import (
+    DrainResult,
+    FrontAddresses,
+    InstanceRow,
+    PoolStatus,
+    ScaleResult,
+    SoftPin,
+    StoreRow,
+    TierCounters,
+)
 from conductor.state import PlacementCounters
 from protos.baton.v1 import admin_pb2 as apb
 

@@ -17,9 +17,17 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from gateway import metrics
 from protos.errors import BatonError, NoWorkerReady, WorkerFailed
-from conductor.policy import Overloaded, PlacementRequest
+from conductor.policy import Overloaded
+from protos.wire import (
+    CallCounts,
+    EngineRequest,
+    Placement,
+    PlacementRequest,
+    PrefillResult,
+    PromptBlocks,
+    TokenChunk,
+)
 from gateway.router import Placed, RouterEvent
-from protos.wire import CallCounts, EngineRequest, Placement, PrefillResult, PromptBlocks, TokenChunk
 from kvstore.keys import KEY_SIZE_BYTES, KeyExtras, pack_keys, prompt_block_keys, unpack_keys
 
 log = logging.getLogger(__name__)

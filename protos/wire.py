@@ -59,6 +59,18 @@ class EngineRequest(msgspec.Struct, frozen=True):
     so the engine's connector does not ask the store (one round trip less per prefill)."""
 
 
+class PlacementRequest(msgspec.Struct, frozen=True):
+    """One request as the conductor prices it (the live router's question; ``Placement`` is the
+    answer)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    block_keys: tuple[bytes, ...] = ()
+    """The prompt's chain-hashed full-block keys, in order (what ``prefix_hits`` was matched on)."""
+    max_tokens: int = 0
+    """Most tokens the request may generate (sizes its decode KV for admission)."""
+
+
 class Placement(msgspec.Struct, frozen=True):
     """Where a request runs: the conductor's answer for one request."""
 
@@ -350,3 +362,21 @@ class ConnectorCounters(msgspec.Struct, frozen=True):
     hashed_prompts: int = 0
     """Prompts the connector hashed itself because the request carried no block keys under its
     key scheme (engines driven directly); 0 for requests through the gateway."""
+
+
+class KeyScheme(msgspec.Struct, frozen=True):
+    """How the fronts must name a prompt's blocks so the index can match them."""
+
+    model_id: str
+    kv_layout: str
+    block_size_tokens: int
+    kv_bytes_per_token: int = 0
+
+
+class SoftPin(msgspec.Struct, frozen=True):
+    """An operator-pinned prefix: its name, size, and how much of it each store holds now."""
+
+    name: str
+    num_blocks: int
+    num_tokens: int
+    present_blocks_by_node: dict[str, int]

@@ -26,15 +26,8 @@ import numpy as np
 
 from conductor.cost_model import CostProfile
 from protos.errors import BatonError
-from conductor.policy import (
-    POLICIES,
-    ClusterSnapshot,
-    Overloaded,
-    PlacementRequest,
-    PolicyConfig,
-    PrefixHit,
-    price,
-)
+from conductor.policy import POLICIES, ClusterSnapshot, Overloaded, PolicyConfig, PrefixHit, price
+from protos.wire import PlacementRequest
 from conductor.state import ConductorState
 from simulator.cache import BlockIndex, DeviceCache, NodeStore
 from simulator.fleet import FleetConfig

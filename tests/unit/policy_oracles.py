@@ -10,7 +10,8 @@ from __future__ import annotations
 from conductor.picking import ready
 from conductor.policy_config import PolicyConfig
 from conductor.pricing import PrefillPrice, best_source, price
-from conductor.snapshot import ClusterSnapshot, InstanceView, PlacementRequest
+from conductor.snapshot import ClusterSnapshot, InstanceView
+from protos.wire import PlacementRequest
 
 
 def mooncake_options(snapshot: ClusterSnapshot, request: PlacementRequest,

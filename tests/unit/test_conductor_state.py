@@ -6,7 +6,8 @@ import pytest
 
 from conductor.cost_model import CostProfile, DecodeCostModel, PrefillCostModel, TransferModel
 from protos.errors import NoWorkerReady
-from conductor.policy import Overloaded, PlacementRequest, PolicyConfig, PrefixHit
+from conductor.policy import Overloaded, PolicyConfig, PrefixHit
+from protos.wire import PlacementRequest
 from conductor.state import ConductorState
 from kvstore.keys import KeyExtras, block_keys
 

@@ -8,10 +8,11 @@ import asyncio
 
 import pytest
 
-from conductor.policy import PlacementRequest, PolicyConfig
+from conductor.policy import PolicyConfig
+
+from protos.wire import InstanceStats, PlacementRequest
 from cluster.pools import PoolManager, ScaleRefused, UnknownInstance, _Member
 from conductor.state import ConductorState
-from protos.wire import InstanceStats
 
 
 class _Method:
