@@ -1,0 +1,132 @@
+"""What the connector's halves and the rest of Baton exchange: the per-request parameters vLLM
+carries in (``request_transfer_params``) and out (``request_transfer``), the metadata the
+scheduler half hands the worker half each step (``BatonConnectorMetadata``: ``LoadSpec``,
+``SaveSpec``) and the worker half's news back (``BatonWorkerMetadata``), and the per-engine
+totals both halves add to (``connector_stats``). Plain data: no store calls, no tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from kvstore.client import PendingSlots
+from kvstore.keys import BlockKey
+from protos.wire import EngineRequest
+
+
+@dataclass
+class ConnectorStats:
+    """Counters one engine's connector keeps; read by the worker that hosts the engine."""
+
+    lookups_blocks: int = 0
+    hits_blocks: int = 0
+    loaded_blocks: int = 0
+    saved_blocks: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    """Wall time spent copying loaded blocks into the engine's KV cache (s)."""
+    failed_load_blocks: int = 0
+    """Promised blocks whose arena was gone by the time they were copied (recomputed)."""
+    dropped_save_blocks: int = 0
+    """Blocks not saved because the store was gone (between its death and its return)."""
+    hashed_prompts: int = 0
+    """Prompts the connector hashed itself: the request carried no block keys under its scheme."""
+
+
+_STATS: dict[str, ConnectorStats] = {}
+
+
+def connector_stats(engine_id: str) -> ConnectorStats:
+    """The per-engine totals of the connector built for ``engine_id`` in this process (the two
+    halves of one engine's connector add to the same totals). What the connector did for one
+    request travels with that request instead (``request_transfer``)."""
+    return _STATS.setdefault(engine_id, ConnectorStats())
+
+
+PARAMS_KEY = "baton"
+"""Baton's entry in a request's vLLM ``kv_transfer_params`` (``SamplingParams.extra_args``)."""
+
+
+def request_transfer_params(request: EngineRequest) -> dict[str, Any] | None:
+    """What the connector needs of ``request`` beyond its tokens, as vLLM carries it per request
+    (``SamplingParams.extra_args["kv_transfer_params"]`` becomes ``Request.kv_transfer_params``):
+    the prompt's block keys hashed at the gateway, and whether to look its blocks up in the
+    store at all. None when there is nothing to carry."""
+    carried: dict[str, Any] = {}
+    blocks = request.blocks
+    if blocks is not None:
+        carried.update(model_id=blocks.model_id, kv_layout=blocks.kv_layout,
+                       block_size=blocks.block_size_tokens, keys=blocks.keys)
+    if not request.store_lookup:
+        carried["lookup"] = False
+    return {PARAMS_KEY: carried} if carried else None
+
+
+@dataclass(frozen=True)
+class RequestTransfer:
+    """What the connector did for one request, as vLLM returns it with the request's last
+    output (``request_finished``'s kv_transfer_params become ``RequestOutput.kv_transfer_params``)."""
+
+    num_loaded_tokens: int = 0
+    """Prompt tokens whose KV was loaded from the store instead of computed."""
+    num_stored_blocks: int = 0
+    """Prompt blocks the store granted this request to write, and the connector wrote."""
+
+
+def request_transfer(output: Any) -> RequestTransfer:
+    """The ``RequestTransfer`` a finished vLLM ``RequestOutput`` carries (zeros without one)."""
+    params = getattr(output, "kv_transfer_params", None)
+    done = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    if not isinstance(done, dict):
+        return RequestTransfer()
+    return RequestTransfer(int(done.get("loaded_tokens", 0)), int(done.get("stored_blocks", 0)))
+
+
+@dataclass
+class LoadSpec:
+    request_id: str
+    block_ids: list[int]
+    slots: list[int]
+    keys: list[BlockKey]
+    arena_path: str
+    """The arena ``slots`` index (the store that pinned them)."""
+
+
+@dataclass
+class SaveSpec:
+    """Blocks to write this step: the scheduler half asked the store for their slots before
+    the forward pass (``granted``: one per key once answered, None where the store holds the
+    block already or has no room); the worker half waits for the answer after it."""
+
+    request_id: str
+    block_ids: list[int]
+    keys: list[BlockKey]
+    granted: PendingSlots
+
+
+@dataclass
+class BatonConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class BatonWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the worker half tells the scheduler half after a step (vLLM hands it to
+    ``update_connector_output``): requests whose loads failed (their KV is recomputed), and
+    blocks the store granted but that were not written, by request."""
+
+    failed_loads: set[str] = field(default_factory=set)
+    dropped_blocks: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: "BatonWorkerMetadata") -> "BatonWorkerMetadata":
+        dropped = dict(self.dropped_blocks)
+        for request_id, n in other.dropped_blocks.items():
+            dropped[request_id] = dropped.get(request_id, 0) + n
+        return BatonWorkerMetadata(self.failed_loads | other.failed_loads, dropped)
