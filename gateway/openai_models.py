@@ -1,16 +1,18 @@
 """The OpenAI HTTP front's request bodies: what ``/v1/chat/completions`` and ``/v1/completions``
 accept, as pydantic models FastAPI parses the JSON into.
 
-Contract: unknown fields are ignored, as OpenAI servers do; Baton's own request fields
-(``cache_salt``, ``tenant``) ride as extra body fields. Parsing only checks types (and the
-seed's int64 range); ``gateway.openai_requests`` checks values against the served model.
+Contract: the declared fields are the ones served; any other field the body carries is kept
+(``model_extra``) for ``gateway.openai_fields`` to accept at its neutral value or refuse by name,
+so nothing is silently ignored. Baton's own request fields (``cache_salt``, ``tenant``) ride as
+extra body fields of the ``openai`` client. Parsing only checks types (and the seed's int64
+range); ``gateway.openai_requests`` checks values against the served model.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -20,7 +22,10 @@ class StreamOptions(BaseModel):
 
 
 class _Body(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI servers do."""
+    """Fields shared by both endpoints. Other fields are kept in ``model_extra`` and checked by
+    ``gateway.openai_fields``."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str = Field("", description="Served model name; empty selects it.")
     max_tokens: int | None = Field(None, description="Tokens to generate at most.")
@@ -33,6 +38,8 @@ class _Body(BaseModel):
     stream: bool = Field(False, description="Answer with server-sent events.")
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="End-user id; accepted and ignored.")
+    ignore_eos: bool = Field(False, description="vLLM extension: generate max_tokens tokens, past "
+                             "the end-of-sequence token.")
     cache_salt: str | None = Field(None, description="Baton: prefix-cache isolation salt.")
     tenant: str | None = Field(None, description="Baton: the salt when cache_salt is unset.")
 

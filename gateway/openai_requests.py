@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from gateway.openai_errors import error_for
+from gateway.openai_fields import refused_field
 from gateway.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.tokenization import CHAT_ROLES, PromptTokenizer
 from gateway.validation import (
@@ -82,10 +83,13 @@ def build_engine_request(
     """Checks an OpenAI body like ``validate_and_build`` checks a ``GenerateRequest``.
 
     Cheap checks first, then tokenization. Raises ``OpenAIError`` whose ``param`` names the
-    offending field. ``cache_salt`` wins over ``tenant``; an unset temperature is OpenAI's 1.0
+    offending field, also for a field the front would otherwise ignore (``openai_fields``). ``cache_salt`` wins over ``tenant``; an unset temperature is OpenAI's 1.0
     and an unset max_tokens is ``DEFAULT_MAX_TOKENS``, lowered to fit the context window.
     """
     checked("model", check_model, body.model, served.name)
+    refused = refused_field(body.model_extra)
+    if refused is not None:
+        raise refused
     if body.n != 1:
         raise error_for(
             InvalidRequest(
@@ -137,7 +141,8 @@ def build_engine_request(
         request_id=request_id,
         prompt_token_ids=tuple(prompt_token_ids),
         sampling=SamplingOptions(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=body.seed, stop=stop
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=body.seed, stop=stop,
+            ignore_eos=body.ignore_eos,
         ),
         cache_salt=cache_salt or "",
     )

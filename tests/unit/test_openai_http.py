@@ -308,6 +308,66 @@ async def test_malformed_body_is_400_in_openai_format(http, router, content, fra
     assert router.requests == []
 
 
+IGNORED_OTHERWISE = {
+    "tools": ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+              "tool calling is not served yet"),
+    "tool_choice required": ("chat", {"tool_choice": "required"}, "only tool_choice 'none'"),
+    "response_format json_object": ("chat", {"response_format": {"type": "json_object"}},
+                                    "structured outputs are not served yet"),
+    "response_format json_schema": (
+        "chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "structured outputs are not served yet"),
+    "logprobs": ("chat", {"logprobs": True}, "log-probabilities are not served yet"),
+    "top_logprobs": ("chat", {"top_logprobs": 3}, "log-probabilities are not served yet"),
+    "completion logprobs": ("completion", {"logprobs": 2}, "log-probabilities are not served yet"),
+    "presence_penalty": ("completion", {"presence_penalty": 0.5}, "only 0 is accepted"),
+    "echo": ("completion", {"echo": True}, "echoing the prompt is not served"),
+    "unknown field": ("completion", {"frobnicate": 1}, "unknown field 'frobnicate'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint, fields, fragment", IGNORED_OTHERWISE.values(),
+                         ids=IGNORED_OTHERWISE.keys())
+async def test_a_field_the_front_would_ignore_is_refused_by_name(http, router, endpoint, fields,
+                                                                 fragment):
+    """Nothing is silently ignored: a field Baton does not act on is a 400 naming it, nothing
+    reaches the router, and the next request is served."""
+    path, base = (("/v1/chat/completions", {"messages": HI}) if endpoint == "chat"
+                  else ("/v1/completions", {"prompt": "x"}))
+    [name] = fields
+
+    refused = await http.post(path, json={"model": SERVED, **base, **fields}, headers=AUTH)
+    served = await http.post(path, json={"model": SERVED, **base}, headers=AUTH)
+
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error", name, "invalid_request")
+    assert fragment in error["message"]
+    assert served.status_code == 200
+    assert len(router.requests) == 1
+
+
+async def test_neutral_values_of_unserved_fields_are_accepted(client, http, router):
+    """Values that ask for nothing pass: what clients send by habit, and what vLLM's own
+    ``bench serve`` sends (``repetition_penalty: 1.0``, ``logprobs: null``, ``ignore_eos``,
+    which Baton serves)."""
+    await client.chat.completions.create(
+        model=SERVED, messages=HI, logprobs=False, presence_penalty=0, frequency_penalty=0.0,
+        response_format={"type": "text"}, tool_choice="none", user="agent-7",
+        extra_body={"tools": []},
+    )
+    bench = await http.post("/v1/completions", headers=AUTH, json={
+        "model": SERVED, "prompt": "x", "repetition_penalty": 1.0, "max_tokens": 4,
+        "logprobs": None, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}})
+
+    assert bench.status_code == 200
+    chat, completion = router.requests
+    assert chat.sampling.ignore_eos is False
+    assert completion.sampling.ignore_eos is True
+
+
 async def test_api_key_is_required_on_v1_only(server, http):
     wrong = openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{server.port}/v1", api_key="sk-wrong", max_retries=0

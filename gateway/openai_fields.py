@@ -1,0 +1,104 @@
+"""Which OpenAI request fields the HTTP front serves, and the refusal of every other one.
+
+Contract: a body field is either
+
+- served: declared on the request model (``gateway.openai_models``) and acted on;
+- accepted only at the value that asks for nothing (``NEUTRAL``): ``logprobs: false``,
+  ``tools: []``, ``response_format: {"type": "text"}``, ``presence_penalty: 0``, the
+  ``repetition_penalty: 1.0`` and ``logprobs: null`` that vLLM's own benchmark sends, ...;
+- or refused with 400 naming it (``param``), saying whether Baton does not serve it yet or does
+  not know it at all.
+
+So nothing a client asks for is silently ignored: an agent framework that sends ``tools`` learns
+at once that this server will not return ``tool_calls``, instead of waiting for one that never
+comes. The table is also the documented list of supported fields (docs/operating.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.openai_errors import OpenAIError, error_for
+from protos.errors import InvalidRequest
+
+_NOTHING = (None,)
+
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "tools": (None, ()),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, ()),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "store": (None, False),
+    "metadata": _NOTHING,
+    "modalities": (None, ("text",)),
+    "service_tier": (None, "auto", "default"),
+}
+"""Fields Baton does not act on, with the values that ask for nothing (accepted as if unsent).
+``parallel_tool_calls`` only matters with ``tools``, which are refused."""
+
+NOT_SERVED_HINT: dict[str, str] = {
+    "logprobs": "log-probabilities are not served yet",
+    "top_logprobs": "log-probabilities are not served yet",
+    "tools": "tool calling is not served yet; send the request without tools",
+    "tool_choice": "tool calling is not served yet; only tool_choice 'none' is accepted",
+    "functions": "function calling is not served yet; send the request without functions",
+    "function_call": "function calling is not served yet; only function_call 'none' is accepted",
+    "response_format": "structured outputs are not served yet; only {\"type\": \"text\"} is "
+                       "accepted",
+    "presence_penalty": "penalties are not served yet; only 0 is accepted",
+    "frequency_penalty": "penalties are not served yet; only 0 is accepted",
+    "repetition_penalty": "penalties are not served yet; only 1.0 is accepted",
+    "logit_bias": "logit_bias is not served; only an empty object is accepted",
+    "echo": "echoing the prompt is not served; only false is accepted",
+    "best_of": "best_of is not served; only 1 is accepted",
+    "suffix": "suffix (insertion) is not served; only an empty suffix is accepted",
+    "store": "stored completions are not served; only false is accepted",
+    "metadata": "stored completions are not served; send no metadata",
+    "modalities": "only the text modality is served",
+    "service_tier": "service tiers are not served; only 'auto' or 'default' is accepted",
+}
+
+
+def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
+    for candidate in allowed:
+        if isinstance(candidate, tuple):
+            if isinstance(value, list) and tuple(value) == candidate:
+                return True
+        elif isinstance(candidate, bool) or isinstance(value, bool):
+            if value is candidate:
+                return True
+        elif value == candidate:
+            return True
+    return False
+
+
+def refused_field(extra_fields: dict[str, Any] | None) -> OpenAIError | None:
+    """The 400 for the first body field the front would otherwise ignore, or None.
+
+    ``extra_fields`` are the body's fields the request model does not declare (pydantic's
+    ``model_extra``), in the order the client sent them."""
+    for name, value in (extra_fields or {}).items():
+        allowed = NEUTRAL.get(name)
+        if allowed is not None:
+            if _neutral(value, allowed):
+                continue
+            message = (f"{name}={value!r} is not supported by this server: "
+                       f"{NOT_SERVED_HINT[name]} (Baton refuses a request rather than ignore a "
+                       "field of it)")
+        else:
+            message = (f"unknown field '{name}'; see the supported fields in Baton's "
+                       "docs/operating.md (Baton refuses a request rather than ignore a field "
+                       "of it)")
+        return error_for(InvalidRequest(message), name)
+    return None
