@@ -9,8 +9,27 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
-from protos.wire import EngineRequest, TokenChunk
+from protos.wire import EngineRequest, PositionLogprobs, TokenChunk, TokenLogprob
 from worker.base import EngineWorker
+
+
+def position_logprobs(token_ids, logprobs, num_top: int | None) -> tuple[PositionLogprobs, ...]:
+    """vLLM's per-position logprobs of ``token_ids`` (one ``{token_id: Logprob}`` per token:
+    the sampled token and the ``num_top`` most likely) as wire structs, the top ones by rank.
+    Empty when the request asked for none (``num_top`` None)."""
+    if num_top is None or not token_ids:
+        return ()
+    assert logprobs is not None and len(logprobs) == len(token_ids), "vLLM sent no logprobs"
+
+    def one(token_id: int, logprob) -> TokenLogprob:
+        return TokenLogprob(token_id, logprob.decoded_token or "", logprob.logprob, logprob.rank)
+
+    positions = []
+    for token_id, by_id in zip(token_ids, logprobs):
+        top = sorted((one(i, lp) for i, lp in by_id.items() if lp.rank <= num_top),
+                     key=lambda entry: entry.rank)
+        positions.append(PositionLogprobs(one(token_id, by_id[token_id]), tuple(top)))
+    return tuple(positions)
 
 
 class DecodeWorker(EngineWorker):
@@ -25,8 +44,10 @@ class DecodeWorker(EngineWorker):
         num_pulled = await self._pull_remote_kv(request)
         first_token_ms: float | None = None
         num_tokens = 0
+        num_top = request.sampling.num_logprobs
         async for output in self.runner.generate(request):
             completion = output.outputs[0]
+            logprobs = position_logprobs(completion.token_ids, completion.logprobs, num_top)
             now = time.perf_counter()
             if completion.token_ids:
                 if first_token_ms is None:
@@ -46,6 +67,8 @@ class DecodeWorker(EngineWorker):
                     num_loaded_tokens=request_transfer(output).num_loaded_tokens,
                     num_cached_tokens=output.num_cached_tokens or 0,
                     num_pulled_blocks=num_pulled,
+                    logprobs=logprobs,
                 )
             elif completion.token_ids or completion.text:
-                yield TokenChunk(token_ids=tuple(completion.token_ids), text=completion.text)
+                yield TokenChunk(token_ids=tuple(completion.token_ids), text=completion.text,
+                                 logprobs=logprobs)

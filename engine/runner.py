@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from protos.errors import InvalidRequest, WorkerFailed
-from protos.wire import EngineRequest
+from protos.wire import EngineRequest, SamplingOptions
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,18 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+def _structured_outputs(sampling: SamplingOptions):
+    """vLLM's structured-output constraint for ``sampling`` (None: unconstrained). The grammar
+    acts on sampling only: the prompt, its KV and its reuse are the same as without it."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if sampling.json_schema:
+        return StructuredOutputsParams(json=sampling.json_schema)
+    if sampling.json_object:
+        return StructuredOutputsParams(json_object=True)
+    return None
 
 
 class EngineRunner:
@@ -185,6 +197,8 @@ class EngineRunner:
             seed=s.seed,
             stop=list(s.stop) or None,
             ignore_eos=s.ignore_eos,
+            logprobs=s.num_logprobs,
+            structured_outputs=_structured_outputs(s),
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
         )

@@ -190,6 +190,9 @@ class LiveRouter:
                                "were delivered; the request can be retried")
                     if moves == MAX_DECODE_CONTINUATIONS:
                         raise WorkerFailed(f"{failure} (moved {moves} times already)") from exc
+                    if request.sampling.constrained():  # the grammar's state died with it
+                        raise WorkerFailed(f"{failure}; a structured-output stream cannot "
+                                           "continue elsewhere") from exc
                 # Tokens already reached the client: continue the stream from them on another
                 # decode instance instead of failing it.
                 self._finished(request.request_id)

@@ -3,9 +3,9 @@
 Contract: a body field is either
 
 - served: declared on the request model (``gateway.openai_models``) and acted on;
-- accepted only at the value that asks for nothing (``NEUTRAL``): ``logprobs: false``,
-  ``tools: []``, ``response_format: {"type": "text"}``, ``presence_penalty: 0``, the
-  ``repetition_penalty: 1.0`` and ``logprobs: null`` that vLLM's own benchmark sends, ...;
+- accepted only at the value that asks for nothing (``NEUTRAL``): ``tools: []``,
+  ``presence_penalty: 0``, the ``repetition_penalty: 1.0`` that vLLM's own benchmark sends,
+  ...;
 - or refused with 400 naming it (``param``), saying whether Baton does not serve it yet or does
   not know it at all.
 
@@ -24,14 +24,12 @@ from protos.errors import InvalidRequest
 _NOTHING = (None,)
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
     "tools": (None, ()),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False),
     "functions": (None, ()),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1),
@@ -45,17 +43,17 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "service_tier": (None, "auto", "default"),
 }
 """Fields Baton does not act on, with the values that ask for nothing (accepted as if unsent).
-``parallel_tool_calls`` only matters with ``tools``, which are refused."""
+``parallel_tool_calls`` only matters with ``tools``, which are refused. ``logprobs``,
+``top_logprobs`` (chat) and ``response_format`` are served (``gateway.openai_requests``); the
+completions endpoint has no ``top_logprobs`` (its ``logprobs`` is the count)."""
 
 NOT_SERVED_HINT: dict[str, str] = {
-    "logprobs": "log-probabilities are not served yet",
-    "top_logprobs": "log-probabilities are not served yet",
+    "top_logprobs": "top_logprobs is the chat endpoint's; on /v1/completions send logprobs: k "
+                    "(0 to 5) for the k most likely tokens of each position",
     "tools": "tool calling is not served yet; send the request without tools",
     "tool_choice": "tool calling is not served yet; only tool_choice 'none' is accepted",
     "functions": "function calling is not served yet; send the request without functions",
     "function_call": "function calling is not served yet; only function_call 'none' is accepted",
-    "response_format": "structured outputs are not served yet; only {\"type\": \"text\"} is "
-                       "accepted",
     "presence_penalty": "penalties are not served yet; only 0 is accepted",
     "frequency_penalty": "penalties are not served yet; only 0 is accepted",
     "repetition_penalty": "penalties are not served yet; only 1.0 is accepted",

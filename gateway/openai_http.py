@@ -45,7 +45,7 @@ from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.openai_requests import ServedModel, build_engine_request, checked
 from gateway.openai_responses import CHAT, COMPLETION, Progress, Shape
 from gateway.openai_server import RunningHttp, start_http
-from gateway.openai_streams import collect_text, open_stream, sse_events, unless_disconnected
+from gateway.openai_streams import collect_output, open_stream, sse_events, unless_disconnected
 from gateway.router import Router
 from gateway.tokenization import PromptTokenizer
 from gateway.validation import check_model
@@ -92,10 +92,12 @@ class _Front:
             engine_request.request_id, int(time.time()), self.served.name, chunk=body.stream
         )
         response_headers = {"X-Request-Id": engine_request.request_id}
+        with_logprobs = engine_request.sampling.num_logprobs is not None
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             sse = sse_events(
-                events, progress, shape, header, include_usage, engine_request.request_id
+                events, progress, shape, header, include_usage, engine_request.request_id,
+                with_logprobs,
             )
 
             async def close_streams() -> None:
@@ -110,12 +112,14 @@ class _Front:
                 headers=response_headers | {"Cache-Control": "no-cache"},
                 background=BackgroundTask(close_streams),
             )
-        text = await unless_disconnected(
-            http_request, collect_text(events, progress, engine_request.request_id)
+        output = await unless_disconnected(
+            http_request, collect_output(events, progress, engine_request.request_id)
         )
-        if text is None:
+        if output is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        choice = shape.full_choice(text, progress.finish_reason)
+        text, positions = output
+        logprobs = shape.logprobs(positions)[0] if with_logprobs else None
+        choice = shape.full_choice(text, progress.finish_reason, logprobs)
         return JSONResponse(
             {**header, "choices": [choice], "usage": progress.usage(), "baton": progress.baton()},
             headers=response_headers,

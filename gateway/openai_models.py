@@ -40,6 +40,8 @@ class _Body(BaseModel):
     user: str | None = Field(None, description="End-user id; accepted and ignored.")
     ignore_eos: bool = Field(False, description="vLLM extension: generate max_tokens tokens, past "
                              "the end-of-sequence token.")
+    response_format: dict | None = Field(None, description="text, json_object or json_schema "
+                                         "(structured outputs; checked by openai_requests).")
     cache_salt: str | None = Field(None, description="Baton: prefix-cache isolation salt.")
     tenant: str | None = Field(None, description="Baton: the salt when cache_salt is unset.")
 
@@ -61,7 +63,12 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Body):
     messages: list[ChatMessage]
+    logprobs: bool | None = Field(None, description="Return each token's log-probability.")
+    top_logprobs: int | None = Field(None, description="... and the 0..20 most likely tokens "
+                                     "of each position; needs logprobs true.")
 
 
 class CompletionRequest(_Body):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, description="Log-probabilities of each token and of the "
+                                 "0..5 most likely tokens of each position.")

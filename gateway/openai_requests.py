@@ -8,6 +8,7 @@ model) whose ``param`` names the offending OpenAI field.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -30,6 +31,13 @@ from protos.errors import InvalidRequest
 from protos.wire import EngineRequest, SamplingOptions
 
 T = TypeVar("T")
+
+MAX_CHAT_TOP_LOGPROBS = 20
+"""OpenAI's bound on chat ``top_logprobs`` (also vLLM's default ``max_logprobs``)."""
+MAX_COMPLETION_LOGPROBS = 5
+"""OpenAI's bound on the completions endpoint's ``logprobs``."""
+SERVED_FORMATS = ("text", "json_object", "json_schema")
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,67 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
     return prompt
 
 
+def _bounded(name: str, value: int, most: int) -> int:
+    if isinstance(value, bool) or not 0 <= value <= most:
+        raise InvalidRequest(f"{name} must be an integer from 0 to {most}, got {value!r}")
+    return value
+
+
+def num_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many most likely tokens per position the body asks log-probabilities for, or None for
+    no log-probabilities at all (``SamplingOptions.num_logprobs``). Chat: ``logprobs: true``
+    and ``top_logprobs`` 0..20 (which needs ``logprobs: true`` unless 0); completions:
+    ``logprobs`` 0..5. Raises ``OpenAIError`` naming the field."""
+    if isinstance(body, CompletionRequest):
+        if body.logprobs is None:
+            return None
+        return checked("logprobs", _bounded, "logprobs", body.logprobs, MAX_COMPLETION_LOGPROBS)
+    top = body.top_logprobs
+    if top is not None:
+        checked("top_logprobs", _bounded, "top_logprobs", top, MAX_CHAT_TOP_LOGPROBS)
+        if top and not body.logprobs:
+            raise error_for(InvalidRequest(
+                f"top_logprobs={top} needs logprobs: true; send both, or neither"), "top_logprobs")
+    return (top or 0) if body.logprobs else None
+
+
+def structured_output(response_format: dict | None) -> tuple[str, bool]:
+    """``(json_schema, json_object)`` for ``SamplingOptions`` from OpenAI's ``response_format``:
+    ``{"type": "text"}`` (or none), ``{"type": "json_object"}``, or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "description"?, "strict"?}}`` whose schema is a JSON object.
+    The grammar is always enforced (``strict`` false is not looser). Raises ``InvalidRequest``."""
+    if response_format is None:
+        return "", False
+    kind = response_format.get("type")
+    if kind not in SERVED_FORMATS:
+        raise InvalidRequest(f"response_format type {kind!r} is not served; use one of "
+                             f"{', '.join(SERVED_FORMATS)}")
+    allowed_keys = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    extra_keys = sorted(set(response_format) - allowed_keys)
+    if extra_keys:
+        raise InvalidRequest(f"response_format of type {kind!r} takes no {', '.join(extra_keys)}; "
+                             "see OpenAI's response_format reference")
+    if kind != "json_schema":
+        return "", kind == "json_object"
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequest("response_format.json_schema must be an object with a name and a "
+                             "schema")
+    extra_keys = sorted(set(spec) - _JSON_SCHEMA_KEYS)
+    if extra_keys:
+        raise InvalidRequest(f"response_format.json_schema has unknown keys {extra_keys}; it "
+                             f"takes {', '.join(sorted(_JSON_SCHEMA_KEYS))}")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise InvalidRequest("response_format.json_schema.name must be a non-empty string")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise InvalidRequest("response_format.json_schema.strict must be true or false")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidRequest("response_format.json_schema.schema must be a JSON Schema object, "
+                             f"got {type(schema).__name__}")
+    return json.dumps(schema, separators=(",", ":")), False
+
+
 def build_engine_request(
     body: ChatCompletionRequest | CompletionRequest,
     tokenizer: PromptTokenizer,
@@ -98,6 +167,8 @@ def build_engine_request(
             ),
             "n",
         )
+    logprobs = num_logprobs(body)
+    json_schema, json_object = checked("response_format", structured_output, body.response_format)
     temperature = 1.0 if body.temperature is None else body.temperature
     temperature = checked("temperature", _check_temperature, temperature)
     top_p = 1.0 if body.top_p is None else checked("top_p", _check_top_p, body.top_p)
@@ -142,7 +213,8 @@ def build_engine_request(
         prompt_token_ids=tuple(prompt_token_ids),
         sampling=SamplingOptions(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=body.seed, stop=stop,
-            ignore_eos=body.ignore_eos,
+            ignore_eos=body.ignore_eos, num_logprobs=logprobs, json_schema=json_schema,
+            json_object=json_object,
         ),
         cache_salt=cache_salt or "",
     )

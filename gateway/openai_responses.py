@@ -3,17 +3,20 @@ how each endpoint spells its objects and choices.
 
 Contract: ``Progress`` accumulates the router's events for one request (the gateway's
 accounting: TTFT from receipt to the first token, cached and loaded tokens); ``Shape`` turns
-text and a finish reason into ``chat.completion``/``text_completion`` objects and chunks. Baton's
-response fields sit under a top-level ``baton`` key (placement, loaded tokens, TTFT).
+text, a finish reason and log-probabilities into ``chat.completion``/``text_completion`` objects
+and chunks. Baton's response fields sit under a top-level ``baton`` key (placement, loaded
+tokens, TTFT).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
+from gateway.openai_logprobs import chat_logprobs, completion_logprobs
 from gateway.router import Placed, num_cached_tokens
-from protos.wire import TokenChunk
+from protos.wire import PositionLogprobs, TokenChunk
 
 
 @dataclass
@@ -83,20 +86,30 @@ class Shape:
             "model": model,
         }
 
-    def full_choice(self, text: str, finish_reason: str | None) -> dict:
+    def full_choice(self, text: str, finish_reason: str | None,
+                    logprobs: dict | None = None) -> dict:
         if self.chat:
             content = {"message": {"role": "assistant", "content": text}}
         else:
             content = {"text": text}
-        return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def chunk_choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def chunk_choice(self, text: str | None, finish_reason: str | None, role: bool = False,
+                     logprobs: dict | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else {}
             content = {"delta": delta | ({"content": text} if text is not None else {})}
         else:
             content = {"text": text or ""}
-        return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def logprobs(self, positions: Sequence[PositionLogprobs], text_offset: int = 0
+                 ) -> tuple[dict, int]:
+        """This endpoint's ``logprobs`` of ``positions`` (``gateway.openai_logprobs``), the
+        first at ``text_offset`` (completions); and the offset after the last."""
+        if self.chat:
+            return chat_logprobs(positions), text_offset
+        return completion_logprobs(positions, text_offset)
 
 
 CHAT = Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True)

@@ -19,7 +19,7 @@ from fastapi import Request
 from gateway.openai_errors import OpenAIError, translated
 from gateway.openai_responses import Progress, Shape
 from gateway.router import Placed, Router
-from protos.wire import EngineRequest
+from protos.wire import EngineRequest, PositionLogprobs
 
 T = TypeVar("T")
 
@@ -36,11 +36,14 @@ async def sse_events(
     header: dict,
     include_usage: bool,
     request_id: str,
+    with_logprobs: bool = False,
 ) -> AsyncIterator[bytes]:
-    """The SSE body: an opening chunk (chat), text deltas, a finish chunk with ``baton``, an
-    optional usage chunk, ``[DONE]``. An error after the first byte becomes an ``error`` event.
+    """The SSE body: an opening chunk (chat), text deltas (with their tokens' ``logprobs`` when
+    ``with_logprobs``), a finish chunk with ``baton``, an optional usage chunk, ``[DONE]``. An
+    error after the first byte becomes an ``error`` event.
     """
     usage_field = {"usage": None} if include_usage else {}
+    text_offset = 0
     try:
         with translated(request_id):
             async with contextlib.aclosing(events):
@@ -49,8 +52,11 @@ async def sse_events(
                     yield sse({**header, "choices": [opening], **usage_field})
                 async for event in events:
                     progress.add(event)
-                    if event.text:
-                        choice = shape.chunk_choice(event.text, None)
+                    if event.text or (with_logprobs and event.logprobs):
+                        logprobs = None
+                        if with_logprobs:
+                            logprobs, text_offset = shape.logprobs(event.logprobs, text_offset)
+                        choice = shape.chunk_choice(event.text, None, logprobs=logprobs)
                         yield sse({**header, "choices": [choice], **usage_field})
                 assert progress.finish_reason, "router ended the stream without a finish_reason"
         finish = shape.chunk_choice(None, progress.finish_reason)
@@ -62,16 +68,20 @@ async def sse_events(
     yield sse("[DONE]")
 
 
-async def collect_text(events: AsyncIterator, progress: Progress, request_id: str) -> str:
-    """The whole generated text; closes ``events`` however it ends."""
-    text_parts = []
+async def collect_output(events: AsyncIterator, progress: Progress,
+                         request_id: str) -> tuple[str, list[PositionLogprobs]]:
+    """The whole generated text and its tokens' log-probabilities (empty unless asked for);
+    closes ``events`` however it ends."""
+    text_parts: list[str] = []
+    positions: list[PositionLogprobs] = []
     with translated(request_id):
         async with contextlib.aclosing(events):
             async for event in events:
                 progress.add(event)
                 text_parts.append(event.text)
+                positions.extend(event.logprobs)
         assert progress.finish_reason, "router ended the stream without a finish_reason"
-    return "".join(text_parts)
+    return "".join(text_parts), positions
 
 
 async def open_stream(router: Router, request: EngineRequest) -> tuple[Placed, AsyncIterator]:

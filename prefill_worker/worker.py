@@ -10,6 +10,8 @@ import asyncio
 import logging
 import time
 
+import msgspec
+
 from protos.wire import EngineRequest, PrefillResult
 from worker.base import EngineWorker
 
@@ -33,7 +35,11 @@ class PrefillWorker(EngineWorker):
         num_pulled = await self._pull_remote_kv(request)
         num_cached_tokens = 0
         last = None
-        async for output in self.runner.generate(request, max_tokens=1, priority=priority):
+        # The one token is thrown away: no logprobs for it, and no grammar to compile first.
+        sampling = msgspec.structs.replace(request.sampling, num_logprobs=None, json_schema="",
+                                           json_object=False)
+        prefill = msgspec.structs.replace(request, sampling=sampling)
+        async for output in self.runner.generate(prefill, max_tokens=1, priority=priority):
             if output.num_cached_tokens is not None:
                 num_cached_tokens = output.num_cached_tokens
             last = output

@@ -18,6 +18,18 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    num_logprobs: int | None = None
+    """Log-probabilities of each generated token and of its ``num_logprobs`` most likely
+    alternatives (vLLM's ``SamplingParams.logprobs``); None: none are computed."""
+    json_schema: str = ""
+    """A JSON Schema (JSON text of an object) the output must satisfy, enforced by vLLM's
+    structured-output backend; '' for none."""
+    json_object: bool = False
+    """The output must be one JSON object (any keys); exclusive with ``json_schema``."""
+
+    def constrained(self) -> bool:
+        """The output is held to a grammar (structured outputs)."""
+        return bool(self.json_schema) or self.json_object
 
 
 class PromptBlocks(msgspec.Struct, frozen=True):
@@ -112,6 +124,27 @@ class PrefillResult(msgspec.Struct, frozen=True):
     """Blocks pulled from another node's store before the prefill (``kv_source_node``)."""
 
 
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """One token's log-probability as the engine's sampler computed it (vLLM's raw
+    log-probabilities, before temperature and top-p)."""
+
+    token_id: int
+    token: str
+    """The token's text on its own (vLLM's ``decoded_token``)."""
+    logprob: float
+    rank: int
+    """1 for the most likely token of its position."""
+
+
+class PositionLogprobs(msgspec.Struct, frozen=True):
+    """One generated position: the chosen token and the most likely ones, best first."""
+
+    chosen: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+    """The ``SamplingOptions.num_logprobs`` most likely tokens, by rank (the chosen one among
+    them when it ranks that high)."""
+
+
 class TokenChunk(msgspec.Struct, frozen=True):
     """A slice of the decode stream: new token ids and their text delta.
 
@@ -127,6 +160,9 @@ class TokenChunk(msgspec.Struct, frozen=True):
     """Prompt tokens the decode engine did not compute (its prefix cache plus loaded KV)."""
     num_pulled_blocks: int = 0
     """Prompt blocks the decode worker pulled from another node's store (last chunk only)."""
+    logprobs: tuple[PositionLogprobs, ...] = ()
+    """One per token of ``token_ids`` when the request asked for them
+    (``SamplingOptions.num_logprobs``); empty otherwise."""
 
 
 class InstanceStats(msgspec.Struct, frozen=True):

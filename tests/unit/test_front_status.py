@@ -164,3 +164,43 @@ async def test_a_prefill_the_engine_rejects_is_the_clients_error_not_a_dead_work
     assert status_of(caught.value).grpc_code == grpc.StatusCode.INVALID_ARGUMENT
     assert failures == []  # the instance is not reported dead
 
+
+
+@pytest.mark.parametrize("constrained", [False, True], ids=["plain", "json_schema"])
+async def test_a_structured_output_stream_is_not_continued_after_its_decode_died(constrained):
+    """A plain stream moves to another decode instance; a structured-output one fails (503):
+    its grammar's state died with the instance, and a fresh grammar mid-answer would break it."""
+    from gateway.live_router import DecodeWorkerDied
+    from gateway.router import Placed
+    from protos.wire import PrefillResult, TokenChunk
+
+    async def no_scheme():
+        return None
+
+    conductor = _Actor(key_scheme=no_scheme, finished=lambda *args: None)
+    router = LiveRouter(conductor, "test")
+    placement = Placement("p0", "d0", "baton")
+    served: list[EngineRequest] = []
+
+    async def place_and_prefill(request, _placement_request):
+        return placement, PrefillResult(request.request_id, "p0", 3, 0, 0, 0.0)
+
+    async def serve(request, _placement, prefilled, first=True):
+        served.append(request)
+        if first:
+            yield Placed(placement, prefilled)
+            yield TokenChunk((5,), "{")
+            raise DecodeWorkerDied("d0")
+        yield TokenChunk((6,), "}", finish_reason="stop")
+
+    router._place_and_prefill, router._serve = place_and_prefill, serve
+    sampling = SamplingOptions(max_tokens=4, json_schema='{"type":"object"}' if constrained else "")
+    events = router.stream(EngineRequest("r", (1, 2, 3), sampling))
+
+    if constrained:
+        with pytest.raises(WorkerFailed, match="a structured-output stream cannot continue"):
+            [event async for event in events]
+        assert len(served) == 1
+    else:
+        assert [e.text for e in [event async for event in events][1:]] == ["{", "}"]
+        assert served[1].prompt_token_ids == (1, 2, 3, 5)

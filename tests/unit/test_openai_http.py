@@ -312,14 +312,9 @@ IGNORED_OTHERWISE = {
     "tools": ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
               "tool calling is not served yet"),
     "tool_choice required": ("chat", {"tool_choice": "required"}, "only tool_choice 'none'"),
-    "response_format json_object": ("chat", {"response_format": {"type": "json_object"}},
-                                    "structured outputs are not served yet"),
-    "response_format json_schema": (
-        "chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-        "structured outputs are not served yet"),
-    "logprobs": ("chat", {"logprobs": True}, "log-probabilities are not served yet"),
-    "top_logprobs": ("chat", {"top_logprobs": 3}, "log-probabilities are not served yet"),
-    "completion logprobs": ("completion", {"logprobs": 2}, "log-probabilities are not served yet"),
+    "completion top_logprobs": ("completion", {"top_logprobs": 2},
+                                "top_logprobs is the chat endpoint's; on /v1/completions send "
+                                "logprobs: k"),
     "presence_penalty": ("completion", {"presence_penalty": 0.5}, "only 0 is accepted"),
     "echo": ("completion", {"echo": True}, "echoing the prompt is not served"),
     "unknown field": ("completion", {"frobnicate": 1}, "unknown field 'frobnicate'"),
@@ -353,7 +348,8 @@ async def test_neutral_values_of_unserved_fields_are_accepted(client, http, rout
     ``bench serve`` sends (``repetition_penalty: 1.0``, ``logprobs: null``, ``ignore_eos``,
     which Baton serves)."""
     await client.chat.completions.create(
-        model=SERVED, messages=HI, logprobs=False, presence_penalty=0, frequency_penalty=0.0,
+        model=SERVED, messages=HI, logprobs=False, top_logprobs=0, presence_penalty=0,
+        frequency_penalty=0.0,
         response_format={"type": "text"}, tool_choice="none", user="agent-7",
         extra_body={"tools": []},
     )
@@ -366,6 +362,8 @@ async def test_neutral_values_of_unserved_fields_are_accepted(client, http, rout
     chat, completion = router.requests
     assert chat.sampling.ignore_eos is False
     assert completion.sampling.ignore_eos is True
+    for neutral in (chat.sampling, completion.sampling):  # nothing asked: nothing computed
+        assert (neutral.num_logprobs, neutral.json_schema, neutral.json_object) == (None, "", False)
 
 
 async def test_api_key_is_required_on_v1_only(server, http):

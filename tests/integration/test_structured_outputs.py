@@ -1,0 +1,101 @@
+"""Structured outputs through the whole cluster with SmolLM2-135M-Instruct: ``response_format``
+``json_schema`` and ``json_object`` reach vLLM's structured-output backend on the decode
+instance, and sampled answers (various temperatures and seeds) all parse and validate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import openai
+import pytest
+import pytest_asyncio
+
+from tests.integration.engines import running_server
+
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
+
+NUM_SAMPLED = 20
+MAX_TOKENS = 48
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "sunny": {"type": "boolean"},
+    },
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
+QUESTION = ("Answer in JSON with the name of one city and whether it is sunny there today. "
+            "Rayleigh scattering makes the sky blue; the sun is shining. ") * 2
+
+
+CONTEXT = ("Rayleigh scattering is the elastic scattering of light by particles much smaller than "
+           "its wavelength, so blue light is scattered far more strongly than red light. ") * 8
+"""Long enough for a few full KV blocks (128 tokens each)."""
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def server(smollm2_model):
+    async with running_server({"engine.model": "smollm2",
+                               "kvstore.host_capacity_bytes": 512 << 20}) as srv:
+        yield srv
+
+
+def _openai(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
+                              api_key="unused", max_retries=0, timeout=120)
+
+
+async def test_sampled_json_schema_answers_all_validate(server):
+    oai = _openai(server)
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+
+    async def one(i: int):
+        return await oai.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=MAX_TOKENS, temperature=0.7 + 0.3 * i / (NUM_SAMPLED - 1), seed=1000 + i,
+            response_format=response_format)
+
+    answers = await asyncio.gather(*(one(i) for i in range(NUM_SAMPLED)))
+
+    contents = [answer.choices[0].message.content for answer in answers]
+    for answer, content in zip(answers, contents):
+        assert answer.choices[0].finish_reason == "stop", content
+        jsonschema.validate(json.loads(content), SCHEMA)
+    assert len(set(contents)) > 1  # sampled, not one answer twenty times
+
+
+async def test_json_object_answer_is_one_object_and_the_prompt_kv_is_reused_as_without(server):
+    """The constraint acts on sampling only: a constrained request after an unconstrained one
+    of the same prompt finds the same cached prefix."""
+    oai = _openai(server)
+    messages = [{"role": "user", "content": CONTEXT + 'Reply with a JSON object whose only key '
+                 'is "city", naming one city.'}]
+    await oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=2)
+    plain = await oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=2)
+
+    answer = await oai.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+        response_format={"type": "json_object"})
+
+    assert answer.choices[0].finish_reason == "stop", answer.choices[0].message.content
+    assert isinstance(json.loads(answer.choices[0].message.content), dict)
+    assert plain.usage.prompt_tokens_details.cached_tokens > 0
+    assert (answer.usage.prompt_tokens_details.cached_tokens
+            == plain.usage.prompt_tokens_details.cached_tokens)
+
+
+async def test_a_schema_the_backend_refuses_is_a_400(server):
+    """A JSON object that is no JSON Schema passes the front and is refused by vLLM's own check
+    on the decode instance, as a 400 with vLLM's message."""
+    with pytest.raises(openai.BadRequestError) as info:
+        await _openai(server).chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": 7}}}}})
+
+    assert info.value.body["type"] == "invalid_request_error"
+    assert "type must be a string or array of strings" in info.value.body["message"]  # vLLM's
