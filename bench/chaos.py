@@ -43,11 +43,9 @@ from typing import Callable
 import msgspec
 import ray
 
-from gateway import client
-
-from gateway import metrics
 from cluster.config import ClusterConfig
 from cluster.serve import BatonServer
+from gateway import client, metrics
 
 CLIENT_TIMEOUT_S = 120.0
 """A request with no answer and no error by then is counted as lost."""

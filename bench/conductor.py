@@ -23,10 +23,10 @@ import numpy as np
 
 from conductor.kv_index import KvIndex
 from conductor.policy import PolicyConfig
-from protos.wire import PlacementRequest
 from conductor.state import ConductorState
 from kvstore.events import MEDIUM_HOST, BlockStored, KVEventBatch
 from kvstore.keys import KeyExtras, block_keys
+from protos.wire import PlacementRequest
 
 MODEL, LAYOUT = "bench-model", "bfloat16:16"
 BLOCK_TOKENS = 16

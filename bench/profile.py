@@ -33,9 +33,9 @@ from conductor.cost_model import (
 )
 from engine.builder import build_engine_args, dtype_bytes, effective_dtype
 from engine.config import EngineConfig
-from protos.wire import EngineRequest, SamplingOptions
 from engine.models import PreparedModel
 from engine.runner import EngineRunner
+from protos.wire import EngineRequest, SamplingOptions
 
 UNCACHED_GRID = (64, 256, 512, 1024, 2048)
 CACHED_GRID = (0, 512, 1024, 2048)

@@ -31,8 +31,8 @@ import msgspec
 import numpy as np
 
 from gateway.client import build_request
-from protos.errors import BatonError
 from protos.baton.v1 import inference_pb2_grpc as pb_grpc
+from protos.errors import BatonError
 from simulator.trace import TRACE_BLOCK_TOKENS, TraceRequest, ceiling_hit_ratio, load_trace
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")

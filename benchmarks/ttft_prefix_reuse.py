@@ -31,10 +31,10 @@ def _prompt(num_tokens: int, seed: int) -> list[int]:
 
 async def run(model: str, repeats: int, prompt_tokens: int, extra_tokens: int,
               overrides: dict) -> dict:
-    from gateway import client
     from cluster.config import load_config
     from cluster.serve import BatonServer
     from engine.builder import effective_dtype
+    from gateway import client
 
     config = load_config(None, {"engine.model": model, "gateway.port": 0, "http.enabled": False, **overrides})
     server = BatonServer(config, progress=lambda m: print(f"  {m}", flush=True))

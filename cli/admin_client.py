@@ -16,6 +16,7 @@ from typing import Mapping
 
 import grpc
 
+from cluster.deployment import NotUp
 from gateway.admin_wire import (
     StatusView,
     drain_from_pb,
@@ -25,12 +26,11 @@ from gateway.admin_wire import (
 )
 from gateway.auth import ADMIN_KEY_ENV
 from gateway.client import open_channel
-from protos.wire import DrainResult, PoolSizes, ScaleResult, SoftPin
-from cluster.deployment import NotUp
-from protos.errors import BatonError, ConfigError, InvalidRequest, UnknownInstance
 from protos.baton.v1 import admin_pb2 as apb
 from protos.baton.v1 import admin_pb2_grpc as apb_grpc
 from protos.baton.v1 import inference_pb2 as pb
+from protos.errors import BatonError, ConfigError, InvalidRequest, UnknownInstance
+from protos.wire import DrainResult, PoolSizes, ScaleResult, SoftPin
 
 CONNECT_TIMEOUT_S = 10.0
 QUICK_CALL_TIMEOUT_S = 60.0

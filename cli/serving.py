@@ -36,8 +36,8 @@ def serve(
     """Start a local cluster (Ray, Redis, KV store, conductor, prefill and decode workers) and
     the gRPC gateway, in the foreground. Ctrl-C stops everything."""
     from cluster.config import load_config
-    from protos.errors import ConfigError
     from cluster.serve import serve_forever
+    from protos.errors import ConfigError
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -77,7 +77,8 @@ def generate(
                                           help="PEM CA to trust: connect over TLS (or $BATON_TLS_CA)."),
 ) -> None:
     """Send one request to a running gateway and stream the answer, then print usage."""
-    from gateway.client import GenerateFailed, generate as run_generate
+    from gateway.client import GenerateFailed
+    from gateway.client import generate as run_generate
 
     text = prompt if prompt is not None else sys.stdin.read()
 
@@ -169,14 +170,14 @@ def profile(
     """Measure prefill time over (uncached, cached) tokens, decode step time over batch sizes and
     KV transfer bandwidth per path on this machine; fit the conductor's cost model, report its
     error on held-out prefills, and save it. Serve with it: --set conductor.profile_path=OUT."""
-    from cluster.local import block_size_for
-    from cluster.config import load_config
-    from protos.errors import ConfigError
+    import os
+
     from bench.profile import profile as run_profile
+    from cluster.config import load_config
+    from cluster.local import block_size_for
     from engine.builder import engine_env
     from engine.models import ModelPrepError, prepare_model
-
-    import os
+    from protos.errors import ConfigError
 
     try:
         cfg = load_config(config, {"engine.model": model} if model else {})

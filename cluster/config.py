@@ -10,12 +10,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from protos.errors import ConfigError
 from conductor.config import ConductorConfig
 from conductor.policy import SERVES_WITHOUT_PREFILL_POOL
 from engine.config import EngineConfig
 from gateway.config import AuthConfig, GatewayConfig, HttpConfig
 from kvstore.config import KVStoreConfig
+from protos.errors import ConfigError
 
 
 class PoolConfig(BaseModel):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 
 from cluster.pools import LaunchSpec, PoolManager
-from conductor.config import ConductorConfig
 from conductor.conductor import Conductor
+from conductor.config import ConductorConfig
 from conductor.policy import PolicyConfig
 from protos.wire import DrainResult, InstanceRow, PoolSizes, PoolStatus, ScaleResult
 

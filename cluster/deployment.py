@@ -19,8 +19,8 @@ from typing import Callable
 import ray
 
 from cluster.config import ClusterConfig
-from protos.errors import BatonError
 from cluster.pools import POOL_RESOURCES, LaunchSpec
+from protos.errors import BatonError
 from protos.wire import PoolSizes, PoolStatus, ScaleResult
 
 UP_SCALE_REASON = "baton up: initial pool size from the config"
@@ -92,12 +92,12 @@ class UpResult:
 def up(cfg: ClusterConfig, progress: Callable[[str], None], timeout_s: float) -> UpResult:
     """Start Baton on the connected Ray cluster; if it is already up, start only what is missing
     (the fronts) and change nothing else."""
-    from cluster.local import block_size_for, kv_block_bytes, policy_config_for
     from cluster.control import ClusterConductor as Conductor
     from cluster.gateway_host import GatewayHost
-    from kvstore.attach import NodeStoreSpec
+    from cluster.local import block_size_for, kv_block_bytes, policy_config_for
     from engine.builder import dtype_bytes, effective_dtype
     from engine.models import prepare_model
+    from kvstore.attach import NodeStoreSpec
     from worker.base import ConductorWiring
 
     ns, names = cfg.ray.namespace, actor_names(cfg.name)

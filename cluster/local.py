@@ -21,19 +21,19 @@ import ray
 from ray.exceptions import RayActorError
 
 from cluster.config import ClusterConfig
-from protos.errors import ConfigError
 from cluster.control import ClusterConductor as Conductor
-from decode_worker.worker import DecodeWorker
 from conductor.cost_model import CostProfile, kv_bytes_per_token
 from conductor.policy import PolicyConfig
+from decode_worker.worker import DecodeWorker
 from engine.builder import dtype_bytes, effective_dtype, engine_env
-from kvstore.attach import StoreWiring
-from worker.base import ConductorWiring
 from engine.models import PreparedModel, prepare_model
-from kvstore.node import KVStoreNode
+from kvstore.attach import StoreWiring
 from kvstore.events import with_event_endpoints
+from kvstore.node import KVStoreNode
 from kvstore.redis_server import LocalRedis, RedisUnavailable, start_local_redis
 from prefill_worker.worker import PrefillWorker
+from protos.errors import ConfigError
+from worker.base import ConductorWiring
 
 log = logging.getLogger(__name__)
 

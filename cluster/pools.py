@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import msgspec
 import ray
 
-from protos.errors import DrainTimeout, ScaleRefused, UnknownInstance
-from protos.wire import DrainResult, InstanceRow, PoolStatus, ScaleResult, StoreRow
-from kvstore.attach import NodeStoreSpec
 from conductor.state import ConductorState
 from engine.config import EngineConfig
 from engine.models import PreparedModel
+from kvstore.attach import NodeStoreSpec
+from protos.errors import DrainTimeout, ScaleRefused, UnknownInstance
+from protos.wire import DrainResult, InstanceRow, PoolStatus, ScaleResult, StoreRow
 from worker.base import ConductorWiring
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from conductor.policy_config import PolicyConfig
 from conductor.pricing import predicted_ttft_ms
 from conductor.snapshot import ClusterSnapshot, load
-from protos.wire import Placement, PlacementRequest
 from protos.errors import BatonError
+from protos.wire import Placement, PlacementRequest
 
 
 class Overloaded(BatonError):

@@ -19,12 +19,12 @@ import zmq
 import zmq.asyncio
 
 from conductor.config import ConductorConfig
-from protos.errors import InvalidRequest, NoWorkerReady
 from conductor.kv_index import StreamGap
 from conductor.policy import PolicyConfig, PrefixHit
-from protos.wire import KeyScheme, Placement, PlacementRequest, Registration, SoftPin, StoreRow
 from conductor.state import ConductorState, PlacementCounters
 from kvstore.keys import BlockKey
+from protos.errors import InvalidRequest, NoWorkerReady
+from protos.wire import KeyScheme, Placement, PlacementRequest, Registration, SoftPin, StoreRow
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,8 @@ import hashlib
 import random as _random
 
 from conductor.snapshot import ClusterSnapshot, InstanceView, load
-
-from protos.wire import PlacementRequest
 from protos.errors import NoWorkerReady
+from protos.wire import PlacementRequest
 
 SERVES_WITHOUT_PREFILL_POOL = frozenset({"baton"})
 """Policies that can prefill every request on its decode instance, so a cluster with an empty

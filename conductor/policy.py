@@ -19,12 +19,26 @@ from __future__ import annotations
 from typing import Callable
 
 from conductor.admission import Overloaded, admit
-from conductor.baselines import dynamo_kv, least_loaded, mooncake, random, round_robin, sglang_cache_aware
+from conductor.baselines import (
+    dynamo_kv,
+    least_loaded,
+    mooncake,
+    random,
+    round_robin,
+    sglang_cache_aware,
+)
 from conductor.baton_policy import baton
 from conductor.picking import SERVES_WITHOUT_PREFILL_POOL
 from conductor.policy_config import PolicyConfig
 from conductor.pricing import PrefillPrice, price, with_prices
-from conductor.snapshot import NO_HIT, ClusterSnapshot, InstanceView, LoadArrays, PoolArrays, PrefixHit
+from conductor.snapshot import (
+    NO_HIT,
+    ClusterSnapshot,
+    InstanceView,
+    LoadArrays,
+    PoolArrays,
+    PrefixHit,
+)
 from protos.wire import Placement, PlacementRequest
 
 __all__ = [

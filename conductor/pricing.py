@@ -21,7 +21,14 @@ import msgspec
 
 from conductor import _scan
 from conductor.policy_config import PolicyConfig
-from conductor.snapshot import NO_HIT, ClusterSnapshot, InstanceView, PoolArrays, PrefixHit, has_unpriced_queue
+from conductor.snapshot import (
+    NO_HIT,
+    ClusterSnapshot,
+    InstanceView,
+    PoolArrays,
+    PrefixHit,
+    has_unpriced_queue,
+)
 from protos.wire import Placement, PlacementRequest
 
 

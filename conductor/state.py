@@ -23,7 +23,18 @@ from typing import Callable
 import msgspec
 
 from conductor.kv_index import KvIndex
-from conductor.policy import POLICIES, SERVES_WITHOUT_PREFILL_POOL, ClusterSnapshot, InstanceView, LoadArrays, Overloaded, PolicyConfig, PoolArrays, admit, with_prices
+from conductor.policy import (
+    POLICIES,
+    SERVES_WITHOUT_PREFILL_POOL,
+    ClusterSnapshot,
+    InstanceView,
+    LoadArrays,
+    Overloaded,
+    PolicyConfig,
+    PoolArrays,
+    admit,
+    with_prices,
+)
 from protos.wire import Placement, PlacementRequest
 
 log = logging.getLogger(__name__)

@@ -29,12 +29,12 @@ from gateway.admin_wire import (
     status_to_pb,
 )
 from gateway.auth import ADMIN_KEY_ENV, KeySet, bearer_key
-from protos.errors import BatonError
 from gateway.inference import UndecodableRequest, _tolerant_parser
 from gateway.status import status_of
-from protos.wire import FrontAddresses, PoolSizes
 from gateway.tokenization import PromptTokenizer
 from protos.baton.v1 import admin_pb2 as apb
+from protos.errors import BatonError
+from protos.wire import FrontAddresses, PoolSizes
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
+from conductor.state import PlacementCounters
+from protos.baton.v1 import admin_pb2 as apb
 from protos.wire import (
     DrainResult,
     FrontAddresses,
@@ -19,8 +21,6 @@ from protos.wire import (
     StoreRow,
     TierCounters,
 )
-from conductor.state import PlacementCounters
-from protos.baton.v1 import admin_pb2 as apb
 
 INSTANCE_FIELDS = tuple(f for f in InstanceRow.__struct_fields__
                         if f not in ("recent_ttft_ms", "recent_itl_ms"))

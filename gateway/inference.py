@@ -21,13 +21,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.auth import KeySet, bearer_key
-from protos.errors import BatonError, ConfigError
 from gateway.router import Placed, Router, num_cached_tokens
 from gateway.status import status_of
 from gateway.tokenization import PromptTokenizer
 from gateway.validation import tokenize_prompt, validate_and_build
-from protos.wire import EngineRequest, TokenChunk
 from protos.baton.v1 import inference_pb2 as pb
+from protos.errors import BatonError, ConfigError
+from protos.wire import EngineRequest, TokenChunk
 
 if TYPE_CHECKING:
     from gateway.admin import AdminServicer

@@ -15,9 +15,11 @@ import msgspec
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from gateway import metrics
-from protos.errors import BatonError, NoWorkerReady, WorkerFailed
 from conductor.policy import Overloaded
+from gateway import metrics
+from gateway.router import Placed, RouterEvent
+from kvstore.keys import KEY_SIZE_BYTES, KeyExtras, pack_keys, prompt_block_keys, unpack_keys
+from protos.errors import BatonError, NoWorkerReady, WorkerFailed
 from protos.wire import (
     CallCounts,
     EngineRequest,
@@ -27,8 +29,6 @@ from protos.wire import (
     PromptBlocks,
     TokenChunk,
 )
-from gateway.router import Placed, RouterEvent
-from kvstore.keys import KEY_SIZE_BYTES, KeyExtras, pack_keys, prompt_block_keys, unpack_keys
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ import math
 import uuid
 from typing import Union
 
-from protos.errors import InvalidRequest, UnknownModel
 from gateway.tokenization import CHAT_ROLES, PromptTokenizer
-from protos.wire import EngineRequest, SamplingOptions
 from protos.baton.v1 import inference_pb2 as pb
+from protos.errors import InvalidRequest, UnknownModel
+from protos.wire import EngineRequest, SamplingOptions
 
 DEFAULT_MAX_TOKENS = 64
 MAX_STOP_STRINGS = 16

@@ -46,8 +46,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
-from protos.wire import CallCounts
 from protos.errors import StoreError
+from protos.wire import CallCounts
 
 log = logging.getLogger(__name__)
 

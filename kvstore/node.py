@@ -10,9 +10,9 @@ transfer plan's execution) are ``kvstore.node_pulls``'.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import functools
 import threading
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
@@ -23,9 +23,9 @@ from kvstore.block_store import BlockStore, StoreStats
 from kvstore.config import KVStoreConfig
 from kvstore.disk_tier import DiskTier
 from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, StoreEventPublisher
-from kvstore.metadata import BlockDirectory
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
+from kvstore.metadata import BlockDirectory
 from kvstore.node_pulls import NO_TRANSFER, NodePulls, PullResult, TransferPlan
 from kvstore.transfer_server import BlockServer, PeerAddress, PinnedRun
 from kvstore.transfer_wire import block_checksum

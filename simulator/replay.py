@@ -15,8 +15,8 @@ from typing import Callable
 import msgspec
 
 from conductor.cost_model import CostProfile
-from protos.errors import BatonError
 from conductor.policy import POLICIES
+from protos.errors import BatonError
 from simulator.fleet import FleetConfig
 from simulator.metrics import PolicyResult, summarize
 from simulator.sim import Simulation, Workload

@@ -25,10 +25,10 @@ from typing import Any, Callable
 import numpy as np
 
 from conductor.cost_model import CostProfile
-from protos.errors import BatonError
 from conductor.policy import POLICIES, ClusterSnapshot, Overloaded, PolicyConfig, PrefixHit, price
-from protos.wire import PlacementRequest
 from conductor.state import ConductorState
+from protos.errors import BatonError
+from protos.wire import PlacementRequest
 from simulator.cache import BlockIndex, DeviceCache, NodeStore
 from simulator.fleet import FleetConfig
 from simulator.instances import DecodeInstance, Instance, Job, PrefillInstance, Seq

@@ -10,13 +10,12 @@ from collections import deque
 import msgspec
 
 from engine.builder import EventsWiring, Role, build_engine_args
-
-from kvstore.attach import StoreWiring
 from engine.config import EngineConfig
-from protos.wire import CallCounts, ConnectorCounters, EngineRequest, InstanceStats, Registration
 from engine.models import PreparedModel
 from engine.runner import EngineRunner
+from kvstore.attach import StoreWiring
 from kvstore.redis_server import free_port
+from protos.wire import CallCounts, ConnectorCounters, EngineRequest, InstanceStats, Registration
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ class EngineWorker:
                   events: EventsWiring) -> None:
         import ray
 
-        from kvstore.connector import kv_layout_tag
+        from kvstore.keys import kv_layout_tag
 
         dtype, block_size = self.runner.kv_layout()
         handle = ray.get_actor(conductor.actor_name, namespace=conductor.namespace)

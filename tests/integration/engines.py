@@ -10,9 +10,9 @@ from cluster.config import load_config
 from cluster.serve import BatonServer
 from engine.builder import build_engine_args
 from engine.config import EngineConfig
-from protos.wire import EngineRequest, SamplingOptions
 from engine.models import PreparedModel
 from engine.runner import EngineRunner
+from protos.wire import EngineRequest, SamplingOptions
 
 
 def plain_runner(model: PreparedModel) -> EngineRunner:

@@ -9,9 +9,9 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
-import ssl
 import time
 import urllib.request
 from pathlib import Path

@@ -19,16 +19,16 @@ import ray
 from cluster.local import block_size_for, kv_block_bytes
 from decode_worker.worker import DecodeWorker
 from engine.builder import dtype_bytes, effective_dtype, engine_env
-from kvstore.attach import StoreWiring
 from engine.config import EngineConfig
-from protos.wire import EngineRequest, SamplingOptions
+from kvstore.attach import StoreWiring
 from kvstore.config import KVStoreConfig, TransferConfig
-from kvstore.host_arena import HostArena
 from kvstore.disk_tier import HEADER_BYTES, find_block
+from kvstore.host_arena import HostArena
 from kvstore.metadata import BlockDirectory
 from kvstore.node import KVStoreNode
 from kvstore.redis_server import start_local_redis
 from prefill_worker.worker import PrefillWorker
+from protos.wire import EngineRequest, SamplingOptions
 from tests.integration.engines import plain_generate, plain_runner, random_prompt
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]

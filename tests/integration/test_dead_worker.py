@@ -12,9 +12,7 @@ import pytest
 import pytest_asyncio
 import ray
 
-from gateway import client
-
-from gateway import metrics
+from gateway import client, metrics
 from tests.integration.engines import plain_generate, plain_runner, random_prompt, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]

@@ -12,8 +12,8 @@ import pytest
 import pytest_asyncio
 import ray
 
-from gateway import client
 from cluster.serve import BatonServer
+from gateway import client
 from protos.wire import ConnectorCounters
 from tests.integration.engines import plain_generate, plain_runner, random_prompt, running_server
 
@@ -148,11 +148,10 @@ async def test_request_while_no_worker_is_ready_is_unavailable(server):
     conductor actor, real gateway, real gRPC)."""
     from conductor.conductor import Conductor
     from conductor.config import ConductorConfig
+    from conductor.policy import PolicyConfig
     from gateway.inference import InferenceServicer, start_gateway
     from gateway.live_router import LiveRouter
     from gateway.tokenization import PromptTokenizer
-
-    from conductor.policy import PolicyConfig
     from protos.wire import Registration
 
     empty = ray.remote(Conductor).options(num_cpus=0).remote(
@@ -211,8 +210,8 @@ async def test_cache_salt_isolates_tenants(server):
 
 
 async def test_a_request_id_already_in_flight_is_rejected_and_the_first_is_unharmed(reference):
-    from protos.wire import EngineRequest, SamplingOptions
     from engine.runner import EngineRejected
+    from protos.wire import EngineRequest, SamplingOptions
 
     prompt = tuple(random_prompt(64, seed=41))
     request = EngineRequest("same-id", prompt, SamplingOptions(max_tokens=8, temperature=0.0))

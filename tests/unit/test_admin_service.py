@@ -17,23 +17,22 @@ import pytest_asyncio
 from ray.exceptions import RayTaskError
 
 from cli import admin_client
+from cluster.control import ClusterConductor as Conductor
+from cluster.deployment import NotUp
+from cluster.pools import ScaleRefused
+from conductor.config import ConductorConfig
+from conductor.policy import PolicyConfig
+from engine.models import prepare_model
 from gateway.admin import ADMIN_OFF_MESSAGE, AdminServicer, _status_of
 from gateway.admin_wire import StatusView, scale_from_pb, status_from_pb, status_to_pb
 from gateway.auth import KeySet, read_admin_keys
-from cluster.control import ClusterConductor as Conductor
-from cluster.deployment import NotUp
-from conductor.config import ConductorConfig
-from protos.errors import ConfigError
 from gateway.inference import InferenceServicer, start_gateway
-from protos.wire import FrontAddresses
-from conductor.policy import PolicyConfig
-from cluster.pools import ScaleRefused
-from protos.wire import Registration, ScaleResult
 from gateway.tokenization import PromptTokenizer
-from engine.models import prepare_model
 from protos.baton.v1 import admin_pb2 as apb
 from protos.baton.v1 import admin_pb2_grpc as apb_grpc
 from protos.baton.v1 import inference_pb2 as pb
+from protos.errors import ConfigError
+from protos.wire import FrontAddresses, Registration, ScaleResult
 from tests.tls import self_signed
 from tests.unit.test_gateway_wire import MAX_MODEL_LEN, SERVED, FakeRouter
 
@@ -169,8 +168,8 @@ async def test_status_is_the_conductors_pool_status(stub, conductor):
 
 
 def test_status_round_trips_every_field():
-    from protos.wire import InstanceRow, PoolStatus, StoreRow, TierCounters
     from conductor.state import PlacementCounters
+    from protos.wire import InstanceRow, PoolStatus, StoreRow, TierCounters
 
     pools = PoolStatus(
         "baton", {"prefill": {"ready": 2, "draining": 1}, "decode": {}},

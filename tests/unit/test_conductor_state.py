@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from conductor.cost_model import CostProfile, DecodeCostModel, PrefillCostModel, TransferModel
-from protos.errors import NoWorkerReady
 from conductor.policy import Overloaded, PolicyConfig, PrefixHit
-from protos.wire import PlacementRequest
 from conductor.state import ConductorState
 from kvstore.keys import KeyExtras, block_keys
+from protos.errors import NoWorkerReady
+from protos.wire import PlacementRequest
 
 BS = 16
 COST = PrefillCostModel(intercept_ms=0.0, per_token_ms=1.0, per_token_sq_ms=0.0, per_token_cached_ms=0.0)
@@ -205,10 +205,10 @@ def test_measured_load_bandwidth_moves_the_priced_same_node_link():
 
 
 def test_the_cluster_prices_with_the_model_facts_and_the_configured_profile(tmp_path):
-    from cluster.local import policy_config_for
     from cluster.config import load_config
-    from protos.errors import ConfigError
+    from cluster.local import policy_config_for
     from engine.models import PreparedModel
+    from protos.errors import ConfigError
 
     model = PreparedModel(name="m", path=tmp_path, num_layers=30, num_kv_heads=3, head_dim=64,
                           max_model_len=8192, dtype_bytes=4)

@@ -18,9 +18,9 @@ import struct
 import grpc
 import pytest
 
+from engine.models import prepare_model
 from gateway.inference import InferenceServicer, start_gateway
 from gateway.tokenization import PromptTokenizer
-from engine.models import prepare_model
 from protos.baton.v1 import inference_pb2 as pb
 from tests.unit.test_gateway_wire import FakeRouter
 

@@ -15,15 +15,15 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from engine.models import prepare_model
 from gateway import client
-from protos.errors import WorkerFailed
 from gateway.inference import NOT_READY_MESSAGE, InferenceServicer, start_gateway
 from gateway.router import Placed
 from gateway.tokenization import PromptTokenizer
-from protos.wire import EngineRequest, Placement, PrefillResult, TokenChunk
-from engine.models import prepare_model
 from protos.baton.v1 import inference_pb2 as pb
 from protos.baton.v1 import inference_pb2_grpc as pb_grpc
+from protos.errors import WorkerFailed
+from protos.wire import EngineRequest, Placement, PrefillResult, TokenChunk
 from tests.tls import self_signed as _self_signed
 
 SERVED = "tiny"

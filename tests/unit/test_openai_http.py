@@ -16,12 +16,12 @@ import prometheus_client
 import pytest
 import pytest_asyncio
 
-from protos.errors import ConfigError, NoWorkerReady, WorkerFailed
+from engine.models import prepare_model
 from gateway.inference import NOT_READY_MESSAGE
 from gateway.openai_http import build_app, error_for, start_http
 from gateway.tokenization import PromptTokenizer
+from protos.errors import ConfigError, NoWorkerReady, WorkerFailed
 from protos.wire import SamplingOptions
-from engine.models import prepare_model
 from tests.unit.test_gateway_wire import PLACEMENT, SCRIPTED_CHUNKS, FakeRouter
 
 SERVED = "tiny"
@@ -600,7 +600,6 @@ def test_http_tls_needs_both_files_and_a_loadable_pair(tmp_path):
     from pydantic import ValidationError
 
     from cluster.config import load_config
-
     from gateway.config import HttpConfig
     from tests.tls import self_signed
 

@@ -14,9 +14,26 @@ from conductor.cost_model import (
     TransferModel,
     kv_bytes_per_token,
 )
-from protos.errors import BatonError, NoWorkerReady
 from conductor.picking import decode_by_load
-from conductor.policy import POLICIES, ClusterSnapshot, InstanceView, LoadArrays, Overloaded, PolicyConfig, PoolArrays, PrefixHit, admit, baton, dynamo_kv, least_loaded, mooncake, price, round_robin, sglang_cache_aware
+from conductor.policy import (
+    POLICIES,
+    ClusterSnapshot,
+    InstanceView,
+    LoadArrays,
+    Overloaded,
+    PolicyConfig,
+    PoolArrays,
+    PrefixHit,
+    admit,
+    baton,
+    dynamo_kv,
+    least_loaded,
+    mooncake,
+    price,
+    round_robin,
+    sglang_cache_aware,
+)
+from protos.errors import BatonError, NoWorkerReady
 from protos.wire import PlacementRequest
 from tests.unit.policy_oracles import baton_options, mooncake_options
 

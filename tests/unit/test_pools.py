@@ -8,11 +8,10 @@ import asyncio
 
 import pytest
 
-from conductor.policy import PolicyConfig
-
-from protos.wire import InstanceStats, PlacementRequest
 from cluster.pools import PoolManager, ScaleRefused, UnknownInstance, _Member
+from conductor.policy import PolicyConfig
 from conductor.state import ConductorState
+from protos.wire import InstanceStats, PlacementRequest
 
 
 class _Method:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.keys import KEY_SIZE_BYTES, KeyExtras, block_keys, pack_keys, prompt_block_keys, unpack_keys
+from kvstore.keys import (
+    KEY_SIZE_BYTES,
+    KeyExtras,
+    block_keys,
+    pack_keys,
+    prompt_block_keys,
+    unpack_keys,
+)
 
 EXTRAS = KeyExtras(model_id="m")
 

@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from protos.errors import InvalidRequest, UnknownModel
+from engine.models import prepare_model
 from gateway.tokenization import PromptTokenizer
 from gateway.validation import tokenize_prompt, validate_and_build
-from protos.wire import SamplingOptions
-from engine.models import prepare_model
 from protos.baton.v1 import inference_pb2 as pb
+from protos.errors import InvalidRequest, UnknownModel
+from protos.wire import SamplingOptions
 
 SERVED = "tiny"
 MAX_MODEL_LEN = 100
