@@ -15,8 +15,10 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.table import Column, Table
 
 from cli.common import err, parse_overrides
+from protos.wire import FrontAddresses
 
 EXIT_CONFIG, EXIT_NO_CLUSTER, EXIT_UNKNOWN_INSTANCE, EXIT_FAILED = 2, 3, 4, 5
 
@@ -125,13 +127,36 @@ def up(
     if result.already_up:
         print(f"Baton '{cfg.name}' is already up; nothing changed")
     ok = _print_scale(result.scale)
-    if a.grpc_port is not None:
-        print(f"gRPC  {a.host_ip}:{a.grpc_port}")
-    if a.http_port is not None:
-        base = f"{'https' if a.http_tls else 'http'}://{a.host_ip}:{a.http_port}"
-        print(f"HTTP  {base}/v1   metrics: {base}/metrics")
+    for line in front_lines(a):
+        print(line)
+    warning = loopback_warning(a)
+    if warning:
+        err.print(f"[yellow]warning: {warning}[/yellow]")
     if not ok:
         raise typer.Exit(EXIT_FAILED)
+
+
+def front_lines(a: FrontAddresses) -> list[str]:
+    """Where clients connect: each front at the address it listens on (the node's own address
+    when it listens on every interface)."""
+    lines = []
+    if a.grpc_port is not None:
+        lines.append(f"gRPC  {a.reachable(a.grpc_host)}:{a.grpc_port}")
+    if a.http_port is not None:
+        base = f"{'https' if a.http_tls else 'http'}://{a.reachable(a.http_host)}:{a.http_port}"
+        lines.append(f"HTTP  {base}/v1   metrics: {base}/metrics")
+    return lines
+
+
+def loopback_warning(a: FrontAddresses) -> str | None:
+    """What an operator of a cluster deployment must hear when a front serves loopback only."""
+    only = a.loopback_only()
+    if not only:
+        return None
+    return (f"{' and '.join(only)} listen{'s' if len(only) == 1 else ''} on loopback only: "
+            "clients on other machines cannot connect. To serve them, set gateway.host and "
+            "http.host to 0.0.0.0 (or this node's address) and turn on TLS and API keys "
+            "(docs/operating.md, 'Exposing the fronts').")
 
 
 def down(address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE) -> None:
@@ -148,16 +173,41 @@ def _fmt_ms(value) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
+INSTANCE_COLUMNS = ("instance", "pool", "node", "state", "waiting", "running", "booked",
+                    "KV used", "prefix hits", "TTFT ms", "ITL ms")
+INSTANCE_DROPPED_FIRST = ("booked", "node", "ITL ms", "prefix hits", "TTFT ms", "waiting")
+STORE_COLUMNS = ("store node", "host blocks used", "pinned", "disk blocks", "evicted", "pulled",
+                 "pull failures")
+STORE_DROPPED_FIRST = ("pull failures", "evicted", "pulled", "disk blocks")
+
+
+def fitted_table(out: Console, columns: tuple[str, ...], rows: list[tuple[str, ...]],
+                 dropped_first: tuple[str, ...], wide: bool) -> tuple[Table, int]:
+    """The table with as many columns as fit ``out``'s width (all of them when ``wide``),
+    dropping the least needed first, and how many were dropped. Values fold, never truncate."""
+    shown = list(columns)
+    droppable = [] if wide else list(dropped_first)
+    while True:
+        table = Table(*(Column(name, overflow="fold") for name in shown))
+        for row in rows:
+            table.add_row(*(value for name, value in zip(columns, row) if name in shown))
+        natural = out.measure(table, options=out.options.update(max_width=10_000)).maximum
+        if not droppable or natural <= out.width:
+            return table, len(columns) - len(shown)
+        shown.remove(droppable.pop(0))
+
+
 def status(
     address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
     endpoint: Optional[str] = _ENDPOINT, admin_key_file: Optional[Path] = _ADMIN_KEY_FILE,
     tls_ca: Optional[Path] = _ADMIN_TLS_CA,
+    wide: bool = typer.Option(False, "--wide", help="Every column, however wide the terminal "
+                              "(by default the least needed columns give way to fit it)."),
 ) -> None:
     """Pools and instances (node, state, queue depth, running sequences, KV use, prefix hits,
     recent TTFT/ITL), KV store nodes, and the conductor's placement counters."""
     import msgspec
-    from rich.table import Table
 
     operator = _operator(address, name, namespace, endpoint, admin_key_file, tls_ca)
     try:
@@ -168,31 +218,31 @@ def status(
     if as_json:
         print(msgspec.json.encode({"status": pools, "fronts": addresses}).decode())
         return
-    out = Console()
+    out = Console(width=max(Console().width, 200)) if wide else Console()
     sizes = ", ".join(
         f"{pool} {sum(p.values())} ({', '.join(f'{n} {k}' for k, n in sorted(p.items())) or 'none'})"
         for pool, p in pools.pool_sizes.items())
     out.print(f"[bold]Baton '{view.cluster_name}'[/bold]  policy {pools.policy}  pools: {sizes}")
     if addresses is not None:
-        http = "HTTPS" if addresses.http_tls else "HTTP"
-        out.print(f"fronts on {addresses.host_ip}: gRPC {addresses.grpc_port}, {http} {addresses.http_port}")
-    table = Table("instance", "pool", "node", "state", "waiting", "running", "booked", "KV used",
-                  "prefix hits", "TTFT ms", "ITL ms")
-    for r in pools.instances:
-        hits = (f"{r.num_cached_tokens / r.num_prompt_tokens:.0%} of {r.num_prompt_tokens:,}"
-                if r.num_prompt_tokens else "-")
-        table.add_row(r.instance_id, r.role, r.node_id or "-", r.phase, str(r.num_waiting_reqs),
-                      str(r.num_running_reqs), str(r.num_booked_reqs), f"{r.kv_usage_frac:.0%}",
-                      hits, _fmt_ms(r.recent_ttft_ms), _fmt_ms(r.recent_itl_ms))
+        for line in front_lines(addresses):
+            out.print(line, highlight=False)
+    rows = [(r.instance_id, r.role, r.node_id or "-", r.phase, str(r.num_waiting_reqs),
+             str(r.num_running_reqs), str(r.num_booked_reqs), f"{r.kv_usage_frac:.0%}",
+             (f"{r.num_cached_tokens / r.num_prompt_tokens:.0%} of {r.num_prompt_tokens:,}"
+              if r.num_prompt_tokens else "-"),
+             _fmt_ms(r.recent_ttft_ms), _fmt_ms(r.recent_itl_ms)) for r in pools.instances]
+    table, hidden = fitted_table(out, INSTANCE_COLUMNS, rows, INSTANCE_DROPPED_FIRST, wide)
     out.print(table)
     if pools.stores:
-        stores = Table("store node", "host blocks used", "pinned", "disk blocks", "evicted",
-                       "pulled", "pull failures")
-        for s in pools.stores:
-            stores.add_row(s.node_id, f"{s.host_used_blocks}/{s.host_capacity_blocks}",
-                           str(s.host_pinned_blocks), str(s.disk_used_blocks), str(s.evicted_blocks),
-                           str(s.counters.pulled_blocks), str(s.counters.pull_failures))
+        rows = [(s.node_id, f"{s.host_used_blocks}/{s.host_capacity_blocks}",
+                 str(s.host_pinned_blocks), str(s.disk_used_blocks), str(s.evicted_blocks),
+                 str(s.counters.pulled_blocks), str(s.counters.pull_failures))
+                for s in pools.stores]
+        stores, hidden_stores = fitted_table(out, STORE_COLUMNS, rows, STORE_DROPPED_FIRST, wide)
+        hidden += hidden_stores
         out.print(stores)
+    if hidden:
+        out.print(f"[dim]{hidden} columns hidden to fit {out.width} columns; --wide shows them[/dim]")
     c = pools.counters
     out.print(f"placements: {c.placed} placed, {c.rejected} rejected early, {c.coalesced} coalesced, "
               f"{c.colocated} colocated, {c.pulled} pulled, {c.index_corrections} index corrections")

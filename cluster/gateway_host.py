@@ -40,7 +40,8 @@ class GatewayHost:
         await fronts.start(conductor, self._model, lambda: self._addresses, follow_readiness=True)
         self._addresses = FrontAddresses(
             ray.util.get_node_ip_address(), fronts.gateway.port if fronts.gateway else None,
-            fronts.http.port if fronts.http else None, fronts.secrets.http_tls is not None)
+            fronts.http.port if fronts.http else None, fronts.secrets.http_tls is not None,
+            grpc_host=cfg.gateway.host, http_host=cfg.http.host)
         log.info("fronts up: %s", self._addresses)
         return self._addresses
 

@@ -88,7 +88,8 @@ class BatonServer:
     def _fronts(self) -> FrontAddresses:
         return FrontAddresses(
             self.config.gateway.host, self.gateway.port if self.gateway else None,
-            self.http.port if self.http else None, self.config.http.tls_cert_file is not None)
+            self.http.port if self.http else None, self.config.http.tls_cert_file is not None,
+            grpc_host=self.config.gateway.host, http_host=self.config.http.host)
 
     async def wait_ready(self) -> None:
         await asyncio.to_thread(self.cluster.wait_ready)

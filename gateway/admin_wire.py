@@ -56,6 +56,7 @@ def status_to_pb(view: StatusView) -> apb.StatusResponse:
     if view.fronts is not None:
         fronts = reply.fronts
         fronts.host_ip, fronts.http_tls = view.fronts.host_ip, view.fronts.http_tls
+        fronts.grpc_host, fronts.http_host = view.fronts.grpc_host, view.fronts.http_host
         if view.fronts.grpc_port is not None:
             fronts.grpc_port = view.fronts.grpc_port
         if view.fronts.http_port is not None:
@@ -89,7 +90,7 @@ def status_from_pb(reply: apb.StatusResponse) -> StatusView:
     if reply.HasField("fronts"):
         f = reply.fronts
         fronts = FrontAddresses(f.host_ip, _optional(f, "grpc_port"), _optional(f, "http_port"),
-                                f.http_tls)
+                                f.http_tls, f.grpc_host, f.http_host)
     return StatusView(pools, fronts, reply.cluster_name)
 
 

@@ -6,6 +6,8 @@ cheap to serialise, and never a raw dict.
 
 from __future__ import annotations
 
+import ipaddress
+
 import msgspec
 
 
@@ -265,6 +267,30 @@ class FrontAddresses(msgspec.Struct, frozen=True):
     http_port: int | None
     http_tls: bool = False
     """The HTTP front serves HTTPS (``http.tls_cert_file``)."""
+    grpc_host: str = ""
+    """The address the gRPC front listens on (``gateway.host``; '0.0.0.0': every interface);
+    '' when unknown (a gateway older than this field)."""
+    http_host: str = ""
+    """The address the HTTP front listens on (``http.host``)."""
+
+    def reachable(self, bound: str) -> str:
+        """The address a client should dial for a front bound to ``bound``: the node's own
+        address for every interface (or unknown), else the bound address itself."""
+        return self.host_ip if bound in ("", "0.0.0.0", "::") else bound
+
+    def loopback_only(self) -> list[str]:
+        """The fronts (``gRPC``, ``HTTP``) that listen on a loopback address only."""
+
+        def loopback(host: str) -> bool:
+            if host == "localhost":
+                return True
+            try:
+                return ipaddress.ip_address(host).is_loopback
+            except ValueError:
+                return False
+
+        fronts = [("gRPC", self.grpc_port, self.grpc_host), ("HTTP", self.http_port, self.http_host)]
+        return [name for name, port, host in fronts if port is not None and loopback(host)]
 
 
 # ---------------------------------------------------------------- actor calls (no raw dicts)

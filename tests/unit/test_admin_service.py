@@ -38,7 +38,7 @@ from tests.unit.test_gateway_wire import MAX_MODEL_LEN, SERVED, FakeRouter
 
 ADMIN_KEY = "adm-5ecret-key-7f3c"
 API_KEY = "inference-key-1"
-FRONTS = FrontAddresses("10.0.0.7", 50051, 8000, True)
+FRONTS = FrontAddresses("10.0.0.7", 50051, 8000, True, "0.0.0.0", "127.0.0.1")
 PREFIX_TEXT = " ".join(f"step {i}: read the file and fix the bug." for i in range(12))
 
 
@@ -361,10 +361,10 @@ async def test_cli_operates_through_the_admin_service(gateway, conductor, tmp_pa
     shown = json.loads(result.stdout)
     assert [r["instance_id"] for r in shown["status"]["instances"]] == ["t-decode-0", "t-prefill-0"]
     assert shown["fronts"] == {"host_ip": "10.0.0.7", "grpc_port": 50051, "http_port": 8000,
-                               "http_tls": True}
+                               "http_tls": True, "grpc_host": "0.0.0.0", "http_host": "127.0.0.1"}
     table = await _baton("status", *endpoint, env={"BATON_ADMIN_KEY": ADMIN_KEY, **no_ray})
     assert table.exit_code == 0 and "Baton 'admintest'" in table.stdout, table.output
-    assert "HTTPS 8000" in table.stdout
+    assert "HTTP  https://127.0.0.1:8000/v1" in table.stdout  # HTTPS, at the bound address
 
     pinned = await _baton("pin", "system", "--text", PREFIX_TEXT, *with_key)
     assert pinned.exit_code == 0, pinned.output

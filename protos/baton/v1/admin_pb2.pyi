@@ -123,16 +123,20 @@ class StoreStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., host_capacity_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., host_pinned_blocks: _Optional[int] = ..., disk_used_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Fronts(_message.Message):
-    __slots__ = ("host_ip", "grpc_port", "http_port", "http_tls")
+    __slots__ = ("host_ip", "grpc_port", "http_port", "http_tls", "grpc_host", "http_host")
     HOST_IP_FIELD_NUMBER: _ClassVar[int]
     GRPC_PORT_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
     HTTP_TLS_FIELD_NUMBER: _ClassVar[int]
+    GRPC_HOST_FIELD_NUMBER: _ClassVar[int]
+    HTTP_HOST_FIELD_NUMBER: _ClassVar[int]
     host_ip: str
     grpc_port: int
     http_port: int
     http_tls: bool
-    def __init__(self, host_ip: _Optional[str] = ..., grpc_port: _Optional[int] = ..., http_port: _Optional[int] = ..., http_tls: _Optional[bool] = ...) -> None: ...
+    grpc_host: str
+    http_host: str
+    def __init__(self, host_ip: _Optional[str] = ..., grpc_port: _Optional[int] = ..., http_port: _Optional[int] = ..., http_tls: _Optional[bool] = ..., grpc_host: _Optional[str] = ..., http_host: _Optional[str] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("prefill", "decode", "timeout_s")
