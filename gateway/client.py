@@ -38,11 +38,15 @@ def build_request(
     cache_salt: str = "",
     model: str = "",
     request_id: str = "",
+    logprobs: int | None = None,
+    json_schema: str = "",
+    json_object: bool = False,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` for exactly one of ``text`` and ``token_ids``.
 
-    With ``chat``, ``text`` is sent as a single user chat message. Values are sent as given;
-    the gateway validates them.
+    With ``chat``, ``text`` is sent as a single user chat message. ``logprobs``, ``json_schema``
+    (JSON text) and ``json_object`` are ``SamplingParams``' fields of those names. Values are
+    sent as given; the gateway validates them.
     """
     if (text is None) == (token_ids is None):
         raise ValueError("pass exactly one of text and token_ids")
@@ -64,6 +68,10 @@ def build_request(
         sampling.top_p = top_p
     if seed is not None:
         sampling.seed = seed
+    if logprobs is not None:
+        sampling.logprobs = logprobs
+    sampling.json_schema = json_schema
+    sampling.json_object = json_object
     return request
 
 
@@ -89,6 +97,9 @@ async def generate(
     cache_salt: str = "",
     model: str = "",
     request_id: str = "",
+    logprobs: int | None = None,
+    json_schema: str = "",
+    json_object: bool = False,
     on_delta: DeltaCallback | None = None,
     timeout_s: float | None = None,
     api_key: str = "",
@@ -99,7 +110,9 @@ async def generate(
     ``on_delta(text, token_ids)`` is called for every streamed delta. The result has the keys
     ``text``, ``token_ids``, ``finish_reason``, ``usage`` (``prompt_tokens``,
     ``cached_tokens``, ``completion_tokens``, ``loaded_tokens``, ``ttft_ms``, ``e2e_ms``),
-    ``placement`` (``prefill``, ``decode``, ``policy``, ``reason``) and ``request_id``.
+    ``placement`` (``prefill``, ``decode``, ``policy``, ``reason``) and ``request_id``; with
+    ``logprobs`` set also ``logprobs``: one ``{"chosen": entry, "top": [entry, ...]}`` per
+    generated token, each entry ``{"token_id", "token", "logprob", "rank"}``.
     With ``tls_ca_file`` (PEM roots to trust) the call goes over TLS. Raises
     ``GenerateFailed`` when the RPC fails or ends without a final message.
     """
@@ -115,9 +128,13 @@ async def generate(
         cache_salt=cache_salt,
         model=model,
         request_id=request_id,
+        logprobs=logprobs,
+        json_schema=json_schema,
+        json_object=json_object,
     )
     text_parts: list[str] = []
     all_token_ids: list[int] = []
+    positions: list[dict[str, Any]] = []
     final: pb.Final | None = None
     async with open_channel(target, tls_ca_file) as channel:
         stub = pb_grpc.InferenceStub(channel)
@@ -130,6 +147,7 @@ async def generate(
                 delta_token_ids = list(response.delta.token_ids)
                 text_parts.append(response.delta.text)
                 all_token_ids.extend(delta_token_ids)
+                positions.extend(_position(position) for position in response.delta.logprobs)
                 if on_delta is not None:
                     on_delta(response.delta.text, delta_token_ids)
         except grpc.aio.AioRpcError as e:
@@ -137,7 +155,7 @@ async def generate(
     if final is None:
         raise GenerateFailed("INTERNAL", "the stream ended without a final message")
     usage = final.usage
-    return {
+    result = {
         "text": "".join(text_parts),
         "token_ids": all_token_ids,
         "finish_reason": final.finish_reason,
@@ -162,3 +180,15 @@ async def generate(
         },
         "request_id": final.request_id,
     }
+    if logprobs is not None:
+        result["logprobs"] = positions
+    return result
+
+
+def _position(position: pb.PositionLogprobs) -> dict[str, Any]:
+    return {"chosen": _entry(position.chosen), "top": [_entry(entry) for entry in position.top]}
+
+
+def _entry(entry: pb.TokenLogprob) -> dict[str, Any]:
+    return {"token_id": entry.token_id, "token": entry.token, "logprob": entry.logprob,
+            "rank": entry.rank}

@@ -27,7 +27,7 @@ from gateway.tokenization import PromptTokenizer
 from gateway.validation import tokenize_prompt, validate_and_build
 from protos.baton.v1 import inference_pb2 as pb
 from protos.errors import BatonError, ConfigError
-from protos.wire import EngineRequest, TokenChunk
+from protos.wire import EngineRequest, TokenChunk, TokenLogprob
 
 if TYPE_CHECKING:
     from gateway.admin import AdminServicer
@@ -169,11 +169,7 @@ class InferenceServicer:
                     if event.token_ids and num_completion_tokens == 0:
                         ttft_ms = _ms_since(received_at)
                     num_completion_tokens += len(event.token_ids)
-                    await context.write(
-                        pb.GenerateResponse(
-                            delta=pb.TokenDelta(token_ids=event.token_ids, text=event.text)
-                        )
-                    )
+                    await context.write(pb.GenerateResponse(delta=_delta(event)))
             assert placed is not None, "router ended the stream without placing the request"
             assert last_chunk is not None and last_chunk.finish_reason, (
                 "router ended the stream without a finish_reason"
@@ -240,6 +236,27 @@ class InferenceServicer:
         except BatonError as e:
             await context.abort(status_of(e).grpc_code, str(e))
         return pb.TokenizeResponse(token_ids=token_ids, num_tokens=len(token_ids))
+
+
+def _delta(chunk: TokenChunk) -> pb.TokenDelta:
+    """A chunk's tokens, their text and, when the request asked, their log-probabilities."""
+    return pb.TokenDelta(
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        logprobs=[
+            pb.PositionLogprobs(
+                chosen=_token_logprob(position.chosen),
+                top=[_token_logprob(entry) for entry in position.top],
+            )
+            for position in chunk.logprobs
+        ],
+    )
+
+
+def _token_logprob(entry: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=entry.token_id, token=entry.token, logprob=entry.logprob, rank=entry.rank
+    )
 
 
 def _ms_since(start: float) -> float:

@@ -8,7 +8,6 @@ model) whose ``param`` names the offending OpenAI field.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -24,6 +23,7 @@ from gateway.validation import (
     _check_stop,
     _check_temperature,
     _check_top_p,
+    check_json_schema,
     check_model,
     check_token_ids,
 )
@@ -109,8 +109,9 @@ def num_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
 def structured_output(response_format: dict | None) -> tuple[str, bool]:
     """``(json_schema, json_object)`` for ``SamplingOptions`` from OpenAI's ``response_format``:
     ``{"type": "text"}`` (or none), ``{"type": "json_object"}``, or ``{"type": "json_schema",
-    "json_schema": {"name", "schema", "description"?, "strict"?}}`` whose schema is a JSON object.
-    The grammar is always enforced (``strict`` false is not looser). Raises ``InvalidRequest``."""
+    "json_schema": {"name", "schema", "description"?, "strict"?}}`` whose schema is a JSON object
+    the structured-output backend can enforce (``check_json_schema``). The grammar is always
+    enforced (``strict`` false is not looser). Raises ``InvalidRequest``."""
     if response_format is None:
         return "", False
     kind = response_format.get("type")
@@ -136,11 +137,7 @@ def structured_output(response_format: dict | None) -> tuple[str, bool]:
         raise InvalidRequest("response_format.json_schema.name must be a non-empty string")
     if not isinstance(spec.get("strict", False), (bool, type(None))):
         raise InvalidRequest("response_format.json_schema.strict must be true or false")
-    schema = spec.get("schema")
-    if not isinstance(schema, dict):
-        raise InvalidRequest("response_format.json_schema.schema must be a JSON Schema object, "
-                             f"got {type(schema).__name__}")
-    return json.dumps(schema, separators=(",", ":")), False
+    return check_json_schema(spec.get("schema"), "response_format.json_schema.schema"), False
 
 
 def build_engine_request(

@@ -1,7 +1,8 @@
 """Validation of client requests: wire messages in, an ``EngineRequest`` or a clear error out.
 
 Pure functions over a parsed ``baton.v1`` request and the served model's limits; the only
-mechanism they touch is the tokenizer. Every rejection raises ``InvalidRequest`` (or
+mechanisms they touch are the tokenizer and, for a JSON Schema, vLLM's structured-output backend
+(``gateway.json_schemas``). Every rejection raises ``InvalidRequest`` (or
 ``UnknownModel``) with a message that names the field, the offending value and what to change,
 because the message is what the client sees as the INVALID_ARGUMENT details.
 
@@ -10,10 +11,12 @@ Cheap checks run before tokenization, so a malformed request costs no tokenizer 
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from typing import Union
 
+from gateway.json_schemas import backend_refusal
 from gateway.tokenization import CHAT_ROLES, PromptTokenizer
 from protos.baton.v1 import inference_pb2 as pb
 from protos.errors import InvalidRequest, UnknownModel
@@ -24,6 +27,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
+MAX_LOGPROBS = 20
+"""vLLM's default ``max_logprobs``: the most alternatives per position an engine returns."""
 
 PromptRequest = Union[pb.GenerateRequest, pb.TokenizeRequest]
 
@@ -49,6 +54,12 @@ def validate_and_build(
     temperature = _check_temperature(sampling.temperature)
     top_p = _check_top_p(sampling.top_p) if sampling.HasField("top_p") else 1.0
     stop = _check_stop(sampling.stop)
+    num_logprobs = (
+        check_bounded("sampling.logprobs", sampling.logprobs, MAX_LOGPROBS)
+        if sampling.HasField("logprobs")
+        else None
+    )
+    json_schema, json_object = _check_structured_output(sampling)
     request_id = _check_request_id(request.request_id)
     _check_cache_salt(request.cache_salt)
 
@@ -69,6 +80,9 @@ def validate_and_build(
             top_p=top_p,
             seed=sampling.seed if sampling.HasField("seed") else None,
             stop=stop,
+            num_logprobs=num_logprobs,
+            json_schema=json_schema,
+            json_object=json_object,
         ),
         cache_salt=request.cache_salt,
     )
@@ -143,6 +157,51 @@ def check_token_ids(prompt_token_ids: list[int], vocab_size: int) -> None:
                 f"vocabulary [0, {vocab_size}); send ids the served model's tokenizer produces "
                 "(the Tokenize RPC returns them)"
             )
+
+
+def check_bounded(name: str, value: int, most: int) -> int:
+    """An integer count from 0 to ``most`` (a bool is no count)."""
+    if isinstance(value, bool) or not 0 <= value <= most:
+        raise InvalidRequest(f"{name} must be an integer from 0 to {most}, got {value!r}")
+    return value
+
+
+def check_json_schema(schema: object, field: str) -> str:
+    """``SamplingOptions.json_schema`` for ``schema`` (a parsed JSON value): its compact text.
+
+    Both fronts call it: the schema must be a JSON object that vLLM's structured-output backend
+    can enforce (``gateway.json_schemas``), so an unsupported one is refused at the front, naming
+    ``field``, rather than by the decode engine after placement.
+    """
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{field} must be a JSON Schema object, got {type(schema).__name__}")
+    schema_text = json.dumps(schema, separators=(",", ":"))
+    refusal = backend_refusal(schema_text)
+    if refusal is not None:
+        raise InvalidRequest(
+            f"{field} is a JSON Schema the structured-output backend cannot enforce: {refusal}; "
+            "fix or drop the keywords it names"
+        )
+    return schema_text
+
+
+def _check_structured_output(sampling: pb.SamplingParams) -> tuple[str, bool]:
+    """``(json_schema, json_object)`` for ``SamplingOptions``; at most one of them set."""
+    if sampling.json_schema and sampling.json_object:
+        raise InvalidRequest(
+            "sampling.json_schema and sampling.json_object are exclusive; set json_schema for "
+            "output that satisfies a schema or json_object for any JSON object, not both"
+        )
+    if not sampling.json_schema:
+        return "", sampling.json_object
+    try:
+        schema = json.loads(sampling.json_schema)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise InvalidRequest(
+            f"sampling.json_schema is not valid JSON ({e}); send the JSON text of a JSON Schema "
+            "object"
+        ) from e
+    return check_json_schema(schema, "sampling.json_schema"), False
 
 
 def _check_lengths(

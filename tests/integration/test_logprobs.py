@@ -1,5 +1,5 @@
-"""Log-probabilities through the whole cluster (OpenAI HTTP front → conductor → prefill and
-decode actors), checked against a plain vLLM engine run directly on the same prompt: the top
+"""Log-probabilities through the whole cluster (OpenAI HTTP and gRPC fronts → conductor → prefill
+and decode actors), checked against a plain vLLM engine run directly on the same prompt: the top
 entries are the engine's own, and under greedy decoding the chosen token is the most likely one.
 Tiny random model; one short prompt (prefilled on the decode instance) and one long prompt
 (prefilled on a prefill instance, its KV handed over through the store)."""
@@ -14,6 +14,7 @@ import pytest_asyncio
 
 from engine.builder import build_engine_args
 from engine.config import EngineConfig
+from gateway import client
 from gateway.tokenization import PromptTokenizer
 from tests.integration.engines import random_prompt, running_server
 
@@ -127,6 +128,29 @@ async def test_streamed_completion_logprobs_match_the_plain_engine(
         expected_map = dict(expected_top)  # two ids may decode to one string: compare as maps
         assert top == pytest.approx(expected_map | {token: expected_logprob},
                                     abs=LOGPROB_TOLERANCE)
+
+
+@pytest.mark.parametrize("num_prompt_tokens", [SHORT, LONG], ids=["colocated", "disaggregated"])
+async def test_grpc_top_logprobs_are_the_engines_own_and_greedy_picks_the_top(
+        server, reference_engine, num_prompt_tokens):
+    prompt = random_prompt(num_prompt_tokens, seed=110 + num_prompt_tokens)
+    expected = reference(reference_engine, prompt)
+
+    result = await client.generate(server.target, token_ids=prompt, max_tokens=MAX_TOKENS,
+                                   temperature=0.0, logprobs=TOP)
+
+    placement = result["placement"]
+    assert (placement["prefill"] == placement["decode"]) == (num_prompt_tokens == SHORT)
+    positions = result["logprobs"]
+    assert [position["chosen"]["token_id"] for position in positions] == result["token_ids"]
+    assert result["token_ids"] == [token_id for token_id, _, _ in expected]  # no EOS met
+    for position, (_, top, chosen_logprob) in zip(positions, expected):
+        assert_same([(entry["token"], entry["logprob"]) for entry in position["top"]], top)
+        assert [entry["rank"] for entry in position["top"]] == list(range(1, TOP + 1))
+        assert position["chosen"]["logprob"] == pytest.approx(chosen_logprob,
+                                                              abs=LOGPROB_TOLERANCE)
+        assert position["chosen"]["logprob"] == max(entry["logprob"] for entry in position["top"])
+        assert position["chosen"] == position["top"][0]  # greedy: the top one
 
 
 async def test_sampled_requests_with_logprobs_run_together(server):

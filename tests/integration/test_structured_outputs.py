@@ -1,6 +1,7 @@
 """Structured outputs through the whole cluster with SmolLM2-135M-Instruct: ``response_format``
-``json_schema`` and ``json_object`` reach vLLM's structured-output backend on the decode
-instance, and sampled answers (various temperatures and seeds) all parse and validate."""
+``json_schema`` and ``json_object`` (HTTP) and ``sampling.json_schema`` (gRPC) reach vLLM's
+structured-output backend on the decode instance, and sampled answers (various temperatures and
+seeds) all parse and validate; a schema that backend cannot enforce is refused at the front."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import openai
 import pytest
 import pytest_asyncio
 
+from gateway import client
 from tests.integration.engines import running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
 NUM_SAMPLED = 20
+NUM_SAMPLED_GRPC = 5
 MAX_TOKENS = 48
 SCHEMA = {
     "type": "object",
@@ -88,14 +91,47 @@ async def test_json_object_answer_is_one_object_and_the_prompt_kv_is_reused_as_w
             == plain.usage.prompt_tokens_details.cached_tokens)
 
 
-async def test_a_schema_the_backend_refuses_is_a_400(server):
-    """A JSON object that is no JSON Schema passes the front and is refused by vLLM's own check
-    on the decode instance, as a 400 with vLLM's message."""
+async def test_sampled_grpc_json_schema_answers_all_validate(server):
+    async def one(i: int):
+        return await client.generate(
+            server.target, text=QUESTION, chat=True, max_tokens=MAX_TOKENS,
+            temperature=0.7 + 0.3 * i / (NUM_SAMPLED_GRPC - 1), seed=2000 + i,
+            json_schema=json.dumps(SCHEMA))
+
+    answers = await asyncio.gather(*(one(i) for i in range(NUM_SAMPLED_GRPC)))
+
+    texts = [answer["text"] for answer in answers]
+    for answer, text in zip(answers, texts):
+        assert answer["finish_reason"] == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts)) > 1  # sampled, not one answer five times
+
+
+UNENFORCEABLE = {"type": "object", "properties": {"a": {"type": 7}}}
+"""A JSON object that is no JSON Schema: every backend of vLLM's refuses it."""
+
+
+async def test_a_schema_the_backend_refuses_is_a_400_from_the_front(server):
+    """Refused at the front by vLLM's own check, with vLLM's message."""
     with pytest.raises(openai.BadRequestError) as info:
         await _openai(server).chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
             response_format={"type": "json_schema", "json_schema": {
-                "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": 7}}}}})
+                "name": "bad", "schema": UNENFORCEABLE}})
 
-    assert info.value.body["type"] == "invalid_request_error"
-    assert "type must be a string or array of strings" in info.value.body["message"]  # vLLM's
+    assert (info.value.body["type"], info.value.body["param"]) == ("invalid_request_error",
+                                                                   "response_format")
+    assert info.value.body["message"].startswith(
+        "response_format.json_schema.schema is a JSON Schema the structured-output backend "
+        "cannot enforce: Grammar error: type must be a string or array of strings")
+
+
+async def test_a_schema_the_backend_refuses_is_invalid_argument_over_grpc(server):
+    with pytest.raises(client.GenerateFailed) as info:
+        await client.generate(server.target, text="hi", max_tokens=4,
+                              json_schema=json.dumps(UNENFORCEABLE))
+
+    assert info.value.status == "INVALID_ARGUMENT"
+    assert info.value.details.startswith(
+        "sampling.json_schema is a JSON Schema the structured-output backend cannot enforce: "
+        "Grammar error: type must be a string or array of strings")

@@ -23,7 +23,14 @@ from gateway.tokenization import PromptTokenizer
 from protos.baton.v1 import inference_pb2 as pb
 from protos.baton.v1 import inference_pb2_grpc as pb_grpc
 from protos.errors import WorkerFailed
-from protos.wire import EngineRequest, Placement, PrefillResult, TokenChunk
+from protos.wire import (
+    EngineRequest,
+    Placement,
+    PositionLogprobs,
+    PrefillResult,
+    TokenChunk,
+    TokenLogprob,
+)
 from tests.tls import self_signed as _self_signed
 
 SERVED = "tiny"
@@ -164,10 +171,13 @@ async def test_stream_has_deltas_then_final_with_usage_and_placement(
     assert router.num_closed_streams == 1
 
 
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "logprobs", "json_schema", "json_object")
+
+
 def _request(**fields) -> pb.GenerateRequest:
     request = pb.GenerateRequest(text="Hello world")
     for name, value in fields.items():
-        target = request.sampling if name in ("max_tokens", "temperature", "top_p") else request
+        target = request.sampling if name in SAMPLING_FIELDS else request
         setattr(target, name, value)
     return request
 
@@ -191,6 +201,12 @@ BAD_REQUESTS = {
     ),
     "negative temperature": (_request(temperature=-1.0), "sampling.temperature must be"),
     "top_p zero": (_request(top_p=0.0), "sampling.top_p must be in (0, 1], got 0.0"),
+    "logprobs 21": (_request(logprobs=21), "sampling.logprobs must be an integer from 0 to 20"),
+    "both structured outputs": (
+        _request(json_schema="{}", json_object=True),
+        "sampling.json_schema and sampling.json_object are exclusive",
+    ),
+    "json_schema not JSON": (_request(json_schema="{"), "sampling.json_schema is not valid JSON"),
 }
 
 
@@ -385,6 +401,49 @@ async def test_client_generate_returns_the_result_dict(gateway, router, tokenize
         "request_id": "req-3",
     }
     assert router.requests[0].prompt_token_ids == tuple(tokenizer.encode_chat([("user", "hi")]))
+
+
+A, X = TokenLogprob(5, "a", -0.5, 1), TokenLogprob(9, "x", -1.5, 2)
+B, C = TokenLogprob(6, "b", -2.25, 3), TokenLogprob(7, "c", float("-inf"), 4)
+LOGPROB_CHUNKS = (
+    TokenChunk((5, 6), "ab", logprobs=(PositionLogprobs(A, (A, X)), PositionLogprobs(B, (A, X)))),
+    TokenChunk((7,), "", logprobs=(PositionLogprobs(C, (A, X)),)),  # its text is held back
+    TokenChunk((), "c", finish_reason="stop"),
+)
+
+
+def _entry(entry: TokenLogprob) -> dict:
+    return {"token_id": entry.token_id, "token": entry.token, "logprob": entry.logprob,
+            "rank": entry.rank}
+
+
+@pytest.mark.asyncio
+async def test_logprobs_and_structured_outputs_reach_the_engine_and_logprobs_the_deltas(
+    gateway, channel, router
+):
+    router.chunks = LOGPROB_CHUNKS
+    request = _request(logprobs=2, json_schema='{"type": "object"}')
+    deltas = [response.delta async for response in
+              pb_grpc.InferenceStub(channel).Generate(request, timeout=10)
+              if response.HasField("delta")]
+
+    result = await client.generate(f"127.0.0.1:{gateway.port}", text="hi", logprobs=2,
+                                   json_object=True)
+
+    assert [(list(d.token_ids), d.text, len(d.logprobs)) for d in deltas] == [
+        ([5, 6], "ab", 2), ([7], "", 1), ([], "c", 0)]
+    assert deltas[0].logprobs[1] == pb.PositionLogprobs(
+        chosen=pb.TokenLogprob(token_id=6, token="b", logprob=-2.25, rank=3),
+        top=[pb.TokenLogprob(token_id=5, token="a", logprob=-0.5, rank=1),
+             pb.TokenLogprob(token_id=9, token="x", logprob=-1.5, rank=2)])
+    assert result["text"] == "abc" and result["token_ids"] == [5, 6, 7]
+    assert result["logprobs"] == [
+        {"chosen": _entry(chosen), "top": [_entry(A), _entry(X)]} for chosen in (A, B, C)]
+    grpc_request, client_request = router.requests
+    assert (grpc_request.sampling.num_logprobs, grpc_request.sampling.json_schema,
+            grpc_request.sampling.json_object) == (2, '{"type":"object"}', False)
+    assert (client_request.sampling.num_logprobs, client_request.sampling.json_schema,
+            client_request.sampling.json_object) == (2, "", True)
 
 
 @pytest.mark.asyncio

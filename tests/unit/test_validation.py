@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from engine.models import prepare_model
+from gateway import json_schemas
 from gateway.tokenization import PromptTokenizer
-from gateway.validation import tokenize_prompt, validate_and_build
+from gateway.validation import check_json_schema, tokenize_prompt, validate_and_build
 from protos.baton.v1 import inference_pb2 as pb
 from protos.errors import InvalidRequest, UnknownModel
 from protos.wire import SamplingOptions
@@ -72,6 +74,49 @@ def test_explicit_fields_are_kept(tokenizer):
 
 def test_seed_zero_is_not_unset(tokenizer):
     assert build(make_request(seed=0), tokenizer).sampling.seed == 0
+
+
+@pytest.mark.parametrize("logprobs", [0, 3, 20])
+def test_logprobs_become_num_logprobs_and_zero_is_not_unset(tokenizer, logprobs):
+    assert build(make_request(), tokenizer).sampling.num_logprobs is None
+    assert build(make_request(logprobs=logprobs), tokenizer).sampling.num_logprobs == logprobs
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_json_schema_is_sent_on_as_compact_json_text(tokenizer):
+    request = make_request(json_schema=json.dumps(SCHEMA, indent=2))
+
+    sampling = build(request, tokenizer).sampling
+
+    assert sampling.json_schema == (
+        '{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}'
+    )
+    assert (sampling.json_object, sampling.constrained()) == (False, True)
+
+
+def test_json_object_is_kept(tokenizer):
+    sampling = build(make_request(json_object=True), tokenizer).sampling
+
+    assert (sampling.json_schema, sampling.json_object) == ("", True)
+
+
+def test_a_schema_xgrammar_refuses_but_llguidance_enforces_is_accepted(tokenizer):
+    """vLLM's ``auto`` backend falls back to llguidance for ``multipleOf``; so does the front."""
+    schema = '{"type":"integer","multipleOf":3}'
+
+    assert build(make_request(json_schema=schema), tokenizer).sampling.json_schema == schema
+
+
+def test_the_backend_verdict_is_cached_by_schema_text():
+    schema = {"type": "object", "properties": {"cached": {"type": "boolean"}}}
+    check_json_schema(schema, "f")
+    hits = json_schemas._cached_refusal.cache_info().hits
+
+    check_json_schema(dict(schema), "f")
+
+    assert json_schemas._cached_refusal.cache_info().hits == hits + 1
 
 
 def test_chat_is_rendered_with_the_template(tokenizer):
@@ -206,6 +251,41 @@ BAD_REQUESTS = {
     "non-printable request id": (
         _with(request_id="a\nb"),
         "request_id contains non-printable characters",
+    ),
+    "logprobs above 20": (
+        _sampling(logprobs=21),
+        "sampling.logprobs must be an integer from 0 to 20, got 21",
+    ),
+    "negative logprobs": (
+        _sampling(logprobs=-1),
+        "sampling.logprobs must be an integer from 0 to 20, got -1",
+    ),
+    "json_schema and json_object": (
+        _sampling(json_schema='{"type": "object"}', json_object=True),
+        "sampling.json_schema and sampling.json_object are exclusive",
+    ),
+    "json_schema not JSON": (
+        _sampling(json_schema="{type: object}"),
+        "sampling.json_schema is not valid JSON (Expecting property name enclosed in double "
+        "quotes: line 1 column 2 (char 1)); send the JSON text of a JSON Schema object",
+    ),
+    "json_schema nested past the parser": (
+        _sampling(json_schema="[" * 100_000),
+        "sampling.json_schema is not valid JSON (maximum recursion depth exceeded",
+    ),
+    "json_schema not an object": (
+        _sampling(json_schema="[1]"),
+        "sampling.json_schema must be a JSON Schema object, got list",
+    ),
+    "json_schema the backend refuses": (
+        _sampling(json_schema='{"type": "object", "properties": {"a": {"type": 7}}}'),
+        "sampling.json_schema is a JSON Schema the structured-output backend cannot enforce: "
+        "Grammar error: type must be a string or array of strings; fix or drop the keywords",
+    ),
+    "json_schema nested too deeply": (
+        _sampling(json_schema='{"items":' * 70 + "{}" + "}" * 70),
+        "cannot enforce: The JSON schema is nested too deeply: objects and arrays may nest at "
+        "most 64 levels;",
     ),
     "long cache salt": (
         _with(cache_salt="s" * 257),

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/v1/inference.proto\x12\x08\x62\x61ton.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\x95\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\tB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"\xdf\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x08\n\x06prompt\"c\n\x10GenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.baton.v1.TokenDeltaH\x00\x12 \n\x05\x66inal\x18\x02 \x01(\x0b\x32\x0f.baton.v1.FinalH\x00\x42\x06\n\x04kind\"-\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"~\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.baton.v1.Usage\x12*\n\tplacement\x18\x03 \x01(\x0b\x32\x17.baton.v1.PlacementInfo\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x05 \x01(\x01\x12\x15\n\rloaded_tokens\x18\x06 \x01(\x05\"\xc0\x01\n\rPlacementInfo\x12\x0f\n\x07prefill\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12\x1e\n\x16\x65xpected_cached_blocks\x18\x08 \x01(\r\x12\x13\n\x0bpulled_from\x18\t \x01(\t\"\x8b\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x32\x93\x01\n\tInference\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/v1/inference.proto\x12\x08\x62\x61ton.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\xe3\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x07 \x01(\t\x12\x13\n\x0bjson_object\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xdf\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x08\n\x06prompt\"c\n\x10GenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.baton.v1.TokenDeltaH\x00\x12 \n\x05\x66inal\x18\x02 \x01(\x0b\x32\x0f.baton.v1.FinalH\x00\x42\x06\n\x04kind\"[\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.baton.v1.PositionLogprobs\"N\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"_\n\x10PositionLogprobs\x12&\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x16.baton.v1.TokenLogprob\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"~\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.baton.v1.Usage\x12*\n\tplacement\x18\x03 \x01(\x0b\x32\x17.baton.v1.PlacementInfo\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x05 \x01(\x01\x12\x15\n\rloaded_tokens\x18\x06 \x01(\x05\"\xc0\x01\n\rPlacementInfo\x12\x0f\n\x07prefill\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12\x1e\n\x16\x65xpected_cached_blocks\x18\x08 \x01(\r\x12\x13\n\x0bpulled_from\x18\t \x01(\t\"\x8b\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x32\x93\x01\n\tInference\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,23 +38,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=109
   _globals['_CHATMESSAGES']._serialized_end=164
   _globals['_SAMPLINGPARAMS']._serialized_start=167
-  _globals['_SAMPLINGPARAMS']._serialized_end=316
-  _globals['_GENERATEREQUEST']._serialized_start=319
-  _globals['_GENERATEREQUEST']._serialized_end=542
-  _globals['_GENERATERESPONSE']._serialized_start=544
-  _globals['_GENERATERESPONSE']._serialized_end=643
-  _globals['_TOKENDELTA']._serialized_start=645
-  _globals['_TOKENDELTA']._serialized_end=690
-  _globals['_FINAL']._serialized_start=692
-  _globals['_FINAL']._serialized_end=818
-  _globals['_USAGE']._serialized_start=821
-  _globals['_USAGE']._serialized_end=957
-  _globals['_PLACEMENTINFO']._serialized_start=960
-  _globals['_PLACEMENTINFO']._serialized_end=1152
-  _globals['_TOKENIZEREQUEST']._serialized_start=1155
-  _globals['_TOKENIZEREQUEST']._serialized_end=1294
-  _globals['_TOKENIZERESPONSE']._serialized_start=1296
-  _globals['_TOKENIZERESPONSE']._serialized_end=1353
-  _globals['_INFERENCE']._serialized_start=1356
-  _globals['_INFERENCE']._serialized_end=1503
+  _globals['_SAMPLINGPARAMS']._serialized_end=394
+  _globals['_GENERATEREQUEST']._serialized_start=397
+  _globals['_GENERATEREQUEST']._serialized_end=620
+  _globals['_GENERATERESPONSE']._serialized_start=622
+  _globals['_GENERATERESPONSE']._serialized_end=721
+  _globals['_TOKENDELTA']._serialized_start=723
+  _globals['_TOKENDELTA']._serialized_end=814
+  _globals['_TOKENLOGPROB']._serialized_start=816
+  _globals['_TOKENLOGPROB']._serialized_end=894
+  _globals['_POSITIONLOGPROBS']._serialized_start=896
+  _globals['_POSITIONLOGPROBS']._serialized_end=991
+  _globals['_FINAL']._serialized_start=993
+  _globals['_FINAL']._serialized_end=1119
+  _globals['_USAGE']._serialized_start=1122
+  _globals['_USAGE']._serialized_end=1258
+  _globals['_PLACEMENTINFO']._serialized_start=1261
+  _globals['_PLACEMENTINFO']._serialized_end=1453
+  _globals['_TOKENIZEREQUEST']._serialized_start=1456
+  _globals['_TOKENIZEREQUEST']._serialized_end=1595
+  _globals['_TOKENIZERESPONSE']._serialized_start=1597
+  _globals['_TOKENIZERESPONSE']._serialized_end=1654
+  _globals['_INFERENCE']._serialized_start=1657
+  _globals['_INFERENCE']._serialized_end=1804
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,70 @@
+"""Whether the engines' structured-output backend can enforce a JSON Schema, asked at the front.
+
+An engine checks a request's schema only when the request reaches it: on the decode instance,
+after placement and prefill. The fronts ask first, with vLLM's own checks in the order its
+``auto`` backend (the engines' setting) runs them
+(``SamplingParams._validate_structured_outputs``): its nesting bound for every backend, then
+xgrammar; where xgrammar refuses, outlines for a schema llguidance cannot take and llguidance for
+any other, without a tokenizer, as vLLM does for a Hugging Face one. So a schema refused here is
+one the engine would refuse, and the client hears why before any work is placed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+MAX_CACHED_SCHEMA_CHARS = 64 * 1024
+"""Schemas up to this size have their verdict cached (256 of them, so at most 16 MiB of keys):
+a large schema takes ~10 ms to compile and clients send the same one again and again."""
+
+
+def backend_refusal(schema_text: str) -> str | None:
+    """vLLM's reason for refusing ``schema_text`` (the JSON text of an object), or None when its
+    structured-output backend would enforce it. Also None when vLLM is not installed here: the
+    engine's own check then stays the only one."""
+    if len(schema_text) <= MAX_CACHED_SCHEMA_CHARS:
+        return _cached_refusal(schema_text)
+    return _refusal(schema_text)
+
+
+def _refusal(schema_text: str) -> str | None:
+    try:
+        from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import (
+            SamplingParams,
+            StructuredOutputsParams,
+            check_json_nesting,
+        )
+        from vllm.v1.structured_output.backend_guidance import (
+            has_guidance_unsupported_json_features,
+            validate_guidance_grammar,
+        )
+        from vllm.v1.structured_output.backend_outlines import (
+            validate_structured_output_request_outlines,
+        )
+        from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+    except ImportError:
+        return None
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema_text))
+    try:
+        check_json_nesting(schema_text)
+    except VLLMValidationError as e:
+        return str(e)
+    try:
+        validate_xgrammar_grammar(params)
+        return None
+    except (VLLMValidationError, ValueError):
+        pass  # vLLM falls back to the other backends, and reports their reason
+    try:
+        if has_guidance_unsupported_json_features(json.loads(schema_text)):
+            validate_structured_output_request_outlines(params)
+        else:
+            validate_guidance_grammar(params, tokenizer=None)
+    except (VLLMValidationError, ValueError) as e:
+        return str(e)
+    return None
+
+
+_cached_refusal = functools.lru_cache(maxsize=256)(_refusal)
