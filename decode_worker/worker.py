@@ -32,6 +32,12 @@ def position_logprobs(token_ids, logprobs, num_top: int | None) -> tuple[Positio
     return tuple(positions)
 
 
+def _matched_stop(stop_reason: int | str | None) -> str:
+    """The stop string vLLM reports as the reason a completion stopped ('' for a stop token id,
+    end of sequence or length)."""
+    return stop_reason if isinstance(stop_reason, str) else ""
+
+
 class DecodeWorker(EngineWorker):
     role = "decode"
 
@@ -68,6 +74,7 @@ class DecodeWorker(EngineWorker):
                     num_cached_tokens=output.num_cached_tokens or 0,
                     num_pulled_blocks=num_pulled,
                     logprobs=logprobs,
+                    stop_sequence=_matched_stop(completion.stop_reason),
                 )
             elif completion.token_ids or completion.text:
                 yield TokenChunk(token_ids=tuple(completion.token_ids), text=completion.text,

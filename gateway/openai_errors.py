@@ -17,6 +17,7 @@ from http import HTTPStatus
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from gateway.status import STATUS_BY_ERROR, category_of
 from protos.errors import BatonError
@@ -84,8 +85,10 @@ def translated(request_id: str):
         raise _internal_error(request_id) from e
 
 
-def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
-    """One readable message (and the first offending field) from FastAPI's error list."""
+def validation_message(error: RequestValidationError | ValidationError,
+                       reference: str = "the OpenAI API reference") -> tuple[str, str | None]:
+    """One readable message (and the first offending field) from FastAPI's (or pydantic's)
+    error list; the message ends by pointing at ``reference`` for the fields."""
     parts, params = [], []
     for item in error.errors():
         where = ".".join(str(part) for part in item["loc"] if part != "body")
@@ -95,5 +98,5 @@ def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
             continue
         params.append(where or None)
         parts.append(f"{where or 'request body'}: {item['msg']}")
-    message = "; ".join(parts) + "; see the OpenAI API reference for the fields"
+    message = "; ".join(parts) + f"; see {reference} for the fields"
     return message, params[0] if params else None

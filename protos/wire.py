@@ -165,6 +165,9 @@ class TokenChunk(msgspec.Struct, frozen=True):
     logprobs: tuple[PositionLogprobs, ...] = ()
     """One per token of ``token_ids`` when the request asked for them
     (``SamplingOptions.num_logprobs``); empty otherwise."""
+    stop_sequence: str = ""
+    """The stop string (one of ``SamplingOptions.stop``) whose match ended the request; '' when
+    none did (end of sequence, length, no stop strings). Last chunk only."""
 
 
 class InstanceStats(msgspec.Struct, frozen=True):

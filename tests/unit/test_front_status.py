@@ -93,8 +93,10 @@ def _room_files():
 
 def test_every_error_class_in_the_rooms_is_a_baton_error():
     """User- and operator-facing errors derive from ``BatonError``; only these stay apart: the
-    HTTP front's rendering of one, and the live router's own retry signals."""
-    allowed_apart = {"BatonError", "OpenAIError", "PrefillWorkerDied", "DecodeWorkerDied"}
+    HTTP front's renderings of one (OpenAI's and Anthropic's shape), and the live router's own
+    retry signals."""
+    allowed_apart = {"BatonError", "OpenAIError", "AnthropicError", "PrefillWorkerDied",
+                     "DecodeWorkerDied"}
     builtin_roots = {"Exception", "RuntimeError", "ValueError", "KeyError", "OSError",
                      "TimeoutError", "ConnectionError", "LookupError", "TypeError"}
     apart = []
