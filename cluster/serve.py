@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 def fronts_config(config: ClusterConfig) -> FrontsConfig:
     """The fronts' part of the cluster config."""
     return FrontsConfig(config.name, config.ray.namespace, config.gateway, config.http,
-                        config.auth, config.engine.max_model_len_tokens)
+                        config.auth, config.engine.max_model_len_tokens,
+                        config.engine.structured_outputs_backend)
 
 
 class BatonServer:

@@ -77,7 +77,7 @@ def build_engine_args(
     schedules by priority, so the conductor can run the longest matched prefix first.
     """
     from vllm import EngineArgs
-    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig, StructuredOutputsConfig
 
     kv_transfer = None
     if role != "plain":
@@ -106,6 +106,8 @@ def build_engine_args(
         kv_transfer_config=kv_transfer,
         seed=0,
         dtype=effective_dtype(config, model),
+        structured_outputs_config=StructuredOutputsConfig(
+            backend=config.structured_outputs_backend, disable_any_whitespace=config.compact_json),
     )
     if events is not None:
         kwargs["kv_events_config"] = KVEventsConfig(

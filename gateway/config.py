@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -67,6 +69,12 @@ class HttpConfig(BaseModel):
     )
     tls_key_file: str | None = Field(
         None, description="PEM private key of tls_cert_file; read from the file, never logged."
+    )
+    tool_call_parser: Literal["hermes", "json"] = Field(
+        "hermes", description="The format the served model calls tools in: 'hermes' "
+        "(<tool_call>{...}</tool_call>; Baton's default rendering of tools, SmolLM2, Qwen, "
+        "Hermes) or 'json' (the whole answer is a JSON call; Llama 3.x). Forced calls "
+        "(tool_choice required or a named function) are held to a grammar either way."
     )
 
     @model_validator(mode="after")

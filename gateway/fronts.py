@@ -38,6 +38,8 @@ class FrontsConfig(msgspec.Struct, frozen=True):
     auth: AuthConfig
     max_model_len_tokens: int | None = None
     """``engine.max_model_len_tokens`` (None: the model's own limit)."""
+    structured_backend: str = "auto"
+    """``engine.structured_outputs_backend``: the schemas the engines can enforce."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ class Fronts:
         self.gauges.start()
         if cfg.gateway.enabled:
             servicer = InferenceServicer(self.router, tokenizer, model.name, max_len,
-                                         api_keys=secrets.api_keys)
+                                         api_keys=secrets.api_keys,
+                                         structured_backend=cfg.structured_backend)
             admin = AdminServicer(conductor, tokenizer, secrets.admin_keys, cfg.cluster_name,
                                   fronts=addresses)
             self.gateway = await start_gateway(servicer, cfg.gateway.host, cfg.gateway.port,
@@ -102,7 +105,9 @@ class Fronts:
         if cfg.http.enabled:
             from gateway.openai_http import build_app, start_http
 
-            app = build_app(self.router, tokenizer, model.name, max_len, api_keys=secrets.api_keys)
+            app = build_app(self.router, tokenizer, model.name, max_len, api_keys=secrets.api_keys,
+                            tool_call_parser=cfg.http.tool_call_parser,
+                            structured_backend=cfg.structured_backend)
             self.http = await start_http(app, cfg.http.host, cfg.http.port, tls=secrets.http_tls)
             self.progress(f"OpenAI-compatible HTTP on {self.http_url}")
 

@@ -80,8 +80,10 @@ class InferenceServicer:
         max_model_len: int,
         vocab_size: int | None = None,
         api_keys: frozenset[str] = frozenset(),
+        structured_backend: str = "auto",
     ) -> None:
         self._api_keys = KeySet(api_keys)
+        self._structured_backend = structured_backend
         self._router = router
         self._tokenizer = tokenizer
         self._served_model_name = served_model_name
@@ -132,6 +134,7 @@ class InferenceServicer:
                 self._served_model_name,
                 self._max_model_len,
                 self._vocab_size,
+                structured_backend=self._structured_backend,
             )
         except BatonError as e:
             await context.abort(status_of(e).grpc_code, str(e))

@@ -1,34 +1,42 @@
 """Whether the engines' structured-output backend can enforce a JSON Schema, asked at the front.
 
 An engine checks a request's schema only when the request reaches it: on the decode instance,
-after placement and prefill. The fronts ask first, with vLLM's own checks in the order its
-``auto`` backend (the engines' setting) runs them
-(``SamplingParams._validate_structured_outputs``): its nesting bound for every backend, then
-xgrammar; where xgrammar refuses, outlines for a schema llguidance cannot take and llguidance for
-any other, without a tokenizer, as vLLM does for a Hugging Face one. So a schema refused here is
-one the engine would refuse, and the client hears why before any work is placed.
+after placement and prefill. The fronts ask first, with vLLM's own checks for the engines'
+backend (``EngineConfig.structured_outputs_backend``): its nesting bound for every backend, then
+xgrammar; for ``auto`` only (``SamplingParams._validate_structured_outputs``), where xgrammar
+refuses, outlines for a schema llguidance cannot take and llguidance for any other, without a
+tokenizer, as vLLM does for a Hugging Face one. So a schema refused here is one the engine would
+refuse, and the client hears why before any work is placed.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 
+_XGRAMMAR_LOCATION = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
+"""The time and C++ source line xgrammar prefixes its messages with (no use to a client)."""
 MAX_CACHED_SCHEMA_CHARS = 64 * 1024
 """Schemas up to this size have their verdict cached (256 of them, so at most 16 MiB of keys):
 a large schema takes ~10 ms to compile and clients send the same one again and again."""
 
 
-def backend_refusal(schema_text: str) -> str | None:
-    """vLLM's reason for refusing ``schema_text`` (the JSON text of an object), or None when its
-    structured-output backend would enforce it. Also None when vLLM is not installed here: the
-    engine's own check then stays the only one."""
+BACKENDS = ("auto", "xgrammar")
+"""The engines' structured-output backends the fronts know how to check for."""
+
+
+def backend_refusal(schema_text: str, backend: str = "auto") -> str | None:
+    """vLLM's reason for refusing ``schema_text`` (the JSON text of an object), or None when the
+    engines' structured-output ``backend`` would enforce it. Also None when vLLM is not installed
+    here: the engine's own check then stays the only one."""
+    assert backend in BACKENDS, backend
     if len(schema_text) <= MAX_CACHED_SCHEMA_CHARS:
-        return _cached_refusal(schema_text)
-    return _refusal(schema_text)
+        return _cached_refusal(schema_text, backend)
+    return _refusal(schema_text, backend)
 
 
-def _refusal(schema_text: str) -> str | None:
+def _refusal(schema_text: str, backend: str) -> str | None:
     try:
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import (
@@ -55,8 +63,10 @@ def _refusal(schema_text: str) -> str | None:
     try:
         validate_xgrammar_grammar(params)
         return None
-    except (VLLMValidationError, ValueError):
-        pass  # vLLM falls back to the other backends, and reports their reason
+    except (VLLMValidationError, ValueError) as e:
+        if backend == "xgrammar":
+            return _XGRAMMAR_LOCATION.sub("", str(e))
+        # auto: vLLM falls back to the other backends, and reports their reason
     try:
         if has_guidance_unsupported_json_features(json.loads(schema_text)):
             validate_structured_output_request_outlines(params)

@@ -3,15 +3,14 @@
 Contract: a body field is either
 
 - served: declared on the request model (``gateway.openai_models``) and acted on;
-- accepted only at the value that asks for nothing (``NEUTRAL``): ``tools: []``,
+- accepted only at the value that asks for nothing (``NEUTRAL``): ``functions: []``,
   ``presence_penalty: 0``, the ``repetition_penalty: 1.0`` that vLLM's own benchmark sends,
   ...;
 - or refused with 400 naming it (``param``), saying whether Baton does not serve it yet or does
   not know it at all.
 
-So nothing a client asks for is silently ignored: an agent framework that sends ``tools`` learns
-at once that this server will not return ``tool_calls``, instead of waiting for one that never
-comes. The table is also the documented list of supported fields (docs/operating.md).
+So nothing a client asks for is silently ignored: a client that sends ``logit_bias`` learns at
+once that this server will not apply it, instead of trusting output it never shaped. The table is also the documented list of supported fields (docs/operating.md).
 """
 
 from __future__ import annotations
@@ -43,17 +42,18 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "service_tier": (None, "auto", "default"),
 }
 """Fields Baton does not act on, with the values that ask for nothing (accepted as if unsent).
-``parallel_tool_calls`` only matters with ``tools``, which are refused. ``logprobs``,
-``top_logprobs`` (chat) and ``response_format`` are served (``gateway.openai_requests``); the
-completions endpoint has no ``top_logprobs`` (its ``logprobs`` is the count)."""
+``logprobs``, ``top_logprobs``, ``response_format``, ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (chat) are served (``gateway.openai_requests``); the completions
+endpoint has no ``top_logprobs`` (its ``logprobs`` is the count) and no tools."""
 
 NOT_SERVED_HINT: dict[str, str] = {
     "top_logprobs": "top_logprobs is the chat endpoint's; on /v1/completions send logprobs: k "
                     "(0 to 5) for the k most likely tokens of each position",
-    "tools": "tool calling is not served yet; send the request without tools",
-    "tool_choice": "tool calling is not served yet; only tool_choice 'none' is accepted",
-    "functions": "function calling is not served yet; send the request without functions",
-    "function_call": "function calling is not served yet; only function_call 'none' is accepted",
+    "tools": "tool calling is served on /v1/chat/completions, not here",
+    "tool_choice": "tool calling is served on /v1/chat/completions, not here",
+    "parallel_tool_calls": "tool calling is served on /v1/chat/completions, not here",
+    "functions": "the deprecated functions field is not served; send the functions as tools",
+    "function_call": "the deprecated function_call is not served; use tool_choice",
     "presence_penalty": "penalties are not served yet; only 0 is accepted",
     "frequency_penalty": "penalties are not served yet; only 0 is accepted",
     "repetition_penalty": "penalties are not served yet; only 1.0 is accepted",

@@ -21,7 +21,8 @@ Wire mapping, in one place:
 This module assembles the app (routes, auth, exception handlers) from its parts: request bodies
 (``gateway.openai_models``), their checks (``gateway.openai_requests``), answers
 (``gateway.openai_responses``), streaming (``gateway.openai_streams``) and the uvicorn server
-(``gateway.openai_server``, whose ``start_http`` is re-exported here).
+(``gateway.openai_server``, whose ``start_http`` is re-exported here). The same app serves
+Anthropic's Messages API, ``/v1/messages``, in Anthropic's spelling (``gateway.anthropic_http``).
 """
 
 from __future__ import annotations
@@ -35,19 +36,33 @@ from typing import Awaitable, Callable
 import prometheus_client
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.anthropic_http import messages_router
 from gateway.inference import NOT_READY_MESSAGE
 from gateway.openai_errors import OpenAIError, error_for, validation_message
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
-from gateway.openai_requests import ServedModel, build_engine_request, checked
+from gateway.openai_requests import (
+    REQUEST_ID_HEADER,
+    ServedModel,
+    build_engine_request,
+    checked,
+    prepare,
+)
 from gateway.openai_responses import CHAT, COMPLETION, Progress, Shape
 from gateway.openai_server import RunningHttp, start_http
-from gateway.openai_streams import collect_output, open_stream, sse_events, unless_disconnected
+from gateway.openai_streams import (
+    CLIENT_CLOSED_REQUEST,
+    collect_output,
+    event_stream,
+    opened,
+    sse_events,
+    unless_disconnected,
+)
 from gateway.router import Router
 from gateway.tokenization import PromptTokenizer
+from gateway.tool_parsers import ToolOutput, finish_reason
 from gateway.validation import check_model
 from protos.errors import NoWorkerReady
 
@@ -56,8 +71,6 @@ __all__ = [
 ]
 
 OWNED_BY = "baton"
-REQUEST_ID_HEADER = "x-request-id"
-CLIENT_CLOSED_REQUEST = 499  # nginx's code; the client is gone and never sees it
 
 
 class _Front:
@@ -74,19 +87,20 @@ class _Front:
     ) -> Response:
         """Validate, check readiness, place, then answer in full or as server-sent events."""
         received_at = time.perf_counter()
-        engine_request = await asyncio.to_thread(
-            build_engine_request,
+        prepared = await asyncio.to_thread(
+            prepare,
             body,
             self.tokenizer,
             self.served,
             http_request.headers.get(REQUEST_ID_HEADER, ""),
         )
-        if not self.router.is_ready():
-            raise error_for(NoWorkerReady(NOT_READY_MESSAGE))
-        opened = await unless_disconnected(http_request, open_stream(self.router, engine_request))
-        if opened is None:
+        engine_request = prepared.engine
+        plan = prepared.tools
+        tools = ToolOutput(plan) if plan is not None and plan.mode != "none" else None
+        placed_events = await opened(self.router, engine_request, http_request)
+        if placed_events is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        placed, events = opened
+        placed, events = placed_events
         progress = Progress(placed, received_at, len(engine_request.prompt_token_ids))
         header = shape.header(
             engine_request.request_id, int(time.time()), self.served.name, chunk=body.stream
@@ -97,21 +111,9 @@ class _Front:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             sse = sse_events(
                 events, progress, shape, header, include_usage, engine_request.request_id,
-                with_logprobs,
+                with_logprobs, tools,
             )
-
-            async def close_streams() -> None:
-                # Starlette abandons the body iterator, or never starts it, when the client
-                # disconnects; this closes the router stream without waiting for the GC.
-                await sse.aclose()
-                await events.aclose()
-
-            return StreamingResponse(
-                sse,
-                media_type="text/event-stream",
-                headers=response_headers | {"Cache-Control": "no-cache"},
-                background=BackgroundTask(close_streams),
-            )
+            return event_stream(sse, events, response_headers)
         output = await unless_disconnected(
             http_request, collect_output(events, progress, engine_request.request_id)
         )
@@ -119,7 +121,13 @@ class _Front:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         text, positions = output
         logprobs = shape.logprobs(positions)[0] if with_logprobs else None
-        choice = shape.full_choice(text, progress.finish_reason, logprobs)
+        if tools is None:
+            choice = shape.full_choice(text, progress.finish_reason, logprobs)
+        else:
+            tools.feed(text)
+            tools.close()
+            choice = shape.full_choice(tools.content(), finish_reason(
+                progress.finish_reason, tools.calls), logprobs, tools.calls)
         return JSONResponse(
             {**header, "choices": [choice], "usage": progress.usage(), "baton": progress.baton()},
             headers=response_headers,
@@ -166,14 +174,20 @@ def build_app(
     max_model_len: int,
     api_keys: frozenset[str] = frozenset(),
     metrics_registry: prometheus_client.CollectorRegistry | None = None,
+    tool_call_parser: str = "hermes",
+    structured_backend: str = "auto",
 ) -> FastAPI:
     """The OpenAI-compatible app over ``router``.
 
-    ``max_model_len`` is the context window in tokens. With ``api_keys`` non-empty every
-    ``/v1`` route needs ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open.
+    ``max_model_len`` is the context window in tokens; ``tool_call_parser`` the format the
+    model calls tools in (``gateway.tool_parsers``); ``structured_backend`` the engines'
+    structured-output backend, which JSON schemas are checked for. With ``api_keys`` non-empty every
+    ``/v1`` route needs ``Authorization: Bearer <key>`` (the Anthropic routes take ``x-api-key``
+    too); ``/health`` and ``/metrics`` stay open.
     ``/metrics`` exposes ``metrics_registry`` (default: prometheus-client's global registry).
     """
-    served = ServedModel(served_model_name, max_model_len, tokenizer.vocab_size)
+    served = ServedModel(served_model_name, max_model_len, tokenizer.vocab_size, tool_call_parser,
+                         structured_backend)
     front = _Front(router, tokenizer, served)
     registry = metrics_registry if metrics_registry is not None else prometheus_client.REGISTRY
     app = FastAPI(title="Baton", docs_url=None, redoc_url=None, openapi_url=None)
@@ -210,6 +224,7 @@ def build_app(
         )
 
     app.include_router(v1)
+    app.include_router(messages_router(router, tokenizer, served, api_keys))
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, error: OpenAIError) -> JSONResponse:

@@ -51,9 +51,25 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict = Field(description="JSON text of an object (a dict is taken too).")
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message of the history made."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's past calls.")
+    tool_call_id: str | None = Field(None, description="The call a tool message answers.")
+    name: str | None = Field(None, description="The participant's name; accepted, not rendered.")
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -61,8 +77,28 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionSpec(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict | None = Field(None, description="JSON Schema of the arguments; unset: "
+                                    "none.")
+    strict: bool | None = Field(None, description="Forced calls are always held to the schema; "
+                                "auto calls are parsed, not constrained.")
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatCompletionRequest(_Body):
     messages: list[ChatMessage]
+    tools: list[ToolSpec] | None = Field(None, description="Functions the model may call.")
+    tool_choice: str | dict | None = Field(None, description="none, auto, required or "
+                                           "{type: function, function: {name}}; unset: auto "
+                                           "with tools, none without.")
+    parallel_tool_calls: bool | None = Field(None, description="More than one call per answer; "
+                                             "unset: true.")
     logprobs: bool | None = Field(None, description="Return each token's log-probability.")
     top_logprobs: int | None = Field(None, description="... and the 0..20 most likely tokens "
                                      "of each position; needs logprobs true.")

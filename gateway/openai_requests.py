@@ -3,11 +3,15 @@
 Mirrors ``gateway.validation.validate_and_build`` (the gRPC gateway's checks, reused one by
 one), so both fronts accept and refuse the same requests. Contract: ``build_engine_request``
 returns a request the router may place, or raises ``OpenAIError`` (400, or 404 for an unknown
-model) whose ``param`` names the offending OpenAI field.
+model) whose ``param`` names the offending OpenAI field. The checks the Anthropic front
+(``gateway.anthropic_requests``) shares with it are here too: ``checked_options`` (sampling knobs,
+cache salt, request id), ``chat_prompt`` (a conversation and its tools to token ids) and
+``checked_length`` (the prompt and ``max_tokens`` against the context window).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -15,6 +19,17 @@ from gateway.openai_errors import error_for
 from gateway.openai_fields import refused_field
 from gateway.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.tokenization import CHAT_ROLES, PromptTokenizer
+from gateway.tool_calls import (
+    ChoiceMode,
+    ToolCall,
+    ToolPlan,
+    Turn,
+    checked_arguments,
+    checked_plan,
+    checked_tool,
+    new_call_id,
+    render,
+)
 from gateway.validation import (
     DEFAULT_MAX_TOKENS,
     _check_cache_salt,
@@ -36,17 +51,31 @@ MAX_CHAT_TOP_LOGPROBS = 20
 """OpenAI's bound on chat ``top_logprobs`` (also vLLM's default ``max_logprobs``)."""
 MAX_COMPLETION_LOGPROBS = 5
 """OpenAI's bound on the completions endpoint's ``logprobs``."""
+REQUEST_ID_HEADER = "x-request-id"
+"""The header that plays the gRPC ``request_id`` field's part on both HTTP fronts."""
 SERVED_FORMATS = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What requests are checked against: the name, context window and vocabulary size."""
+    """What requests are checked against: the name, context window and vocabulary size, and the
+    format the model calls tools in (``gateway.tool_parsers.PARSERS``)."""
 
     name: str
     max_model_len: int
     vocab_size: int
+    tool_call_parser: str = "hermes"
+    structured_backend: str = "auto"
+    """The engines' structured-output backend (``gateway.json_schemas``)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked request: what the workers run, and what the front does with the output."""
+
+    engine: EngineRequest
+    tools: ToolPlan | None = None
 
 
 def checked(param: str | None, check: Callable[..., T], *args: Any) -> T:
@@ -57,15 +86,133 @@ def checked(param: str | None, check: Callable[..., T], *args: Any) -> T:
         raise error_for(e, param) from e
 
 
-def _chat_pairs(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+@dataclass(frozen=True)
+class Options:
+    """What both HTTP fronts check alike, checked: sampling knobs and the request's identity."""
+
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    cache_salt: str
+    request_id: str
+
+    def engine_request(self, prompt_token_ids: list[int], max_tokens: int, *,
+                       seed: int | None = None, ignore_eos: bool = False,
+                       num_logprobs: int | None = None, json_schema: str = "",
+                       json_object: bool = False) -> EngineRequest:
+        return EngineRequest(
+            request_id=self.request_id,
+            prompt_token_ids=tuple(prompt_token_ids),
+            sampling=SamplingOptions(
+                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, seed=seed,
+                stop=self.stop, ignore_eos=ignore_eos, num_logprobs=num_logprobs,
+                json_schema=json_schema, json_object=json_object,
+            ),
+            cache_salt=self.cache_salt,
+        )
+
+
+def checked_options(temperature: float | None, top_p: float | None, stop_param: str,
+                    stop_strings: list[str], cache_salt: str | None, tenant: str | None,
+                    request_id: str) -> Options:
+    """The fields both fronts share, checked by ``gateway.validation``; ``OpenAIError`` naming
+    the field. Unset temperature and top_p are 1.0; ``cache_salt`` wins over ``tenant`` (Baton's
+    extension fields); an empty request id becomes a fresh one."""
+    temperature = checked("temperature", _check_temperature,
+                          1.0 if temperature is None else temperature)
+    top_p = 1.0 if top_p is None else checked("top_p", _check_top_p, top_p)
+    stop = checked(stop_param, _check_stop, stop_strings)
+    salt_param, salt = ("cache_salt", cache_salt) if cache_salt is not None else ("tenant", tenant)
+    checked(salt_param, _check_cache_salt, salt or "")
+    request_id = checked("X-Request-Id", _check_request_id, request_id)
+    return Options(temperature, top_p, stop, salt or "", request_id)
+
+
+def chat_prompt(turns: list[Turn], plan: ToolPlan | None, tokenizer: PromptTokenizer,
+                param: str) -> list[int]:
+    """The token ids of a conversation and its tools (``gateway.tool_calls.render``) under the
+    model's chat template; ``OpenAIError`` naming ``param`` when the template refuses it."""
+    rendered = render(turns, plan, tokenizer.renders_tools)
+    return checked(param, tokenizer.encode_conversation, rendered.messages, rendered.tools)
+
+
+def forced_constraint(plan: ToolPlan | None, served: ServedModel, schemas_field: str) -> str:
+    """The grammar a forced call is decoded under (``ToolPlan.constraint``; '' when the model
+    chooses freely), checked for the engines' structured-output backend; ``OpenAIError`` naming
+    ``tools`` (the schemas come from ``schemas_field``) when it cannot enforce it."""
+    forced = plan.constraint() if plan is not None else ""
+    if not forced:
+        return ""
+    return checked("tools", check_json_schema, json.loads(forced),
+                   f"the forced call's schema (from {schemas_field})", served.structured_backend)
+
+
+def checked_length(prompt_token_ids: list[int], prompt_param: str, max_tokens: int | None,
+                   max_tokens_param: str, served: ServedModel) -> int:
+    """How many tokens to generate: the prompt must be non-empty, in the vocabulary and leave
+    room in the context window; an unset ``max_tokens`` is ``DEFAULT_MAX_TOKENS``, lowered to
+    fit. ``OpenAIError`` naming the prompt's field, or ``max_tokens_param`` when the prompt
+    fits but the two together do not."""
+    if not prompt_token_ids:
+        raise error_for(
+            InvalidRequest("the prompt tokenizes to no tokens; send a longer prompt"), prompt_param
+        )
+    checked(prompt_param, check_token_ids, prompt_token_ids, served.vocab_size)
+    prompt_fits = len(prompt_token_ids) < served.max_model_len
+    return checked(
+        max_tokens_param if prompt_fits else prompt_param,
+        _check_lengths,
+        len(prompt_token_ids),
+        max_tokens,
+        served.max_model_len,
+        DEFAULT_MAX_TOKENS,
+    )
+
+
+def _chat_turns(messages: list[ChatMessage]) -> list[Turn]:
     if not messages:
         raise InvalidRequest("messages is empty; send at least one message")
+    turns = []
     for index, message in enumerate(messages):
         if message.role not in CHAT_ROLES:
             raise InvalidRequest(
                 f"messages[{index}] has role '{message.role}'; use one of {', '.join(CHAT_ROLES)}"
             )
-    return [(message.role, message.text()) for message in messages]
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidRequest(f"messages[{index}]: only assistant messages carry tool_calls")
+        calls = tuple(
+            ToolCall(call.id or new_call_id(), call.function.name, checked_arguments(
+                call.function.arguments, f"messages[{index}].tool_calls[{number}].function"))
+            for number, call in enumerate(message.tool_calls or ())
+        )
+        turns.append(Turn(message.role, message.text(), calls, message.tool_call_id or ""))
+    return turns
+
+
+def _choice(tool_choice: str | dict | None, has_tools: bool) -> tuple[ChoiceMode, str]:
+    """(mode, function name) of OpenAI's ``tool_choice``."""
+    if tool_choice is None:
+        return ("auto" if has_tools else "none"), ""
+    if tool_choice in ("none", "auto", "required"):
+        return tool_choice, ""
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
+            and isinstance(function, dict) and isinstance(function.get("name"), str)):
+        return "named", function["name"]
+    raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or "
+                         f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
+                         f"got {tool_choice!r}")
+
+
+def tool_plan(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
+    """The request's ``ToolPlan`` (None without tools); ``OpenAIError`` naming the field."""
+    tools = [checked("tools", checked_tool, spec.function.name, spec.function.description,
+                     spec.function.parameters, f"tools[{index}].function")
+             for index, spec in enumerate(body.tools or ())]
+    mode, named = checked("tool_choice", _choice, body.tool_choice, bool(tools))
+    parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
+    param = "tool_choice" if mode in ("required", "named") else "tools"
+    return checked(param, checked_plan, tools, mode, named, parallel, parser)
 
 
 def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
@@ -106,7 +253,7 @@ def num_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
     return (top or 0) if body.logprobs else None
 
 
-def structured_output(response_format: dict | None) -> tuple[str, bool]:
+def structured_output(response_format: dict | None, backend: str = "auto") -> tuple[str, bool]:
     """``(json_schema, json_object)`` for ``SamplingOptions`` from OpenAI's ``response_format``:
     ``{"type": "text"}`` (or none), ``{"type": "json_object"}``, or ``{"type": "json_schema",
     "json_schema": {"name", "schema", "description"?, "strict"?}}`` whose schema is a JSON object
@@ -137,7 +284,8 @@ def structured_output(response_format: dict | None) -> tuple[str, bool]:
         raise InvalidRequest("response_format.json_schema.name must be a non-empty string")
     if not isinstance(spec.get("strict", False), (bool, type(None))):
         raise InvalidRequest("response_format.json_schema.strict must be true or false")
-    return check_json_schema(spec.get("schema"), "response_format.json_schema.schema"), False
+    return check_json_schema(spec.get("schema"), "response_format.json_schema.schema",
+                             backend), False
 
 
 def build_engine_request(
@@ -146,11 +294,23 @@ def build_engine_request(
     served: ServedModel,
     request_id: str = "",
 ) -> EngineRequest:
+    """What ``prepare`` makes of the body, for the workers."""
+    return prepare(body, tokenizer, served, request_id).engine
+
+
+def prepare(
+    body: ChatCompletionRequest | CompletionRequest,
+    tokenizer: PromptTokenizer,
+    served: ServedModel,
+    request_id: str = "",
+) -> Prepared:
     """Checks an OpenAI body like ``validate_and_build`` checks a ``GenerateRequest``.
 
     Cheap checks first, then tokenization. Raises ``OpenAIError`` whose ``param`` names the
-    offending field, also for a field the front would otherwise ignore (``openai_fields``). ``cache_salt`` wins over ``tenant``; an unset temperature is OpenAI's 1.0
-    and an unset max_tokens is ``DEFAULT_MAX_TOKENS``, lowered to fit the context window.
+    offending field, also for a field the front would otherwise ignore (``openai_fields``).
+    ``cache_salt`` wins over ``tenant``; an unset temperature is OpenAI's 1.0 and an unset
+    max_tokens is ``DEFAULT_MAX_TOKENS``, lowered to fit the context window. Tools are rendered
+    into the prompt and a forced call becomes the output's grammar (``gateway.tool_calls``).
     """
     checked("model", check_model, body.model, served.name)
     refused = refused_field(body.model_extra)
@@ -165,53 +325,36 @@ def build_engine_request(
             "n",
         )
     logprobs = num_logprobs(body)
-    json_schema, json_object = checked("response_format", structured_output, body.response_format)
-    temperature = 1.0 if body.temperature is None else body.temperature
-    temperature = checked("temperature", _check_temperature, temperature)
-    top_p = 1.0 if body.top_p is None else checked("top_p", _check_top_p, body.top_p)
+    json_schema, json_object = checked("response_format", structured_output, body.response_format,
+                                       served.structured_backend)
     stop_strings = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    stop = checked("stop", _check_stop, stop_strings)
-    salt_param, cache_salt = (
-        ("cache_salt", body.cache_salt) if body.cache_salt is not None else ("tenant", body.tenant)
-    )
-    checked(salt_param, _check_cache_salt, cache_salt or "")
-    request_id = checked("X-Request-Id", _check_request_id, request_id)
+    options = checked_options(body.temperature, body.top_p, "stop", stop_strings,
+                              body.cache_salt, body.tenant, request_id)
 
+    plan = None
     if isinstance(body, ChatCompletionRequest):
         prompt_param = "messages"
-        pairs = checked(prompt_param, _chat_pairs, body.messages)
-        prompt_token_ids = checked(prompt_param, tokenizer.encode_chat, pairs)
+        plan = tool_plan(body, served.tool_call_parser)
+        forced = forced_constraint(plan, served, "tools[].function.parameters")
+        if forced and (json_schema or json_object):
+            raise error_for(InvalidRequest(
+                f"response_format and tool_choice {body.tool_choice!r} both fix the output's "
+                "shape; send one of them"), "response_format")
+        json_schema = forced or json_schema
+        turns = checked(prompt_param, _chat_turns, body.messages)
+        prompt_token_ids = chat_prompt(turns, plan, tokenizer, prompt_param)
     else:
         prompt_param = "prompt"
         prompt = checked(prompt_param, _single_prompt, body.prompt)
         prompt_token_ids = tokenizer.encode_text(prompt) if isinstance(prompt, str) else prompt
-    if not prompt_token_ids:
-        raise error_for(
-            InvalidRequest("the prompt tokenizes to no tokens; send a longer prompt"), prompt_param
-        )
-    checked(prompt_param, check_token_ids, prompt_token_ids, served.vocab_size)
     max_tokens_param, max_tokens = (
         ("max_completion_tokens", body.max_completion_tokens)
         if body.max_completion_tokens is not None
         else ("max_tokens", body.max_tokens)
     )
-    prompt_fits = len(prompt_token_ids) < served.max_model_len
-    length_param = max_tokens_param if prompt_fits else prompt_param
-    max_tokens = checked(
-        length_param,
-        _check_lengths,
-        len(prompt_token_ids),
-        max_tokens,
-        served.max_model_len,
-        DEFAULT_MAX_TOKENS,
-    )
-    return EngineRequest(
-        request_id=request_id,
-        prompt_token_ids=tuple(prompt_token_ids),
-        sampling=SamplingOptions(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=body.seed, stop=stop,
-            ignore_eos=body.ignore_eos, num_logprobs=logprobs, json_schema=json_schema,
-            json_object=json_object,
-        ),
-        cache_salt=cache_salt or "",
-    )
+    max_tokens = checked_length(prompt_token_ids, prompt_param, max_tokens, max_tokens_param,
+                                served)
+    return Prepared(options.engine_request(
+        prompt_token_ids, max_tokens, seed=body.seed, ignore_eos=body.ignore_eos,
+        num_logprobs=logprobs, json_schema=json_schema, json_object=json_object,
+    ), plan)

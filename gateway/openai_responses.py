@@ -16,6 +16,8 @@ from typing import Sequence
 
 from gateway.openai_logprobs import chat_logprobs, completion_logprobs
 from gateway.router import Placed, num_cached_tokens
+from gateway.tool_calls import ToolCall
+from gateway.tool_parsers import CallArguments, CallStart, Piece, TextPiece
 from protos.wire import PositionLogprobs, TokenChunk
 
 
@@ -31,6 +33,8 @@ class Progress:
     finish_reason: str | None = None
     num_loaded_tokens: int = 0
     num_cached_tokens: int = 0
+    stop_sequence: str = ""
+    """The stop string that ended the answer ('' when none did: ``TokenChunk.stop_sequence``)."""
 
     def add(self, event: Placed | TokenChunk) -> None:
         assert isinstance(event, TokenChunk), "router sent a second Placed event"
@@ -41,6 +45,7 @@ class Progress:
             self.finish_reason = event.finish_reason
             self.num_loaded_tokens = event.num_loaded_tokens
             self.num_cached_tokens = num_cached_tokens(self.placed, event)
+            self.stop_sequence = event.stop_sequence
 
     def usage(self) -> dict:
         return {
@@ -86,13 +91,21 @@ class Shape:
             "model": model,
         }
 
-    def full_choice(self, text: str, finish_reason: str | None,
-                    logprobs: dict | None = None) -> dict:
+    def full_choice(self, text: str | None, finish_reason: str | None,
+                    logprobs: dict | None = None, tool_calls: Sequence[ToolCall] = ()) -> dict:
         if self.chat:
-            content = {"message": {"role": "assistant", "content": text}}
+            message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = [tool_call_entry(call) for call in tool_calls]
+            content = {"message": message}
         else:
             content = {"text": text}
         return {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def delta_choice(self, delta: dict, finish_reason: str | None = None,
+                     logprobs: dict | None = None) -> dict:
+        """A chat chunk's choice with ``delta`` (``piece_delta``)."""
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def chunk_choice(self, text: str | None, finish_reason: str | None, role: bool = False,
                      logprobs: dict | None = None) -> dict:
@@ -110,6 +123,24 @@ class Shape:
         if self.chat:
             return chat_logprobs(positions), text_offset
         return completion_logprobs(positions, text_offset)
+
+
+def tool_call_entry(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def piece_delta(piece: Piece) -> dict:
+    """A chat chunk's ``delta`` for one piece of a tool-calling answer, as OpenAI streams it:
+    content text; a call's opening (index, id, type, name, empty arguments); arguments text."""
+    if isinstance(piece, TextPiece):
+        return {"content": piece.text}
+    if isinstance(piece, CallStart):
+        function = {"name": piece.name, "arguments": ""}
+        return {"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function",
+                                "function": function}]}
+    assert isinstance(piece, CallArguments)
+    return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.fragment}}]}
 
 
 CHAT = Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True)

@@ -1,5 +1,6 @@
 """The OpenAI HTTP front's streams: the router's event stream as an SSE body or as one text, and
-the client's disconnect as cancellation.
+the client's disconnect as cancellation. ``opened``, ``collect_output``, ``event_stream`` and
+``unless_disconnected`` serve the Anthropic routes too (``gateway.anthropic_http``).
 
 Contract: every function here closes the router stream it is handed however it ends (the
 workers then abort the request); errors raised inside become ``OpenAIError`` (via
@@ -15,13 +16,20 @@ from typing import AsyncIterator, Awaitable, TypeVar
 
 import msgspec
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 
-from gateway.openai_errors import OpenAIError, translated
-from gateway.openai_responses import Progress, Shape
+from gateway.inference import NOT_READY_MESSAGE
+from gateway.openai_errors import OpenAIError, error_for, translated
+from gateway.openai_responses import Progress, Shape, piece_delta
 from gateway.router import Placed, Router
+from gateway.tool_parsers import ToolOutput, finish_reason
+from protos.errors import NoWorkerReady
 from protos.wire import EngineRequest, PositionLogprobs
 
 T = TypeVar("T")
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's code; the client is gone and never sees it
 
 
 def sse(payload: dict | str) -> bytes:
@@ -37,10 +45,12 @@ async def sse_events(
     include_usage: bool,
     request_id: str,
     with_logprobs: bool = False,
+    tools: ToolOutput | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body: an opening chunk (chat), text deltas (with their tokens' ``logprobs`` when
     ``with_logprobs``), a finish chunk with ``baton``, an optional usage chunk, ``[DONE]``. An
-    error after the first byte becomes an ``error`` event.
+    error after the first byte becomes an ``error`` event. With ``tools`` (chat) the text goes
+    through the tool-call parser first: content deltas and ``tool_calls`` deltas.
     """
     usage_field = {"usage": None} if include_usage else {}
     text_offset = 0
@@ -52,14 +62,27 @@ async def sse_events(
                     yield sse({**header, "choices": [opening], **usage_field})
                 async for event in events:
                     progress.add(event)
-                    if event.text or (with_logprobs and event.logprobs):
-                        logprobs = None
-                        if with_logprobs:
-                            logprobs, text_offset = shape.logprobs(event.logprobs, text_offset)
+                    if not (event.text or (with_logprobs and event.logprobs)):
+                        continue
+                    logprobs = None
+                    if with_logprobs:
+                        logprobs, text_offset = shape.logprobs(event.logprobs, text_offset)
+                    if tools is None:
                         choice = shape.chunk_choice(event.text, None, logprobs=logprobs)
                         yield sse({**header, "choices": [choice], **usage_field})
+                        continue
+                    deltas = [piece_delta(piece) for piece in tools.feed(event.text)]
+                    for number, delta in enumerate(deltas or ([{}] if logprobs else [])):
+                        choice = shape.delta_choice(delta, None, logprobs if number == 0 else None)
+                        yield sse({**header, "choices": [choice], **usage_field})
                 assert progress.finish_reason, "router ended the stream without a finish_reason"
-        finish = shape.chunk_choice(None, progress.finish_reason)
+        reason = progress.finish_reason
+        if tools is not None:
+            for piece in tools.close():
+                choice = shape.delta_choice(piece_delta(piece))
+                yield sse({**header, "choices": [choice], **usage_field})
+            reason = finish_reason(reason, tools.calls)
+        finish = shape.chunk_choice(None, reason)
         yield sse({**header, "choices": [finish], **usage_field, "baton": progress.baton()})
         if include_usage:
             yield sse({**header, "choices": [], "usage": progress.usage()})
@@ -82,6 +105,31 @@ async def collect_output(events: AsyncIterator, progress: Progress,
                 positions.extend(event.logprobs)
         assert progress.finish_reason, "router ended the stream without a finish_reason"
     return "".join(text_parts), positions
+
+
+async def opened(router: Router, request: EngineRequest, http_request: Request
+                 ) -> tuple[Placed, AsyncIterator] | None:
+    """``open_stream`` once the router is ready (``OpenAIError`` 503 when it is not), or None
+    when the client went away first (answer ``CLIENT_CLOSED_REQUEST``)."""
+    if not router.is_ready():
+        raise error_for(NoWorkerReady(NOT_READY_MESSAGE))
+    return await unless_disconnected(http_request, open_stream(router, request))
+
+
+def event_stream(body: AsyncIterator[bytes], events: AsyncIterator, headers: dict[str, str]
+                 ) -> StreamingResponse:
+    """``body`` (built over the router stream ``events``) as a ``text/event-stream`` answer that
+    closes both however the answer ends."""
+
+    async def close_streams() -> None:
+        # Starlette abandons the body iterator, or never starts it, when the client
+        # disconnects; this closes the router stream without waiting for the GC.
+        await body.aclose()
+        await events.aclose()
+
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers=headers | {"Cache-Control": "no-cache"},
+                             background=BackgroundTask(close_streams))
 
 
 async def open_stream(router: Router, request: EngineRequest) -> tuple[Placed, AsyncIterator]:

@@ -39,8 +39,21 @@ class PromptTokenizer:
         with self._lock:
             return list(self._tokenizer.encode(text))
 
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template renders tools itself (it refers to ``tools``); otherwise the
+        fronts render them with Baton's default (``gateway.tool_calls``)."""
+        return "tools" in (self._tokenizer.chat_template or "")
+
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """Token ids of a conversation of ``(role, content)`` pairs.
+        """Token ids of a conversation of ``(role, content)`` pairs (``encode_conversation``)."""
+        return self.encode_conversation([{"role": role, "content": content}
+                                         for role, content in messages])
+
+    def encode_conversation(self, conversation: list[dict], tools: list[dict] | None = None
+                            ) -> list[int]:
+        """Token ids of a conversation of chat-template messages (and the tools, for a template
+        that renders them).
 
         Rendered with the model's chat template and the assistant's generation prompt appended,
         then encoded without adding special tokens (the template already holds them). Raises
@@ -54,11 +67,10 @@ class PromptTokenizer:
                 "the served model's tokenizer has no chat template; "
                 "send the prompt as text or token_ids instead of chat"
             )
-        conversation = [{"role": role, "content": content} for role, content in messages]
         with self._lock:
             try:
                 rendered = self._tokenizer.apply_chat_template(
-                    conversation, add_generation_prompt=True, tokenize=False
+                    conversation, tools=tools, add_generation_prompt=True, tokenize=False
                 )
             except jinja2.TemplateError as e:
                 raise InvalidRequest(

@@ -40,12 +40,14 @@ def validate_and_build(
     max_model_len: int,
     vocab_size: int,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    structured_backend: str = "auto",
 ) -> EngineRequest:
     """Check a ``GenerateRequest`` against the served model and turn it into an ``EngineRequest``.
 
     ``max_model_len`` is the context window in tokens (prompt plus generated tokens);
     ``vocab_size`` bounds client-given token ids to ``[0, vocab_size)``. An unset
     ``max_tokens`` becomes ``default_max_tokens``, lowered to what fits in the context window.
+    A JSON schema is checked for the engines' ``structured_backend``.
     An empty ``request_id`` becomes a fresh uuid4 hex string.
     """
     check_model(request.model, served_model_name)
@@ -59,7 +61,7 @@ def validate_and_build(
         if sampling.HasField("logprobs")
         else None
     )
-    json_schema, json_object = _check_structured_output(sampling)
+    json_schema, json_object = _check_structured_output(sampling, structured_backend)
     request_id = _check_request_id(request.request_id)
     _check_cache_salt(request.cache_salt)
 
@@ -166,17 +168,17 @@ def check_bounded(name: str, value: int, most: int) -> int:
     return value
 
 
-def check_json_schema(schema: object, field: str) -> str:
+def check_json_schema(schema: object, field: str, backend: str = "auto") -> str:
     """``SamplingOptions.json_schema`` for ``schema`` (a parsed JSON value): its compact text.
 
-    Both fronts call it: the schema must be a JSON object that vLLM's structured-output backend
-    can enforce (``gateway.json_schemas``), so an unsupported one is refused at the front, naming
-    ``field``, rather than by the decode engine after placement.
+    Both fronts call it: the schema must be a JSON object that the engines' structured-output
+    ``backend`` can enforce (``gateway.json_schemas``), so an unsupported one is refused at the
+    front, naming ``field``, rather than by the decode engine after placement.
     """
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{field} must be a JSON Schema object, got {type(schema).__name__}")
     schema_text = json.dumps(schema, separators=(",", ":"))
-    refusal = backend_refusal(schema_text)
+    refusal = backend_refusal(schema_text, backend)
     if refusal is not None:
         raise InvalidRequest(
             f"{field} is a JSON Schema the structured-output backend cannot enforce: {refusal}; "
@@ -185,7 +187,7 @@ def check_json_schema(schema: object, field: str) -> str:
     return schema_text
 
 
-def _check_structured_output(sampling: pb.SamplingParams) -> tuple[str, bool]:
+def _check_structured_output(sampling: pb.SamplingParams, backend: str) -> tuple[str, bool]:
     """``(json_schema, json_object)`` for ``SamplingOptions``; at most one of them set."""
     if sampling.json_schema and sampling.json_object:
         raise InvalidRequest(
@@ -201,7 +203,7 @@ def _check_structured_output(sampling: pb.SamplingParams) -> tuple[str, bool]:
             f"sampling.json_schema is not valid JSON ({e}); send the JSON text of a JSON Schema "
             "object"
         ) from e
-    return check_json_schema(schema, "sampling.json_schema"), False
+    return check_json_schema(schema, "sampling.json_schema", backend), False
 
 
 def _check_lengths(

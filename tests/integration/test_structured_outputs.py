@@ -108,7 +108,8 @@ async def test_sampled_grpc_json_schema_answers_all_validate(server):
 
 
 UNENFORCEABLE = {"type": "object", "properties": {"a": {"type": 7}}}
-"""A JSON object that is no JSON Schema: every backend of vLLM's refuses it."""
+"""A JSON object that is no JSON Schema: every backend of vLLM's refuses it (the engines run
+xgrammar, ``engine.compact_json``, whose message the front passes on)."""
 
 
 async def test_a_schema_the_backend_refuses_is_a_400_from_the_front(server):
@@ -123,7 +124,7 @@ async def test_a_schema_the_backend_refuses_is_a_400_from_the_front(server):
                                                                    "response_format")
     assert info.value.body["message"].startswith(
         "response_format.json_schema.schema is a JSON Schema the structured-output backend "
-        "cannot enforce: Grammar error: type must be a string or array of strings")
+        "cannot enforce: Failed to transform json schema into a grammar: Type should be a string")
 
 
 async def test_a_schema_the_backend_refuses_is_invalid_argument_over_grpc(server):
@@ -134,4 +135,4 @@ async def test_a_schema_the_backend_refuses_is_invalid_argument_over_grpc(server
     assert info.value.status == "INVALID_ARGUMENT"
     assert info.value.details.startswith(
         "sampling.json_schema is a JSON Schema the structured-output backend cannot enforce: "
-        "Grammar error: type must be a string or array of strings")
+        "Failed to transform json schema into a grammar: Type should be a string")

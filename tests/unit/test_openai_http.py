@@ -309,9 +309,9 @@ async def test_malformed_body_is_400_in_openai_format(http, router, content, fra
 
 
 IGNORED_OTHERWISE = {
-    "tools": ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-              "tool calling is not served yet"),
-    "tool_choice required": ("chat", {"tool_choice": "required"}, "only tool_choice 'none'"),
+    "completion tools": ("completion", {"tools": [{"type": "function", "function": {"name": "f"}}]},
+                         "tool calling is served on /v1/chat/completions"),
+    "functions": ("chat", {"functions": [{"name": "f"}]}, "send the functions as tools"),
     "completion top_logprobs": ("completion", {"top_logprobs": 2},
                                 "top_logprobs is the chat endpoint's; on /v1/completions send "
                                 "logprobs: k"),

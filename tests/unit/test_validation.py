@@ -102,11 +102,25 @@ def test_json_object_is_kept(tokenizer):
     assert (sampling.json_schema, sampling.json_object) == ("", True)
 
 
+@pytest.mark.vllm
 def test_a_schema_xgrammar_refuses_but_llguidance_enforces_is_accepted(tokenizer):
     """vLLM's ``auto`` backend falls back to llguidance for ``multipleOf``; so does the front."""
     schema = '{"type":"integer","multipleOf":3}'
 
     assert build(make_request(json_schema=schema), tokenizer).sampling.json_schema == schema
+
+
+def test_engines_on_xgrammar_alone_get_that_schema_refused_at_the_front(tokenizer):
+    """With ``engine.compact_json`` the engines run xgrammar only (no fallback): the front checks
+    for that backend, so the schema the ``auto`` engines take is refused before placement."""
+    schema = '{"type":"integer","multipleOf":3}'
+
+    with pytest.raises(InvalidRequest, match="sampling.json_schema is a JSON Schema the "
+                       "structured-output backend cannot enforce"):
+        validate_and_build(make_request(json_schema=schema), tokenizer, SERVED, MAX_MODEL_LEN,
+                           VOCAB_SIZE, structured_backend="xgrammar")
+    assert json_schemas.backend_refusal(schema, "xgrammar") is not None
+    assert json_schemas.backend_refusal(schema, "auto") is None
 
 
 def test_the_backend_verdict_is_cached_by_schema_text():
@@ -277,15 +291,17 @@ BAD_REQUESTS = {
         _sampling(json_schema="[1]"),
         "sampling.json_schema must be a JSON Schema object, got list",
     ),
-    "json_schema the backend refuses": (
+    "json_schema the backend refuses": pytest.param(
         _sampling(json_schema='{"type": "object", "properties": {"a": {"type": 7}}}'),
         "sampling.json_schema is a JSON Schema the structured-output backend cannot enforce: "
         "Grammar error: type must be a string or array of strings; fix or drop the keywords",
+        marks=pytest.mark.vllm,
     ),
-    "json_schema nested too deeply": (
+    "json_schema nested too deeply": pytest.param(
         _sampling(json_schema='{"items":' * 70 + "{}" + "}" * 70),
         "cannot enforce: The JSON schema is nested too deeply: objects and arrays may nest at "
         "most 64 levels;",
+        marks=pytest.mark.vllm,
     ),
     "long cache salt": (
         _with(cache_salt="s" * 257),
