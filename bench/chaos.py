@@ -3,25 +3,39 @@
 Starts a whole local cluster (as ``baton serve`` does), computes each prompt's greedy answer once
 on a plain vLLM engine in this process (the reference), then for ``duration_s`` keeps
 ``concurrency`` gRPC streams going over a pool of prompts that share prefixes, while three fault
-schedules run side by side:
+schedules run side by side. Every draw (prompts, streams, fault times, victims) comes from one
+``seed``; without one a fresh seed is drawn and printed, so a failing run replays.
 
-- every ``kill_every_s`` a random prefill or decode worker is killed without warning and a
-  fresh one started in its place;
-- about every ``kill_store_every_s`` (a random draw between half and one and a half times it)
-  the KV store node is killed without warning; the cluster's watchdog starts a new one, and the
-  engines recompute while it is gone and find the new one by themselves;
+- about every ``kill_every_s`` (a random draw between half and one and a half times it) a worker
+  is killed without warning and a fresh one started in its place. The victim is aimed at
+  streams in flight: a pool with two live instances or more is drawn, then, within it, an
+  instance with requests running (a prefill mid-prefill or mid-save, a decode mid-stream) if
+  there is one. When no pool can spare an instance (the replacements are still starting), the
+  tick kills the KV store node instead, if its schedule is on, so a run of S seconds injects
+  about S / ``kill_every_s`` faults; otherwise the tick is counted in ``skipped_ticks``;
+- about every ``kill_store_every_s`` (drawn the same way) the KV store node is killed without
+  warning; the cluster's watchdog starts a new one, and the engines recompute while it is gone
+  and find the new one by themselves;
 - about every ``restart_redis_every_s`` (drawn the same way) Redis is stopped and started again,
   empty, on the same port a second later: the store node re-registers.
 
-``0`` turns a schedule off. ``ChaosReport.faults`` counts what was injected, by kind. Every
-request ends in exactly one bucket:
+``0`` turns a schedule off. ``ChaosReport.faults`` counts what was injected, by kind, and
+``hits`` says, for each fault, how many requests were in flight on its victim (the whole
+cluster's for the store node and Redis). Every request ends in exactly one bucket:
 
 - ``completed``: the answer equals the reference token for token;
 - ``wrong``: an answer that differs (must be 0);
-- ``failed_clean``: a gRPC error with a defined status (e.g. UNAVAILABLE when a decode worker
-  died mid-stream and no other could continue it: the message says how many tokens were
-  delivered);
+- ``failed_clean``: UNAVAILABLE or RESOURCE_EXHAUSTED with the gateway's retry hint
+  (``retry-after-ms``), e.g. when a decode worker died mid-stream and no other could continue
+  it (the message says how many tokens were delivered): what a client is told to retry;
+- ``failed_other``: any other error (INTERNAL, UNKNOWN, a retryable status without a hint, ...):
+  must be 0;
 - ``lost``: neither an answer nor an error before the client's deadline (must be 0).
+
+``corrupt_kv`` is the positive control of ``wrong``: the store node inverts the bytes of every
+block committed during the run (``KVStoreNode.corrupt_on_commit``), so a decode instance that
+loads a prompt's KV instead of computing it answers from garbage. The control passes when the
+drill catches it (``wrong`` > 0); a control run that finds nothing wrong means ``wrong`` is blind.
 
 ``retried`` counts requests the router placed again because their prefill worker died before
 answering, or moved to another decode instance because theirs died mid-stream (they then end in
@@ -51,11 +65,30 @@ CLIENT_TIMEOUT_S = 120.0
 """A request with no answer and no error by then is counted as lost."""
 
 
+CORRUPT_EVERY_BLOCK = 1 << 40
+"""A corruption budget no run exhausts."""
+RETRYABLE = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
+"""The statuses a client is told to retry; ``failed_clean`` only with the gateway's hint."""
+
+
+class FaultHit(msgspec.Struct):
+    kind: str
+    """prefill_worker, decode_worker, store_node or redis."""
+    victim: str
+    at_s: float
+    """Seconds into the load."""
+    in_flight: int
+    """Requests running or waiting on the victim when it was hit (for the store node and Redis:
+    on every engine of the cluster)."""
+
+
 class ChaosReport(msgspec.Struct):
+    seed: int = 0
     sent: int = 0
     completed: int = 0
     retried: int = 0
     failed_clean: int = 0
+    failed_other: int = 0
     lost: int = 0
     wrong: int = 0
     leaked: int = 0
@@ -64,12 +97,23 @@ class ChaosReport(msgspec.Struct):
     """The workers killed, in order."""
     faults: dict[str, int] = {}
     """Faults injected by kind: prefill_worker, decode_worker, store_node, redis."""
+    hits: list[FaultHit] = []
+    """Each fault, in order, and the requests in flight on its victim."""
+    skipped_ticks: int = 0
+    """Worker-kill ticks that injected nothing (no pool could spare an instance and the store
+    node's schedule is off)."""
+    corrupt_kv: bool = False
+    """A positive-control run (module docstring)."""
     leaks: dict[str, int] = {}
     duration_s: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.lost == 0 and self.wrong == 0 and self.leaked == 0
+        """A drill passes with nothing lost, wrong, leaked or failed otherwise; a positive
+        control passes when it caught the corruption (``wrong`` > 0) and lost nothing."""
+        if self.corrupt_kv:
+            return self.wrong > 0 and self.lost == 0
+        return (self.lost, self.wrong, self.leaked, self.failed_other) == (0, 0, 0, 0)
 
 
 def prompt_pool(num_prompts: int, seed: int, block_tokens: int = 128) -> list[list[int]]:
@@ -120,9 +164,12 @@ async def _client_loop(server: BatonServer, prompts, references, max_tokens: int
         except client.GenerateFailed as exc:
             if exc.status == "DEADLINE_EXCEEDED":
                 report.lost += 1
-            else:
+                continue
+            report.failed_by_status[exc.status] = report.failed_by_status.get(exc.status, 0) + 1
+            if exc.status in RETRYABLE and exc.retry_after_ms is not None:
                 report.failed_clean += 1
-                report.failed_by_status[exc.status] = report.failed_by_status.get(exc.status, 0) + 1
+            else:
+                report.failed_other += 1
             continue
         except asyncio.TimeoutError:
             report.lost += 1
@@ -133,33 +180,66 @@ async def _client_loop(server: BatonServer, prompts, references, max_tokens: int
             report.wrong += 1
 
 
-async def _chaos_loop(server: BatonServer, deadline: float, kill_every_s: float, rng: random.Random,
-                      report: ChaosReport, progress: Callable[[str], None]) -> None:
-    """Kill a random worker every ``kill_every_s``, never the last live one of its pool, and
-    start its replacement in the background (an engine takes tens of seconds to come up)."""
+async def _in_flight(cluster, instance_ids: list[str]) -> dict[str, int]:
+    """Requests running or waiting in each instance's engine (0 for one that does not answer)."""
+    async def one(instance_id: str) -> int:
+        try:
+            stats = await asyncio.wait_for(cluster.actor(instance_id).stats.remote(), 5)
+        except Exception:  # noqa: BLE001 - a dying instance has nothing in flight we can count
+            return 0
+        return stats.num_running_reqs + stats.num_waiting_reqs
+
+    counts = await asyncio.gather(*(one(i) for i in instance_ids))
+    return dict(zip(instance_ids, counts))
+
+
+def _hit(report: ChaosReport, kind: str, victim: str, started: float, in_flight: int) -> None:
+    report.faults[kind] = report.faults.get(kind, 0) + 1
+    report.hits.append(FaultHit(kind, victim, round(time.monotonic() - started, 1), in_flight))
+
+
+async def _chaos_loop(server: BatonServer, started: float, deadline: float, kill_every_s: float,
+                      store_fallback: bool, rng: random.Random, report: ChaosReport,
+                      progress: Callable[[str], None]) -> None:
+    """About every ``kill_every_s``, kill a worker aimed at streams in flight, never the last
+    live one of its pool, and start its replacement in the background (an engine takes a while
+    to come up); the store node when no pool can spare one and ``store_fallback``."""
     cluster = server.cluster
     replacing: list[asyncio.Future] = []
-    while kill_every_s > 0 and time.monotonic() + kill_every_s < deadline:
-        await asyncio.sleep(kill_every_s)
+    while kill_every_s > 0:
+        wait_s = kill_every_s * rng.uniform(0.5, 1.5)
+        if time.monotonic() + wait_s >= deadline:
+            break
+        await asyncio.sleep(wait_s)
         up = [[i for i in ids if i in cluster.engine_start_s] for ids in (cluster.prefill_ids,
                                                                           cluster.decode_ids)]
         pools = [ids for ids in up if len(ids) >= 2]
         if not pools:
+            if store_fallback:
+                busy = await _in_flight(cluster, [i for ids in up for i in ids])
+                progress("no pool can spare a worker: killing the KV store node instead")
+                _hit(report, "store_node", "store", started, sum(busy.values()))
+                await asyncio.to_thread(_lose_store, cluster, report.corrupt_kv)
+            else:
+                report.skipped_ticks += 1
             continue
-        victim = rng.choice(rng.choice(pools))
-        progress(f"killing {victim}")
+        pool = rng.choice(pools)
+        busy = await _in_flight(cluster, pool)
+        aimed = [i for i in pool if busy[i] > 0]
+        victim = rng.choice(aimed or pool)
+        progress(f"killing {victim} ({busy[victim]} requests in flight on it)")
         report.kills.append(victim)
         kind = "prefill_worker" if victim in cluster.prefill_ids else "decode_worker"
-        report.faults[kind] = report.faults.get(kind, 0) + 1
+        _hit(report, kind, victim, started, busy[victim])
         ray.kill(cluster.actor(victim), no_restart=True)
         replacing.append(asyncio.ensure_future(asyncio.to_thread(cluster.replace_worker, victim)))
     for new_id in await asyncio.gather(*replacing):
         progress(f"{new_id} replaced a killed worker")
 
 
-def _lose_store(cluster, timeout_s: float = 120.0) -> None:
+def _lose_store(cluster, corrupt: bool = False, timeout_s: float = 120.0) -> None:
     """Kill the store node without warning, as a crash would, and return once the cluster's
-    watchdog has started a new one."""
+    watchdog has started a new one (told to corrupt what it stores, in a positive control)."""
     old = cluster.store
     ray.kill(old, no_restart=True)
     deadline = time.monotonic() + timeout_s
@@ -167,25 +247,30 @@ def _lose_store(cluster, timeout_s: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no new store node {timeout_s:.0f} s after the old one was killed")
         time.sleep(0.1)
+    if corrupt:
+        ray.get(cluster.store.corrupt_on_commit.remote(CORRUPT_EVERY_BLOCK))
 
 
-async def _fault_loop(kind: str, inject: Callable[[], object], every_s: float, deadline: float,
-                      rng: random.Random, report: ChaosReport,
+async def _fault_loop(server: BatonServer, kind: str, inject: Callable[[], object], every_s: float,
+                      started: float, deadline: float, rng: random.Random, report: ChaosReport,
                       progress: Callable[[str], None]) -> None:
     """Inject one fault of ``kind`` (``inject`` runs in a thread and returns when it is over:
     the store node or Redis is back) at random intervals of ``every_s`` give or take half."""
     if every_s <= 0:
         return
+    cluster = server.cluster
     while True:
         wait_s = every_s * rng.uniform(0.5, 1.5)
         if time.monotonic() + wait_s >= deadline:
             return
         await asyncio.sleep(wait_s)
-        started = time.monotonic()
-        progress(f"injecting a fault: {kind}")
-        report.faults[kind] = report.faults.get(kind, 0) + 1
+        injected = time.monotonic()
+        busy = await _in_flight(cluster, [i for i in cluster.prefill_ids + cluster.decode_ids
+                                          if i in cluster.engine_start_s])
+        progress(f"injecting a fault: {kind} ({sum(busy.values())} requests in flight)")
+        _hit(report, kind, kind if kind == "redis" else "store", started, sum(busy.values()))
         await asyncio.to_thread(inject)
-        progress(f"{kind} back after {time.monotonic() - started:.1f} s")
+        progress(f"{kind} back after {time.monotonic() - injected:.1f} s")
 
 
 async def _leaks(server: BatonServer, settle_s: float = 30.0) -> dict[str, int]:
@@ -208,14 +293,22 @@ async def _leaks(server: BatonServer, settle_s: float = 30.0) -> dict[str, int]:
         await asyncio.sleep(0.5)
 
 
+def fresh_seed() -> int:
+    """A seed for a run that was given none (printed, so the run replays)."""
+    return random.SystemRandom().randrange(2**31)
+
+
 async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int = 4,
                     kill_every_s: float = 10.0, max_tokens: int = 16, num_prompts: int = 12,
-                    seed: int = 0, progress: Callable[[str], None] = lambda _m: None,
-                    kill_store_every_s: float = 20.0,
-                    restart_redis_every_s: float = 25.0) -> ChaosReport:
+                    seed: int | None = None, progress: Callable[[str], None] = lambda _m: None,
+                    kill_store_every_s: float = 20.0, restart_redis_every_s: float = 25.0,
+                    corrupt_kv: bool = False) -> ChaosReport:
+    if seed is None:
+        seed = fresh_seed()
+    progress(f"seed {seed} (replay this run with --seed {seed})")
     server = BatonServer(config, progress=progress)
     await server.start()
-    report = ChaosReport()
+    report = ChaosReport(seed=seed, corrupt_kv=corrupt_kv)
     try:
         prompts = prompt_pool(num_prompts, seed)
         progress(f"computing {len(prompts)} reference answers on a plain engine")
@@ -233,13 +326,18 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
                  f"{kill_every_s:.0f} s, store node {kill_store_every_s:.0f} s, Redis "
                  f"{restart_redis_every_s:.0f} s (0: never)")
         report.faults = {"prefill_worker": 0, "decode_worker": 0, "store_node": 0, "redis": 0}
+        if corrupt_kv:
+            progress("positive control: the store node corrupts every block committed from now")
+            await cluster.store.corrupt_on_commit.remote(CORRUPT_EVERY_BLOCK)
         rng = random.Random(seed)
         await asyncio.gather(
-            _chaos_loop(server, deadline, kill_every_s, random.Random(seed + 1), report, progress),
-            _fault_loop("store_node", lambda: _lose_store(cluster), kill_store_every_s, deadline,
-                        random.Random(seed + 2), report, progress),
-            _fault_loop("redis", cluster.restart_redis, restart_redis_every_s, deadline,
-                        random.Random(seed + 3), report, progress),
+            _chaos_loop(server, started, deadline, kill_every_s, kill_store_every_s > 0,
+                        random.Random(seed + 1), report, progress),
+            _fault_loop(server, "store_node", lambda: _lose_store(cluster, corrupt_kv),
+                        kill_store_every_s,
+                        started, deadline, random.Random(seed + 2), report, progress),
+            _fault_loop(server, "redis", cluster.restart_redis, restart_redis_every_s, started,
+                        deadline, random.Random(seed + 3), report, progress),
             *(_client_loop(server, prompts, references, max_tokens, deadline,
                            random.Random(rng.random()), report) for _ in range(concurrency)),
         )
@@ -253,16 +351,23 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
 
 
 def main(config: ClusterConfig, duration_s: float, concurrency: int, kill_every_s: float,
-         json_path: Path | None, seed: int, progress: Callable[[str], None],
-         kill_store_every_s: float = 20.0, restart_redis_every_s: float = 25.0) -> ChaosReport:
+         json_path: Path | None, seed: int | None, progress: Callable[[str], None],
+         kill_store_every_s: float = 20.0, restart_redis_every_s: float = 25.0,
+         corrupt_kv: bool = False) -> ChaosReport:
     report = asyncio.run(run_chaos(config, duration_s, concurrency, kill_every_s, seed=seed,
                                    progress=progress, kill_store_every_s=kill_store_every_s,
-                                   restart_redis_every_s=restart_redis_every_s))
+                                   restart_redis_every_s=restart_redis_every_s,
+                                   corrupt_kv=corrupt_kv))
     data = msgspec.to_builtins(report)
-    print(json.dumps({k: data[k] for k in ("sent", "completed", "retried", "failed_clean", "lost",
-                                           "wrong", "leaked")}))
-    print(f"faults: {report.faults}; workers killed: {', '.join(report.kills) or 'none'}; "
-          f"failed by status: {report.failed_by_status}; leaks: {report.leaks}")
+    print(json.dumps({k: data[k] for k in ("seed", "sent", "completed", "retried", "failed_clean",
+                                           "failed_other", "lost", "wrong", "leaked")}))
+    hit = [f"{h.kind}@{h.at_s:.0f}s:{h.in_flight}" for h in report.hits]
+    print(f"faults: {report.faults}; hits (kind@time:requests in flight): {', '.join(hit) or 'none'}; "
+          f"skipped ticks: {report.skipped_ticks}; failed by status: {report.failed_by_status}; "
+          f"leaks: {report.leaks}")
+    if corrupt_kv:
+        caught = "caught it" if report.wrong else "did NOT catch it: the wrong count is blind"
+        print(f"positive control (corrupted KV): {report.wrong} wrong answers; the drill {caught}")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(data, indent=2) + "\n")

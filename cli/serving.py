@@ -129,13 +129,20 @@ def chaos(
     restart_redis_every: float = typer.Option(
         25.0, help="About every S seconds (drawn the same way) Redis is stopped and started "
         "again, empty, a second later (0: never)."),
-    seed: int = typer.Option(0, help="Seed of the prompts, the streams and the victims."),
+    seed: Optional[int] = typer.Option(
+        None, help="Seed of the prompts, the streams, the fault times and the victims; unset: a "
+        "fresh one, printed, so the run replays."),
+    corrupt_kv: bool = typer.Option(
+        False, "--corrupt-kv", help="Positive control: the store node corrupts every block it "
+        "stores; the drill must catch it (wrong > 0), or its wrong count is blind (exit 1)."),
     set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
 ) -> None:
     """Failure drill: a local cluster under sustained streaming load while prefill and decode
-    workers are killed at random and replaced, the KV store node is killed and replaced, and
-    Redis is restarted. Prints and writes sent, completed, retried, failed_clean, lost, wrong and
-    leaked, and the faults injected by kind; exit code 1 when lost, wrong or leaked is not 0."""
+    workers are killed at random (aimed at streams in flight) and replaced, the KV store node is
+    killed and replaced, and Redis is restarted. Prints and writes sent, completed, retried,
+    failed_clean (a retryable status with a retry hint), failed_other, lost, wrong and leaked,
+    the faults injected by kind and the requests each hit; exit code 1 when lost, wrong, leaked
+    or failed_other is not 0 (with --corrupt-kv: when wrong is 0)."""
     from bench.chaos import main as run_chaos
     from cluster.config import load_config
     from protos.errors import ConfigError
@@ -150,7 +157,7 @@ def chaos(
         cfg = load_config(config, overrides)
         report = run_chaos(cfg, duration, concurrency, kill_every, json_path, seed,
                            lambda msg: err.print(f"[cyan]chaos[/cyan] {msg}"),
-                           kill_store_every, restart_redis_every)
+                           kill_store_every, restart_redis_every, corrupt_kv)
     except ConfigError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc

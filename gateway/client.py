@@ -18,12 +18,20 @@ DeltaCallback = Callable[[str, list[int]], None]
 
 
 class GenerateFailed(BatonError):
-    """The gateway answered with a gRPC error; ``status`` is its name, e.g. INVALID_ARGUMENT."""
+    """The gateway answered with a gRPC error; ``status`` is its name, e.g. INVALID_ARGUMENT;
+    ``retry_after_ms`` the gateway's retry hint (``retry-after-ms`` trailing metadata), None
+    when it sent none (an error a retry cannot fix)."""
 
-    def __init__(self, status: str, details: str) -> None:
+    def __init__(self, status: str, details: str, retry_after_ms: int | None = None) -> None:
         super().__init__(f"{status}: {details}")
         self.status = status
         self.details = details
+        self.retry_after_ms = retry_after_ms
+
+
+def _retry_after_ms(error: grpc.aio.AioRpcError) -> int | None:
+    hint = dict(error.trailing_metadata() or ()).get("retry-after-ms")
+    return int(hint) if hint is not None and str(hint).isdigit() else None
 
 
 def build_request(
@@ -151,7 +159,7 @@ async def generate(
                 if on_delta is not None:
                     on_delta(response.delta.text, delta_token_ids)
         except grpc.aio.AioRpcError as e:
-            raise GenerateFailed(e.code().name, e.details() or "") from e
+            raise GenerateFailed(e.code().name, e.details() or "", _retry_after_ms(e)) from e
     if final is None:
         raise GenerateFailed("INTERNAL", "the stream ended without a final message")
     usage = final.usage

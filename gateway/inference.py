@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.auth import KeySet, bearer_key
 from gateway.router import Placed, Router, num_cached_tokens
-from gateway.status import status_of
+from gateway.status import retry_after_s, status_of
 from gateway.tokenization import PromptTokenizer
 from gateway.validation import tokenize_prompt, validate_and_build
 from protos.baton.v1 import inference_pb2 as pb
@@ -178,9 +178,9 @@ class InferenceServicer:
                 "router ended the stream without a finish_reason"
             )
         except BatonError as e:
-            retry_after_s = getattr(e, "retry_after_s", None)
-            if retry_after_s is not None:
-                context.set_trailing_metadata((("retry-after-ms", str(round(retry_after_s * 1000))),))
+            retry_s = retry_after_s(e)
+            if retry_s is not None:
+                context.set_trailing_metadata((("retry-after-ms", str(round(retry_s * 1000))),))
             return status_of(e).grpc_code, str(e)
         except Exception:
             logger.exception("request %s failed inside the gateway", request.request_id)

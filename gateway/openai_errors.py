@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 from http import HTTPStatus
 
@@ -19,12 +20,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from gateway.status import STATUS_BY_ERROR, category_of
+from gateway.status import STATUS_BY_ERROR, category_of, retry_after_s
 from protos.errors import BatonError
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_RETRY_AFTER_S = 1
 
 
 class OpenAIError(Exception):
@@ -53,13 +52,14 @@ def error_for(error: BatonError, param: str | None = None) -> OpenAIError:
     kind = category_of(error)
     status = STATUS_BY_ERROR[kind].http_status
     code = re.sub(r"(?<!^)(?=[A-Z])", "_", kind.__name__).lower()
-    retry_after_s = getattr(error, "retry_after_s", DEFAULT_RETRY_AFTER_S)
+    retry_s = retry_after_s(error)
+    retry_after = None if retry_s is None else max(1, math.ceil(retry_s))  # whole seconds
     if status in (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND):
         return OpenAIError(status, str(error), "invalid_request_error", param, code)
     if status == HTTPStatus.TOO_MANY_REQUESTS:
-        return OpenAIError(status, str(error), "rate_limit_error", param, code, retry_after_s)
+        return OpenAIError(status, str(error), "rate_limit_error", param, code, retry_after)
     if status == HTTPStatus.SERVICE_UNAVAILABLE:
-        return OpenAIError(status, str(error), "server_error", param, code, retry_after_s)
+        return OpenAIError(status, str(error), "server_error", param, code, retry_after)
     return OpenAIError(status, str(error), "server_error", param, code)
 
 

@@ -53,6 +53,21 @@ STATUS_BY_ERROR: dict[type[BatonError], FrontStatus] = {
 """Error kind → what the fronts answer. ``BatonError``'s row catches every kind not listed."""
 
 
+DEFAULT_RETRY_AFTER_S = 1
+"""The retry hint of a retryable error that names none (a worker died, none is ready yet)."""
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def retry_after_s(error: BatonError) -> float | None:
+    """When the client should try again: the error's own hint (admission's predicted wait), else
+    ``DEFAULT_RETRY_AFTER_S`` for a retryable kind; None for an error a retry cannot fix. Both
+    fronts send it: gRPC as ``retry-after-ms`` trailing metadata, HTTP as ``Retry-After``."""
+    if status_of(error).grpc_code not in RETRYABLE:
+        return None
+    hint = getattr(error, "retry_after_s", None)
+    return DEFAULT_RETRY_AFTER_S if hint is None else hint
+
+
 def category_of(error: BatonError) -> type[BatonError]:
     """The nearest class of ``error``'s that ``STATUS_BY_ERROR`` lists."""
     return next(cls for cls in type(error).__mro__ if cls in STATUS_BY_ERROR)

@@ -116,6 +116,7 @@ class KVStoreNode(NodePulls):
         self.demoted_blocks = 0
         self._directory: BlockDirectory | None = None
         self._soft_pin_keys: set[BlockKey] = set()  # operator-pinned prefixes' blocks
+        self._corrupt_budget = 0  # drill: blocks left to corrupt as they are committed
         self._transfer_client = None  # created at the first pull
         self._warned_no_transfer = False
         self.pulled_blocks = self.pulled_bytes = self.pull_failures = 0  # pulls from other nodes
@@ -164,9 +165,26 @@ class KVStoreNode(NodePulls):
     @_locked
     def commit(self, keys: Sequence[BlockKey]) -> None:
         self.store.commit(keys)
+        if self._corrupt_budget > 0:
+            self._corrupt(keys[:self._corrupt_budget])
         self._apply_soft_pins(keys)
         self._record(stored_host=keys)
         self._record_disk_removals()
+
+    @_locked
+    def corrupt_on_commit(self, num_blocks: int) -> None:
+        """Drill hook, for ``baton chaos --corrupt-kv`` (the positive control of its ``wrong``
+        count): invert every byte of the next ``num_blocks`` blocks committed, once their writer
+        has finished, as a bad copy or a bad DIMM would. The host tier keeps no checksums, so a
+        reader loads them as they are; only the answers can tell."""
+        self._corrupt_budget += num_blocks
+
+    def _corrupt(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            info = self.store.block_info(key)
+            if info is not None:
+                self.arena.slot(info.slot).bitwise_not_()
+                self._corrupt_budget -= 1
 
     @_locked
     def set_soft_pins(self, keys: Sequence[BlockKey]) -> int:

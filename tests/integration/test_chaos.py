@@ -22,11 +22,34 @@ async def test_killing_workers_and_the_store_and_restarting_redis_loses_and_leak
     report = await run_chaos(config, duration_s=30, concurrency=4, kill_every_s=6, seed=3,
                              kill_store_every_s=10, restart_redis_every_s=12)
 
-    assert report.sent == report.completed + report.failed_clean + report.lost + report.wrong
-    assert (report.lost, report.wrong, report.leaked) == (0, 0, 0), report
+    assert report.sent == (report.completed + report.failed_clean + report.failed_other
+                           + report.lost + report.wrong)
+    assert (report.lost, report.wrong, report.leaked, report.failed_other) == (0, 0, 0, 0), report
+    assert report.ok and report.seed == 3
     assert report.completed > 0 and len(report.kills) >= 2
     assert report.faults["store_node"] >= 1 and report.faults["redis"] >= 1, report.faults
     assert report.faults["prefill_worker"] + report.faults["decode_worker"] == len(report.kills)
+    assert len(report.hits) == sum(report.faults.values())
+    assert [h.victim for h in report.hits if h.kind.endswith("_worker")] == report.kills
+    assert any(h.in_flight > 0 for h in report.hits)  # faults met requests in flight
+    assert report.retried > 0 or report.failed_clean > 0, report  # and some request met a fault
     assert set(report.failed_by_status) <= {"UNAVAILABLE"}  # a decode worker died mid-stream
     assert report.leaks == {"pinned_blocks": 0, "booked_prefills": 0, "booked_decodes": 0,
                             "engine_sequences": 0}
+
+
+async def test_the_positive_control_corrupted_kv_is_caught_as_wrong_answers(tiny_model):
+    """The drill's ``wrong`` is not blind: with every stored block corrupted, decode instances
+    that load KV answer from garbage, and the drill counts those answers wrong."""
+    config = load_config(None, {"engine.model": "tiny", "name": "chaosctl", "gateway.port": 0,
+                                "http.enabled": False, "prefill.num_instances": 1,
+                                "decode.num_instances": 1, "kvstore.host_capacity_bytes": 256 << 20,
+                                "conductor.tuning.short_prefill_tokens": 0})
+
+    report = await run_chaos(config, duration_s=8, concurrency=4, kill_every_s=0, seed=5,
+                             kill_store_every_s=0, restart_redis_every_s=0, corrupt_kv=True)
+
+    assert report.wrong > 0, report
+    assert report.ok and report.lost == 0
+    assert report.sent == (report.completed + report.failed_clean + report.failed_other
+                           + report.lost + report.wrong)

@@ -285,6 +285,23 @@ async def test_worker_failure_mid_stream_keeps_its_status_and_message(channel, r
     assert received == [[5, 6]]
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert info.value.details() == "decode-1 died; the request was not completed"
+    assert dict(info.value.trailing_metadata())["retry-after-ms"] == "1000"  # the default hint
+
+
+@pytest.mark.asyncio
+async def test_the_client_reads_the_retry_hint_and_a_bad_request_has_none(gateway, router):
+    from gateway import client
+
+    router.error = WorkerFailed("prefill-0 died")
+    router.chunks = ()
+    target = f"127.0.0.1:{gateway.port}"
+    with pytest.raises(client.GenerateFailed) as retryable:
+        await client.generate(target, text="hi", max_tokens=2)
+    with pytest.raises(client.GenerateFailed) as bad:
+        await client.generate(target, text="hi", max_tokens=-1)
+
+    assert (retryable.value.status, retryable.value.retry_after_ms) == ("UNAVAILABLE", 1000)
+    assert (bad.value.status, bad.value.retry_after_ms) == ("INVALID_ARGUMENT", None)
 
 
 @pytest.mark.asyncio
