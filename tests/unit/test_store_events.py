@@ -48,6 +48,7 @@ def receive(sub, decoder):
     return topic, int.from_bytes(seq, "big"), decoder.decode(payload)
 
 
+@pytest.mark.vllm
 def test_events_decode_with_vllms_own_types_in_order_with_sequence_numbers(node_and_sub):
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 

@@ -7,6 +7,7 @@ are in tests/integration/test_transfer_nodes.py."""
 from __future__ import annotations
 
 import socket
+import time
 
 import numpy as np
 import pydantic
@@ -54,6 +55,15 @@ def client():
     c.close()
 
 
+def wait_for_unpinned(node: KVStoreNode, timeout_s: float = 2.0) -> None:
+    """The server unpins a read's blocks when it is done with them (shm: when the client's
+    ``Release`` reaches it; stream: once the bytes are handed to the kernel), on its own loop;
+    the client's ``read`` returns without waiting for that. Give it those moments."""
+    deadline = time.monotonic() + timeout_s
+    while node.stats().pinned_blocks and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def empty_blocks(n: int) -> list[torch.Tensor]:
     return [torch.zeros(BLOCK_BYTES, dtype=torch.uint8) for _ in range(n)]
 
@@ -74,6 +84,7 @@ def test_a_batch_arrives_byte_for_byte_and_is_counted_per_path(node, client, pat
     [stats] = client.path_stats()
     assert (stats.peer, stats.path, stats.requests, stats.blocks) == ("a", path, 1, 6)
     assert stats.num_bytes == 6 * BLOCK_BYTES and stats.ewma_bytes_per_s > 0
+    wait_for_unpinned(node)
     assert node.stats().pinned_blocks == 0
     assert node.transfer_server.stats().served_blocks == 6
 

@@ -110,6 +110,7 @@ def test_a_schema_xgrammar_refuses_but_llguidance_enforces_is_accepted(tokenizer
     assert build(make_request(json_schema=schema), tokenizer).sampling.json_schema == schema
 
 
+@pytest.mark.vllm
 def test_engines_on_xgrammar_alone_get_that_schema_refused_at_the_front(tokenizer):
     """With ``engine.compact_json`` the engines run xgrammar only (no fallback): the front checks
     for that backend, so the schema the ``auto`` engines take is refused before placement."""
