@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 DEFAULT_MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024 * 1024
 NOT_READY_MESSAGE = "no prefill/decode worker is ready yet; retry in a few seconds"
+MAX_DETAILS_BYTES = 2_000
+"""A status message travels percent-encoded in a header (a byte outside printable ASCII takes
+three), and a client drops headers past 8 KiB at random and past 16 KiB always: an error echoing
+a huge field would reach it as RESOURCE_EXHAUSTED "metadata size exceeds ... limit" instead of
+its own status. 2,000 UTF-8 bytes stay under 8 KiB however they encode."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,16 @@ class UndecodableRequest:
     """
 
     message: str
+
+
+def status_details(error: BatonError) -> str:
+    """``error``'s message as a status's details: cut to ``MAX_DETAILS_BYTES`` of UTF-8."""
+    message = str(error)
+    encoded = message.encode()
+    if len(encoded) <= MAX_DETAILS_BYTES:
+        return message
+    kept = encoded[:MAX_DETAILS_BYTES].decode(errors="ignore")
+    return f"{kept}... ({len(message) - len(kept)} characters cut)"
 
 
 def _tolerant_parser(message_type) -> Callable[[bytes], object]:
@@ -137,7 +152,7 @@ class InferenceServicer:
                 structured_backend=self._structured_backend,
             )
         except BatonError as e:
-            await context.abort(status_of(e).grpc_code, str(e))
+            await context.abort(status_of(e).grpc_code, status_details(e))
         if not self._router.is_ready():
             await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY_MESSAGE)
 
@@ -181,7 +196,7 @@ class InferenceServicer:
             retry_s = retry_after_s(e)
             if retry_s is not None:
                 context.set_trailing_metadata((("retry-after-ms", str(round(retry_s * 1000))),))
-            return status_of(e).grpc_code, str(e)
+            return status_of(e).grpc_code, status_details(e)
         except Exception:
             logger.exception("request %s failed inside the gateway", request.request_id)
             return (
@@ -237,7 +252,7 @@ class InferenceServicer:
                 self._vocab_size,
             )
         except BatonError as e:
-            await context.abort(status_of(e).grpc_code, str(e))
+            await context.abort(status_of(e).grpc_code, status_details(e))
         return pb.TokenizeResponse(token_ids=token_ids, num_tokens=len(token_ids))
 
 

@@ -15,13 +15,14 @@ import logging
 import math
 import re
 from http import HTTPStatus
+from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from gateway.status import STATUS_BY_ERROR, category_of, retry_after_s
-from protos.errors import BatonError
+from protos.errors import BatonError, InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -100,3 +101,37 @@ def validation_message(error: RequestValidationError | ValidationError,
         parts.append(f"{where or 'request body'}: {item['msg']}")
     message = "; ".join(parts) + f"; see {reference} for the fields"
     return message, params[0] if params else None
+
+
+def _surrogate_at(value: Any, where: str) -> str | None:
+    """The path of the first string (or key) in ``value`` that no UTF-8 encoder takes."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return where or "request body"
+        return None
+    items = (value.items() if isinstance(value, dict)
+             else enumerate(value) if isinstance(value, list) else ())
+    for key, item in items:
+        path = f"{where}.{key}" if where else str(key)
+        found = _surrogate_at(key, path) or _surrogate_at(item, path)
+        if found is not None:
+            return found
+    return None
+
+
+def lone_surrogate(body: Any) -> OpenAIError | None:
+    """The 400 for a parsed body holding a lone UTF-16 surrogate escape (``"\\ud800"``), or None.
+
+    Python's json module (FastAPI's parser) accepts one, but it is no Unicode text: the
+    tokenizer, the wire to the workers and the error answer itself would fail on it (a 500).
+    The Anthropic routes' parser refuses such JSON outright; this answers the same."""
+    where = _surrogate_at(body, "")
+    if where is None:
+        return None
+    where = where.encode(errors="backslashreplace").decode()
+    message = (f"the request body is not valid JSON (the string at {where} holds a lone UTF-16 "
+               "surrogate escape, which is no Unicode text); see the OpenAI API reference for "
+               "the fields")
+    return error_for(InvalidRequest(message), where)

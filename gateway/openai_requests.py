@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from gateway.openai_errors import error_for
+from gateway.openai_errors import error_for, lone_surrogate
 from gateway.openai_fields import refused_field
 from gateway.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.tokenization import CHAT_ROLES, PromptTokenizer
@@ -312,6 +312,9 @@ def prepare(
     max_tokens is ``DEFAULT_MAX_TOKENS``, lowered to fit the context window. Tools are rendered
     into the prompt and a forced call becomes the output's grammar (``gateway.tool_calls``).
     """
+    refused = lone_surrogate(body.model_dump())
+    if refused is not None:
+        raise refused
     checked("model", check_model, body.model, served.name)
     refused = refused_field(body.model_extra)
     if refused is not None:

@@ -29,6 +29,8 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
 MAX_LOGPROBS = 20
 """vLLM's default ``max_logprobs``: the most alternatives per position an engine returns."""
+MAX_TEMPERATURE = 2.0
+"""vLLM's sampler refuses a higher temperature (``SamplingParams``), as OpenAI's API does."""
 
 PromptRequest = Union[pb.GenerateRequest, pb.TokenizeRequest]
 
@@ -238,6 +240,11 @@ def _check_temperature(temperature: float) -> float:
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequest(
             f"sampling.temperature must be a finite number >= 0 (0 is greedy), got {temperature}"
+        )
+    if temperature > MAX_TEMPERATURE:
+        raise InvalidRequest(
+            f"sampling.temperature must be at most {MAX_TEMPERATURE:g} (the engines' sampler "
+            f"refuses more), got {temperature}"
         )
     return float(temperature)
 

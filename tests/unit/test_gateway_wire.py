@@ -200,6 +200,13 @@ BAD_REQUESTS = {
         "at most 98 new tokens fit, so set max_tokens to 98 or less",
     ),
     "negative temperature": (_request(temperature=-1.0), "sampling.temperature must be"),
+    "temperature above two": (_request(temperature=2.5), "must be at most 2"),
+    # echoed in full, the status message would pass the client's 16 KiB header limit
+    "huge unknown model": (_request(model="x" * 100_000), "characters cut)"),
+    "huge emoji role": (  # percent-encoded: 12 bytes a character, past the 8 KiB soft limit
+        pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="🙂" * 1_000)])),
+        "characters cut)",
+    ),
     "top_p zero": (_request(top_p=0.0), "sampling.top_p must be in (0, 1], got 0.0"),
     "logprobs 21": (_request(logprobs=21), "sampling.logprobs must be an integer from 0 to 20"),
     "both structured outputs": (

@@ -291,8 +291,10 @@ async def test_unknown_model_is_not_found(client):
         (b'{"prompt": "x", "temperature": "hot"}', "temperature: Input should be a valid number"),
         (b'{"model": "tiny"}', "prompt: Field required"),
         (b"[1, 2]", "request body: Input should be a valid dictionary"),
+        (b'{"prompt": "x", "user": "\\ud800"}',
+         "the string at user holds a lone UTF-16 surrogate escape"),
     ],
-    ids=["malformed json", "wrong type", "missing prompt", "not an object"],
+    ids=["malformed json", "wrong type", "missing prompt", "not an object", "lone surrogate"],
 )
 async def test_malformed_body_is_400_in_openai_format(http, router, content, fragment):
     response = await http.post(

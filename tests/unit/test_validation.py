@@ -244,6 +244,10 @@ BAD_REQUESTS = {
     ),
     "nan temperature": (_sampling(temperature=math.nan), "got nan"),
     "infinite temperature": (_sampling(temperature=math.inf), "got inf"),
+    "temperature above two": (  # vLLM's SamplingParams refuses it inside the engine
+        _sampling(temperature=2.5),
+        "sampling.temperature must be at most 2 (the engines' sampler refuses more), got 2.5",
+    ),
     "top_p zero": (
         _sampling(top_p=0.0),
         "sampling.top_p must be in (0, 1], got 0.0; leave it unset for 1.0",
