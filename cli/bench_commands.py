@@ -1,5 +1,6 @@
 """The ``baton bench`` group: simulated fleet replay, the KV store's data paths, the conductor's
-decision time, and live trace replay against a running gateway.
+decision time, live trace replay against a running gateway, and the structure-aware fuzz of a
+local cluster's fronts.
 
 Contract: ``bench_app`` is added to the ``baton`` app as ``bench`` by ``cli.main``; each
 command only parses its flags and calls its benchmark in ``bench/`` (imported when it runs).
@@ -12,9 +13,10 @@ from typing import List, Optional
 
 import typer
 
-from cli.common import err
+from cli.common import err, parse_overrides
 
-bench_app = typer.Typer(help="Benchmarks: simulated fleets, the live cluster, the KV store, the conductor.",
+bench_app = typer.Typer(help="Benchmarks: simulated fleets, the live cluster, the KV store, "
+                        "the conductor, the fronts' fuzz.",
                         no_args_is_help=True)
 
 
@@ -124,3 +126,89 @@ def bench_serve(
     except BatonError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
+
+
+@bench_app.command("overload")
+def bench_overload(
+    json_path: Optional[Path] = typer.Option(Path("bench-out/overload.json"), "--json",
+                                             help="Write the report here."),
+    model: str = typer.Option("smollm2", help="'smollm2' or 'tiny'."),
+    ttft_slo_ms: float = typer.Option(2000.0, help="TTFT SLO (ms): admission rejects a request "
+                                      "predicted to miss it."),
+    tbt_slo_ms: float = typer.Option(200.0, help="Inter-token SLO (ms), admitted the same way."),
+    factors: str = typer.Option("3,10", help="Overload factors of the sustainable rate, "
+                                "comma-separated."),
+    probe: float = typer.Option(15.0, help="Seconds of each bisection probe."),
+    burst: float = typer.Option(30.0, help="Seconds of each overload run."),
+    max_tokens: int = typer.Option(16, help="Tokens each request generates."),
+    prefill: int = typer.Option(1, help="Prefill instances."),
+    decode: int = typer.Option(1, help="Decode instances."),
+    seed: int = typer.Option(0, help="Seed of the prompts and the arrivals."),
+    set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
+) -> None:
+    """LIVE overload: a local cluster with admission on and named SLOs; its sustainable rate found
+    by bisection, then driven at 3x and 10x that rate. Reports admitted/rejected/other errors,
+    SLO attainment and p99 TTFT of the admitted, peak RSS, and the seconds to recover. Exit code
+    1 when an admitted run misses 90% attainment, another status than RESOURCE_EXHAUSTED appears,
+    a worker dies, or recovery takes over 10 s."""
+    from bench.overload import main as run_overload
+    from cluster.config import load_config
+    from protos.errors import ConfigError
+
+    overrides = {"prefill.num_instances": prefill, "decode.num_instances": decode,
+                 "engine.model": model, "gateway.port": 0, "http.enabled": False,
+                 "name": "overload", "conductor.tuning.ttft_slo_ms": ttft_slo_ms,
+                 "conductor.tuning.tbt_slo_ms": tbt_slo_ms, **parse_overrides(set_)}
+    try:
+        cfg = load_config(None, overrides)
+        report = run_overload(cfg, json_path, tuple(float(f) for f in factors.split(",")), probe,
+                              burst, max_tokens, seed,
+                              lambda msg: err.print(f"[cyan]overload[/cyan] {msg}"))
+    except ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    err.print(f"[dim]wrote {json_path}[/dim]")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@bench_app.command("fuzz")
+def bench_fuzz(
+    requests: int = typer.Option(1_000, help="Fuzz cases to send."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the cases (unset: a fresh one, "
+                                       "printed)."),
+    concurrency: int = typer.Option(12, help="Cases in flight at once."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Cluster config YAML."),
+    model: str = typer.Option("tiny", help="'tiny' (fast) or 'smollm2'."),
+    ttft_slo_ms: float = typer.Option(2_000.0, help="Admission's TTFT SLO (ms; 0: none): with "
+                                      "the placeholder cost model it refuses the longest prompts."),
+    set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
+) -> None:
+    """Structure-aware fuzz of both fronts through a local cluster's router: valid gRPC, OpenAI
+    and Anthropic requests with 1 to 3 seeded mutations each, every answer counted by the stage
+    that ended it (parse, validation, admission, engine, served, other), then a normal request
+    per front and the leak check. Exit code 1 when an answer is 'other', fewer than half get past
+    validation, the conductor's books disagree with the counts, a normal request fails or
+    something leaked."""
+    from bench.chaos import fresh_seed
+    from bench.fuzz import main as run_fuzz
+    from cluster.config import load_config
+    from protos.errors import ConfigError
+
+    overrides = {"engine.model": model, "gateway.port": 0, "http.port": 0, "name": "fuzz",
+                 **parse_overrides(set_)}
+    if ttft_slo_ms > 0:
+        overrides.setdefault("conductor.tuning.ttft_slo_ms", ttft_slo_ms)
+    if seed is None:
+        seed = fresh_seed()
+    err.print(f"[cyan]fuzz[/cyan] seed {seed} (replay with --seed {seed})")
+    try:
+        cfg = load_config(config, overrides)
+        report = run_fuzz(cfg, requests, seed, concurrency, json_path,
+                          lambda msg: err.print(f"[cyan]fuzz[/cyan] {msg}"))
+    except ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    if not report.ok:
+        raise typer.Exit(1)

@@ -18,6 +18,7 @@ import struct
 import grpc
 import pytest
 
+from bench.fuzz_wire import field, varint
 from engine.models import prepare_model
 from gateway.inference import InferenceServicer, start_gateway
 from gateway.tokenization import PromptTokenizer
@@ -28,23 +29,6 @@ NUM_REQUESTS = 10_000
 CONCURRENCY = 64
 DEFINED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
 METHOD = "/baton.v1.Inference/Generate"
-
-
-def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _field(number: int, wire_type: int, payload: bytes) -> bytes:
-    tag = _varint(number << 3 | wire_type)
-    if wire_type == 2:
-        return tag + _varint(len(payload)) + payload
-    return tag + payload
 
 
 def _text(rng: random.Random) -> str:
@@ -116,18 +100,18 @@ def _raw(rng: random.Random) -> bytes:
         return bytes(data)
     if kind == 1:  # a string field that is not UTF-8
         number = rng.choice([1, 2, 6, 7])
-        return _field(number, 2, bytes(rng.randrange(0x80, 0x100) for _ in range(rng.randrange(1, 20))))
+        return field(number, 2, bytes(rng.randrange(0x80, 0x100) for _ in range(rng.randrange(1, 20))))
     if kind == 2:  # known fields with the wrong wire type
         number = rng.choice([1, 2, 3, 4, 5, 6, 7])
         wire_type = rng.choice([0, 1, 5])
-        payload = {0: _varint(rng.randrange(2**40)), 1: struct.pack("<d", 1.5), 5: struct.pack("<f", 2.0)}
-        return _field(number, wire_type, payload[wire_type])
+        payload = {0: varint(rng.randrange(2**40)), 1: struct.pack("<d", 1.5), 5: struct.pack("<f", 2.0)}
+        return field(number, wire_type, payload[wire_type])
     if kind == 3:  # unknown fields, deep nesting, huge declared lengths
         return rng.choice([
-            _field(99, 2, b"unknown") + _field(2, 2, b"hi"),
-            _field(5, 2, _field(1, 0, _varint(2**64 - 1))),
-            _varint(2 << 3 | 2) + _varint(2**31),
-            _field(4, 2, _field(1, 2, _field(1, 2, b"\xff\xfe"))),
+            field(99, 2, b"unknown") + field(2, 2, b"hi"),
+            field(5, 2, field(1, 0, varint(2**64 - 1))),
+            varint(2 << 3 | 2) + varint(2**31),
+            field(4, 2, field(1, 2, field(1, 2, b"\xff\xfe"))),
         ])
     return bytes(rng.randrange(256) for _ in range(rng.choice([0, 1, 7, 64, 1000])))
 
