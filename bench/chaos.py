@@ -57,6 +57,7 @@ from typing import Callable
 import msgspec
 import ray
 
+from bench.leaks import leaks
 from cluster.config import ClusterConfig
 from cluster.serve import BatonServer
 from gateway import client, metrics
@@ -273,26 +274,6 @@ async def _fault_loop(server: BatonServer, kind: str, inject: Callable[[], objec
         progress(f"{kind} back after {time.monotonic() - injected:.1f} s")
 
 
-async def _leaks(server: BatonServer, settle_s: float = 30.0) -> dict[str, int]:
-    """What is still held once the load stopped, after up to ``settle_s`` for books to close.
-    Pins are read from the store node serving now (the last one started)."""
-    cluster = server.cluster
-    deadline = time.monotonic() + settle_s
-    while True:
-        stores = {"node0": (await cluster.store.stats.remote()).pinned_blocks}
-        books = await cluster.conductor.status.remote()
-        prefills, decodes = books.num_in_flight_prefills, books.num_in_flight_decodes
-        in_engines = 0
-        for instance_id in cluster.prefill_ids + cluster.decode_ids:
-            stats = await cluster.actor(instance_id).stats.remote()
-            in_engines += stats.num_running_reqs + stats.num_waiting_reqs
-        leaks = {"pinned_blocks": sum(stores.values()), "booked_prefills": prefills,
-                 "booked_decodes": decodes, "engine_sequences": in_engines}
-        if not any(leaks.values()) or time.monotonic() > deadline:
-            return leaks
-        await asyncio.sleep(0.5)
-
-
 def fresh_seed() -> int:
     """A seed for a run that was given none (printed, so the run replays)."""
     return random.SystemRandom().randrange(2**31)
@@ -343,7 +324,7 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
         )
         report.duration_s = round(time.monotonic() - started, 1)
         report.retried = int(sum(r._value.get() for r in retries) - retried_before)
-        report.leaks = await _leaks(server)
+        report.leaks = await leaks(server)
         report.leaked = sum(report.leaks.values())
     finally:
         await server.stop()

