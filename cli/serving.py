@@ -61,7 +61,10 @@ def serve(
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text (read from stdin if omitted)."),
     target: str = typer.Option("127.0.0.1:50051", help="Gateway address host:port."),
-    chat: bool = typer.Option(False, help="Send the prompt as a user chat message (chat template)."),
+    chat: bool = typer.Option(True, "--chat/--raw", help="Send the prompt as a user chat message, "
+                              "through the model's chat template (the default: an instruct model "
+                              "answers a raw prompt with little or nothing); --raw sends it as "
+                              "plain text for a completion."),
     max_tokens: Optional[int] = typer.Option(None, help="Most tokens to generate (default 64)."),
     temperature: float = typer.Option(0.0, help="Sampling temperature; 0 is greedy."),
     top_p: Optional[float] = typer.Option(None, help="Nucleus sampling mass in (0, 1]."),

@@ -72,7 +72,8 @@ def test_serve_generate_and_ctrl_c(tmp_path):
         shown = json.loads(status.stdout)
         assert shown["status"]["pool_sizes"] == {"prefill": {"ready": 1}, "decode": {"ready": 1}}
         assert shown["fronts"] == {"host_ip": "127.0.0.1", "grpc_port": int(port),
-                                   "http_port": int(http_port), "http_tls": True}
+                                   "http_port": int(http_port), "http_tls": True,
+                                   "grpc_host": "127.0.0.1", "http_host": "127.0.0.1"}
 
         as_json = subprocess.run(
             BATON + ["generate", "--target", target, "--json", "--max-tokens", "6", "Why is the sky blue?"],
@@ -87,6 +88,19 @@ def test_serve_generate_and_ctrl_c(tmp_path):
         assert result["placement"]["policy"] == "baton"
         assert result["placement"]["prefill"] == result["placement"]["decode"] == "clitest-decode-0"
         assert result["placement"]["prefill_ms"] > 0 and "colocated" in result["placement"]["reason"]
+        # the default sends the prompt through the chat template; --raw sends the text itself
+        from engine.models import prepare_model
+        from gateway.tokenization import PromptTokenizer
+
+        tokenizer = PromptTokenizer(prepare_model("tiny").path)
+        question = "Why is the sky blue?"
+        assert result["usage"]["prompt_tokens"] == len(tokenizer.encode_chat([("user", question)]))
+        raw = subprocess.run(
+            BATON + ["generate", "--target", target, "--json", "--raw", "--max-tokens", "2", question],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )
+        assert raw.returncode == 0, raw.stderr
+        assert json.loads(raw.stdout)["usage"]["prompt_tokens"] == len(tokenizer.encode_text(question))
 
         streamed = subprocess.run(
             BATON + ["generate", "--target", target, "--chat", "--max-tokens", "6", "Why is the sky blue?"],
