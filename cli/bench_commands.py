@@ -212,3 +212,36 @@ def bench_fuzz(
         raise typer.Exit(2) from exc
     if not report.ok:
         raise typer.Exit(1)
+
+
+@bench_app.command("soak")
+def bench_soak(
+    duration: float = typer.Option(1200.0, help="Seconds of traffic (the issue's bound: 20 min)."),
+    json_path: Optional[Path] = typer.Option(Path("bench-out/soak.json"), "--json",
+                                             help="Write the report here."),
+    model: str = typer.Option("tiny", help="'tiny' (fast) or 'smollm2'."),
+    sessions: int = typer.Option(8, help="Concurrent agent sessions."),
+    sample_every: float = typer.Option(30.0, help="Seconds between samples."),
+    seed: int = typer.Option(0, help="Seed of the prompts, think times, cancels and drops."),
+    set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
+) -> None:
+    """LIVE soak: agent sessions with growing histories, long-tailed think times, cancels and
+    HTTP disconnects; RSS and open fds of every cluster process, store blocks, Redis keys and the
+    index sampled over time, each series' growth per hour over the second half. Exit code 1 when
+    a step fails or something is left pinned or booked after the load."""
+    from bench.soak import main as run_soak
+    from cluster.config import load_config
+    from protos.errors import ConfigError
+
+    overrides = {"engine.model": model, "gateway.port": 0, "http.port": 0, "name": "soak",
+                 **parse_overrides(set_)}
+    try:
+        cfg = load_config(None, overrides)
+        report = run_soak(cfg, duration, sessions, sample_every, json_path, seed,
+                          lambda msg: err.print(f"[cyan]soak[/cyan] {msg}"))
+    except ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    err.print(f"[dim]wrote {json_path}[/dim]")
+    if not report.ok:
+        raise typer.Exit(1)

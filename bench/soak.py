@@ -1,0 +1,237 @@
+"""``baton bench soak``: a bounded soak of agent traffic, watching for what grows.
+
+Starts a whole local cluster (as ``baton serve`` does) and runs ``sessions`` agents for
+``duration_s``: each agent's prompt is its history (a shared system trunk, then every earlier
+step's user turn and answer), growing by a step after a think time drawn from a long-tailed
+(log-normal) distribution, and starting over as a new session once it would pass
+``max_history_tokens``. Some steps are cancelled by the client after their first tokens (gRPC)
+and some are HTTP streams the client disconnects from; the rest complete.
+
+Every ``sample_every_s`` it samples what could leak: the resident memory and open file
+descriptors of every process of the cluster (this one and its descendants: Ray, the engines, the
+store node, Redis), the store node's used and pinned blocks, the Redis keys, the conductor's
+indexed blocks and its booked requests. ``growth`` reports each series' slope per hour over the
+run's second half (after warm-up; a least-squares line) beside its first, last and peak values,
+and ``live`` what the live data explains (the store's used blocks bound what Redis and the index
+may hold). After the load the books must be empty and nothing pinned (``bench.leaks``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import httpx
+import msgspec
+
+from bench.leaks import leaks
+from cluster.config import ClusterConfig
+from cluster.serve import BatonServer
+from gateway.client import build_request
+from protos.baton.v1 import inference_pb2_grpc as pb_grpc
+
+CANCEL_SHARE = 0.1
+"""Steps the client cancels after their first tokens (gRPC)."""
+DISCONNECT_SHARE = 0.1
+"""Steps sent over HTTP, streamed, that the client drops after the first chunk."""
+
+
+class Sample(msgspec.Struct):
+    at_s: float
+    rss_mb: float
+    open_fds: int
+    processes: int
+    store_used_blocks: int
+    store_pinned_blocks: int
+    redis_keys: int
+    indexed_blocks: int
+    booked_requests: int
+
+
+class Growth(msgspec.Struct):
+    first: float
+    last: float
+    peak: float
+    per_hour: float
+    """Least-squares slope over the run's second half, per hour."""
+
+
+class SoakReport(msgspec.Struct):
+    duration_s: float
+    sessions: int
+    steps: dict[str, int]
+    """completed, cancelled, disconnected, failed."""
+    samples: list[Sample]
+    growth: dict[str, Growth]
+    leaks: dict[str, int]
+    ok: bool
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of ``(seconds, value)`` points, per hour (0 for fewer than 2)."""
+    if len(points) < 2:
+        return 0.0
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_v = sum(v for _, v in points) / len(points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    if spread == 0:
+        return 0.0
+    return sum((t - mean_t) * (v - mean_v) for t, v in points) / spread * 3600.0
+
+
+def growth_of(samples: list[Sample]) -> dict[str, Growth]:
+    """Each sampled series' first, last and peak value and its slope over the second half."""
+    half = samples[len(samples) // 2:]
+    fields = [name for name in Sample.__struct_fields__ if name != "at_s"]
+    return {name: Growth(float(getattr(samples[0], name)), float(getattr(samples[-1], name)),
+                         float(max(getattr(s, name) for s in samples)),
+                         round(slope_per_hour([(s.at_s, float(getattr(s, name))) for s in half]), 1))
+            for name in fields}
+
+
+class _Processes:
+    """The resident memory and open descriptors of this process and its descendants."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._root = psutil.Process()
+
+    def sample(self) -> tuple[float, int, int]:
+        import psutil
+
+        rss, fds, count = 0, 0, 0
+        for process in [self._root, *self._root.children(recursive=True)]:
+            try:
+                rss += process.memory_info().rss
+                fds += process.num_fds()
+                count += 1
+            except psutil.Error:
+                continue
+        return rss / 2**20, fds, count
+
+
+async def _sample(server: BatonServer, processes: _Processes, started: float) -> Sample:
+    import redis.asyncio as aioredis
+
+    cluster = server.cluster
+    store = await cluster.store.stats.remote()
+    books = await cluster.conductor.status.remote()
+    client = aioredis.from_url(cluster.redis_url)
+    try:
+        redis_keys = await client.dbsize()
+    finally:
+        await client.aclose()
+    rss_mb, fds, count = processes.sample()
+    return Sample(round(time.monotonic() - started, 1), round(rss_mb, 1), fds, count,
+                  store.used_blocks, store.pinned_blocks, redis_keys,
+                  sum(books.indexed_blocks.values()),
+                  books.num_in_flight_prefills + books.num_in_flight_decodes)
+
+
+async def _grpc_step(stub, prompt: list[int], max_tokens: int, cancel: bool) -> tuple[str, list[int]]:
+    call = stub.Generate(build_request(token_ids=prompt, max_tokens=max_tokens, temperature=0.0),
+                         timeout=120)
+    answer: list[int] = []
+    try:
+        async for response in call:
+            if response.HasField("delta"):
+                answer.extend(response.delta.token_ids)
+                if cancel:
+                    call.cancel()
+                    return "cancelled", answer
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.CANCELLED and cancel:
+            return "cancelled", answer
+        return "failed", answer
+    return "completed", answer
+
+
+async def _http_disconnect(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> str:
+    body = {"model": "", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0.0}
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return "failed"
+            async for _chunk in response.aiter_bytes():
+                return "disconnected"  # leave after the first chunk: the client goes away
+    except httpx.HTTPError:
+        return "failed"
+    return "failed"
+
+
+async def _agent(stub, http, rng: random.Random, trunk: list[int], deadline: float,
+                 max_tokens: int, max_history_tokens: int, steps: dict[str, int]) -> None:
+    history = list(trunk)
+    while time.monotonic() < deadline:
+        history += [rng.randrange(100, 30_000) for _ in range(rng.randrange(16, 96))]
+        if len(history) + max_tokens > max_history_tokens:
+            history = list(trunk) + history[len(trunk):][-64:]  # a new session, same trunk
+        draw = rng.random()
+        if draw < DISCONNECT_SHARE:
+            outcome, answer = await _http_disconnect(http, history, max_tokens), []
+        else:
+            outcome, answer = await _grpc_step(stub, history, max_tokens,
+                                               cancel=draw < DISCONNECT_SHARE + CANCEL_SHARE)
+        steps[outcome] = steps.get(outcome, 0) + 1
+        history += answer
+        await asyncio.sleep(min(30.0, rng.lognormvariate(0.0, 1.0)))  # think time, long-tailed
+
+
+async def run_soak(config: ClusterConfig, duration_s: float, sessions: int = 8,
+                   sample_every_s: float = 30.0, max_tokens: int = 16,
+                   max_history_tokens: int = 3_000, seed: int = 0,
+                   progress: Callable[[str], None] = lambda _m: None) -> SoakReport:
+    server = BatonServer(config, progress=progress)
+    await server.start()
+    rng = random.Random(seed)
+    trunk = [rng.randrange(100, 30_000) for _ in range(512)]
+    steps: dict[str, int] = {}
+    samples: list[Sample] = []
+    processes = _Processes()
+    try:
+        started = time.monotonic()
+        deadline = started + duration_s
+        async with grpc.aio.insecure_channel(server.target) as channel, httpx.AsyncClient(
+                base_url=server.http_url.removesuffix("/v1"), timeout=120) as http:
+            stub = pb_grpc.InferenceStub(channel)
+
+            async def sampler() -> None:
+                while True:
+                    samples.append(await _sample(server, processes, started))
+                    last = samples[-1]
+                    progress(f"{last.at_s:.0f} s: RSS {last.rss_mb:,.0f} MB, {last.open_fds} fds, "
+                             f"{last.redis_keys} Redis keys, {last.indexed_blocks} indexed blocks, "
+                             f"{last.store_pinned_blocks} pinned; steps {steps}")
+                    if time.monotonic() >= deadline:
+                        return
+                    await asyncio.sleep(min(sample_every_s, max(0.0, deadline - time.monotonic())))
+
+            await asyncio.gather(sampler(), *(
+                _agent(stub, http, random.Random(rng.random()), trunk, deadline, max_tokens,
+                       max_history_tokens, steps) for _ in range(sessions)))
+        left = await leaks(server)
+    finally:
+        await server.stop()
+    growth = growth_of(samples)
+    ok = not any(left.values()) and steps.get("failed", 0) == 0
+    return SoakReport(round(duration_s, 1), sessions, steps, samples, growth, left, ok)
+
+
+def main(config: ClusterConfig, duration_s: float, sessions: int, sample_every_s: float,
+         json_path: Path | None, seed: int, progress: Callable[[str], None]) -> SoakReport:
+    report = asyncio.run(run_soak(config, duration_s, sessions, sample_every_s, seed=seed,
+                                  progress=progress))
+    print(json.dumps({"steps": report.steps, "leaks": report.leaks, "ok": report.ok,
+                      "growth_per_hour": {k: g.per_hour for k, g in report.growth.items()}},
+                     indent=1))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(msgspec.to_builtins(report), indent=2) + "\n")
+    return report
