@@ -96,10 +96,11 @@ async def test_forced_calls_always_validate(server, tool_choice):
     choice = ("required" if tool_choice == "required"
               else {"type": "function", "function": {"name": "get_time"}})
 
-    async def one(i: int):
+    async def one(i: int):  # one call each: a sampled 135M model may repeat calls past any budget
         return await oai.chat.completions.create(
             model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice=choice,
-            max_tokens=MAX_TOKENS, temperature=0.8 + 0.4 * i / NUM_SAMPLED, seed=2000 + i)
+            parallel_tool_calls=False, max_tokens=MAX_TOKENS,
+            temperature=0.8 + 0.4 * i / NUM_SAMPLED, seed=2000 + i)
 
     answers = await asyncio.gather(*(one(i) for i in range(NUM_SAMPLED)))
 
@@ -122,7 +123,8 @@ async def test_streamed_forced_calls_validate(server, tool_choice):
     for seed in (1, 2):
         stream = await oai.chat.completions.create(
             model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice=choice,
-            max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, stream=True)
+            parallel_tool_calls=False, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed,
+            stream=True)
         calls, finish, content = await _streamed_calls(stream)
 
         assert finish == "tool_calls"
@@ -133,6 +135,16 @@ async def test_streamed_forced_calls_validate(server, tool_choice):
             if tool_choice == "named":
                 assert call["name"] == "get_weather"
             jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+async def test_required_with_parallel_calls_allowed_is_an_array_of_valid_calls(server):
+    """Greedy, so the answer is the model's own choice of how many calls; each validates."""
+    answer = await _openai(server).chat.completions.create(
+        model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=256,
+        temperature=0.0)
+
+    assert answer.choices[0].finish_reason == "tool_calls", answer.choices[0].message
+    _assert_valid_calls(answer.choices[0].message.tool_calls)
 
 
 async def test_parallel_tool_calls_false_makes_one_call(server):
