@@ -15,6 +15,24 @@ import typer
 
 from cli.common import err, parse_overrides
 
+def _live(label: str, config: Optional[Path], overrides: dict, run, wrote: Optional[Path] = None):
+    """Load the config (exit 2 on a bad one), run a live benchmark or drill with ``label``'s
+    progress lines, and exit 1 unless its report is ok."""
+    from cluster.config import load_config
+    from protos.errors import ConfigError
+
+    try:
+        report = run(load_config(config, overrides),
+                     lambda msg: err.print(f"[cyan]{label}[/cyan] {msg}"))
+    except ConfigError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    if wrote is not None:
+        err.print(f"[dim]wrote {wrote}[/dim]")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
 bench_app = typer.Typer(help="Benchmarks: simulated fleets, the live cluster, the KV store, "
                         "the conductor, the fronts' fuzz.",
                         no_args_is_help=True)
@@ -152,24 +170,14 @@ def bench_overload(
     1 when an admitted run misses 90% attainment, another status than RESOURCE_EXHAUSTED appears,
     a worker dies, or recovery takes over 10 s."""
     from bench.overload import main as run_overload
-    from cluster.config import load_config
-    from protos.errors import ConfigError
 
     overrides = {"prefill.num_instances": prefill, "decode.num_instances": decode,
                  "engine.model": model, "gateway.port": 0, "http.enabled": False,
                  "name": "overload", "conductor.tuning.ttft_slo_ms": ttft_slo_ms,
                  "conductor.tuning.tbt_slo_ms": tbt_slo_ms, **parse_overrides(set_)}
-    try:
-        cfg = load_config(None, overrides)
-        report = run_overload(cfg, json_path, tuple(float(f) for f in factors.split(",")), probe,
-                              burst, max_tokens, seed,
-                              lambda msg: err.print(f"[cyan]overload[/cyan] {msg}"))
-    except ConfigError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
-    err.print(f"[dim]wrote {json_path}[/dim]")
-    if not report.ok:
-        raise typer.Exit(1)
+    factor_list = tuple(float(f) for f in factors.split(","))
+    _live("overload", None, overrides, lambda cfg, progress: run_overload(
+        cfg, json_path, factor_list, probe, burst, max_tokens, seed, progress), json_path)
 
 
 @bench_app.command("fuzz")
@@ -193,8 +201,6 @@ def bench_fuzz(
     something leaked."""
     from bench.chaos import fresh_seed
     from bench.fuzz import main as run_fuzz
-    from cluster.config import load_config
-    from protos.errors import ConfigError
 
     overrides = {"engine.model": model, "gateway.port": 0, "http.port": 0, "name": "fuzz",
                  **parse_overrides(set_)}
@@ -203,15 +209,8 @@ def bench_fuzz(
     if seed is None:
         seed = fresh_seed()
     err.print(f"[cyan]fuzz[/cyan] seed {seed} (replay with --seed {seed})")
-    try:
-        cfg = load_config(config, overrides)
-        report = run_fuzz(cfg, requests, seed, concurrency, json_path,
-                          lambda msg: err.print(f"[cyan]fuzz[/cyan] {msg}"))
-    except ConfigError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
-    if not report.ok:
-        raise typer.Exit(1)
+    _live("fuzz", config, overrides, lambda cfg, progress: run_fuzz(
+        cfg, requests, seed, concurrency, json_path, progress))
 
 
 @bench_app.command("soak")
@@ -230,18 +229,8 @@ def bench_soak(
     index sampled over time, each series' growth per hour over the second half. Exit code 1 when
     a step fails or something is left pinned or booked after the load."""
     from bench.soak import main as run_soak
-    from cluster.config import load_config
-    from protos.errors import ConfigError
 
     overrides = {"engine.model": model, "gateway.port": 0, "http.port": 0, "name": "soak",
                  **parse_overrides(set_)}
-    try:
-        cfg = load_config(None, overrides)
-        report = run_soak(cfg, duration, sessions, sample_every, json_path, seed,
-                          lambda msg: err.print(f"[cyan]soak[/cyan] {msg}"))
-    except ConfigError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
-    err.print(f"[dim]wrote {json_path}[/dim]")
-    if not report.ok:
-        raise typer.Exit(1)
+    _live("soak", None, overrides, lambda cfg, progress: run_soak(
+        cfg, duration, sessions, sample_every, json_path, seed, progress), json_path)
