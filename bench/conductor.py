@@ -7,6 +7,13 @@ target number of blocks, plus host-tier store events for a quarter of the chains
 ``place`` for requests of 64 blocks (half extend an indexed chain, half are new), the whole
 decision: block-key lookup in the index, snapshot, policy, pricing, admission, booking.
 
+Then the agent case (``decision_us_shared_trunk``): a system prompt with tool definitions (a
+trunk of ``TRUNK_BLOCKS``) is added to every instance of both pools, and each of 2 agents per
+prefill instance has a private history of ``AGENT_BLOCKS`` past it on one prefill instance. Every
+instance is then a holder of every request, so every one is priced with a hit: half the requests
+are warm agents (the trunk, part of their history, new tokens), half are new agents (the trunk and
+new tokens).
+
 The ingest rate is measured on that fill. Figures are wall time on this machine, single thread.
 """
 
@@ -32,6 +39,13 @@ MODEL, LAYOUT = "bench-model", "bfloat16:16"
 BLOCK_TOKENS = 16
 CHAIN_BLOCKS = 64
 INSTANCES_PER_NODE = 8
+TRUNK_BLOCKS = 32
+"""The shared system prompt with tool definitions (512 tokens), held by every instance."""
+AGENT_BLOCKS = 16
+"""Each agent's private history past the trunk, held by one prefill instance."""
+AGENTS_PER_INSTANCE = 2
+TRUNK_HASHES = 1 << 40
+"""vLLM block hashes of the trunk and the agents' histories start here (past the fill's)."""
 
 
 def _fill(index: KvIndex, prefill_ids: list[str], num_blocks: int, rng: random.Random,
@@ -89,6 +103,53 @@ def _fill(index: KvIndex, prefill_ids: list[str], num_blocks: int, rng: random.R
     return chains, rate, store_rate
 
 
+def _stored(hashes: list[int], parent: int | None, tokens) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=list(tokens),
+                       block_size=BLOCK_TOKENS, lora_id=None, medium="GPU", lora_name=None)
+
+
+def _add_shared_trunk(index: KvIndex, prefill_ids: list[str], decode_ids: list[str],
+                      rng: random.Random) -> tuple[list[int], list[list[int]]]:
+    """Publish a trunk of ``TRUNK_BLOCKS`` on every instance and each agent's history of
+    ``AGENT_BLOCKS`` past it on one prefill instance (agent ``a`` on instance ``a mod N``), through
+    the engine-event path; returns the trunk's tokens and each agent's history tokens."""
+    encoder = msgspec.msgpack.Encoder()
+    trunk = rng.choices(range(50_000), k=TRUNK_BLOCKS * BLOCK_TOKENS)
+    trunk_hashes = list(range(TRUNK_HASHES, TRUNK_HASHES + TRUNK_BLOCKS))
+    agents = [rng.choices(range(50_000), k=AGENT_BLOCKS * BLOCK_TOKENS)
+              for _ in range(AGENTS_PER_INSTANCE * len(prefill_ids))]
+    seqs = index.last_seqs()
+    for instance_id in prefill_ids + decode_ids:
+        events = [_stored(trunk_hashes, None, trunk)]
+        if instance_id in prefill_ids:
+            n = prefill_ids.index(instance_id)
+            for a in range(n, len(agents), len(prefill_ids)):
+                first = TRUNK_HASHES + TRUNK_BLOCKS + a * AGENT_BLOCKS
+                events.append(_stored(list(range(first, first + AGENT_BLOCKS)), trunk_hashes[-1], agents[a]))
+        seq = seqs[instance_id] + 1
+        assert index.ingest_engine(instance_id, seq, encoder.encode(KVEventBatch(ts=0.0, events=events))) is None
+    return trunk, agents
+
+
+def _time_decisions(state: ConductorState, requests: list[PlacementRequest], num_prefill: int) -> dict:
+    """p50 and p99 of ``place`` over ``requests`` (µs), with at most ``num_prefill`` of them in
+    the books at a time; the books are emptied afterwards."""
+    latencies_us = []
+    in_flight: list[str] = []
+    for request in requests:
+        started = time.perf_counter()
+        state.place(request)
+        latencies_us.append((time.perf_counter() - started) * 1e6)
+        in_flight.append(request.request_id)
+        if len(in_flight) > num_prefill:  # keep a realistic number of requests in the books
+            state.finished(in_flight.pop(0))
+    for request_id in in_flight:
+        state.finished(request_id)
+    lat = np.asarray(latencies_us)
+    return {"p50": round(float(np.percentile(lat, 50)), 1),
+            "p99": round(float(np.percentile(lat, 99)), 1)}
+
+
 def bench_decisions(num_prefill: int, num_blocks: int, num_decisions: int, seed: int = 0,
                     progress=None) -> dict:
     rng = random.Random(seed)
@@ -111,22 +172,23 @@ def bench_decisions(num_prefill: int, num_blocks: int, num_decisions: int, seed:
             tokens = rng.choices(range(50_000), k=CHAIN_BLOCKS * BLOCK_TOKENS)
         keys = tuple(block_keys(tokens, BLOCK_TOKENS, extras))
         requests.append(PlacementRequest(f"r{i}", len(tokens), keys, 128))
-    latencies_us = []
-    in_flight: list[str] = []
-    for request in requests:
-        started = time.perf_counter()
-        state.place(request)
-        latencies_us.append((time.perf_counter() - started) * 1e6)
-        in_flight.append(request.request_id)
-        if len(in_flight) > num_prefill:  # keep a realistic number of requests in the books
-            state.finished(in_flight.pop(0))
-    lat = np.asarray(latencies_us)
+    timed = _time_decisions(state, requests, num_prefill)
+    num_blocks_indexed = state.index.num_blocks()
+    trunk, agents = _add_shared_trunk(state.index, prefill_ids, decode_ids, rng)
+    trunk_requests = []
+    for i in range(num_decisions):
+        tokens = list(trunk)
+        if i % 2 == 0:  # a warm agent's next step: part of its history, then new tokens
+            tokens += rng.choice(agents)[:rng.randrange(1, AGENT_BLOCKS + 1) * BLOCK_TOKENS]
+        tokens += rng.choices(range(50_000), k=CHAIN_BLOCKS * BLOCK_TOKENS - len(tokens))
+        trunk_requests.append(PlacementRequest(f"t{i}", len(tokens), tuple(block_keys(tokens, BLOCK_TOKENS, extras)), 128))
+    timed_trunk = _time_decisions(state, trunk_requests, num_prefill)
     return {
-        "p50": round(float(np.percentile(lat, 50)), 1),
-        "p99": round(float(np.percentile(lat, 99)), 1),
+        **timed,
+        "shared_trunk": timed_trunk,
         "num_decode_instances": len(decode_ids),
-        "indexed_blocks": state.index.num_blocks()["device"],
-        "host_indexed_blocks": state.index.num_blocks()["host"],
+        "indexed_blocks": num_blocks_indexed["device"],
+        "host_indexed_blocks": num_blocks_indexed["host"],
         "ingest_blocks_per_s": round(ingest_rate),
         "store_ingest_blocks_per_s": round(store_ingest_rate),
     }
@@ -134,18 +196,21 @@ def bench_decisions(num_prefill: int, num_blocks: int, num_decisions: int, seed:
 
 def run(json_path: Path | None, num_blocks: int = 1_000_000, num_decisions: int = 2_000,
         sizes: tuple[int, ...] = (64, 256, 1024), echo=print) -> dict:
-    results: dict = {"decision_us": {}, "ingest_blocks_per_s": 0, "policy": "baton",
+    results: dict = {"decision_us": {}, "decision_us_shared_trunk": {}, "ingest_blocks_per_s": 0, "policy": "baton",
                      "request_blocks": CHAIN_BLOCKS, "indexed_blocks": num_blocks}
     rates, store_rates = [], []
     for size in sizes:
         r = bench_decisions(size, num_blocks, num_decisions)
         results["decision_us"][str(size)] = {"p50": r["p50"], "p99": r["p99"],
                                              "num_decode_instances": r["num_decode_instances"]}
+        results["decision_us_shared_trunk"][str(size)] = {
+            **r["shared_trunk"], "num_decode_instances": r["num_decode_instances"]}
         rates.append(r["ingest_blocks_per_s"])
         store_rates.append(r["store_ingest_blocks_per_s"])
         echo(f"{size:5d} prefill instances ({r['num_decode_instances']} decode), "
              f"{r['indexed_blocks']:,} device + {r['host_indexed_blocks']:,} host blocks indexed: "
-             f"decision p50 {r['p50']:.0f} us, p99 {r['p99']:.0f} us; ingest "
+             f"decision p50 {r['p50']:.0f} us, p99 {r['p99']:.0f} us; shared trunk (every instance "
+             f"a holder) p50 {r['shared_trunk']['p50']:.0f} us, p99 {r['shared_trunk']['p99']:.0f} us; ingest "
              f"{r['ingest_blocks_per_s']:,} blocks/s (engine events), "
              f"{r['store_ingest_blocks_per_s']:,} blocks/s (store events)")
     results["ingest_blocks_per_s"] = round(float(np.median(rates)))
