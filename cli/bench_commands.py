@@ -87,6 +87,25 @@ def bench_kvstore(
                       str(disk_dir) if disk_dir else None, tuple(paths.split(",")))
 
 
+@bench_app.command("kvcopy")
+def bench_kvcopy(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+    model: str = typer.Option("smollm2-135m", help="KV shape: smollm2-135m or llama3-8b."),
+    layout: str = typer.Option("gpu", help="vLLM's GPU layout (block size 16) or 'cpu' (128)."),
+    blocks: int = typer.Option(128, help="Blocks per copy (one request's load or save)."),
+    rounds: int = typer.Option(9, help="Measured rounds (after one warm-up)."),
+    staging_blocks: int = typer.Option(64, help="Blocks per staging chunk of the copier."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+) -> None:
+    """The KV copy path alone: BlockCopier's arena <-> cache GB/s against a raw pinned copy of
+    the same bytes (also: python -m bench.kvcopy, which needs only torch)."""
+    from bench.kvcopy import main as run_kvcopy_bench
+
+    argv = ["--model", model, "--layout", layout, "--blocks", str(blocks), "--rounds",
+            str(rounds), "--staging-blocks", str(staging_blocks), "--device", device]
+    run_kvcopy_bench(argv + (["--json", str(json_path)] if json_path else []))
+
+
 @bench_app.command("conductor")
 def bench_conductor(
     json_path: Optional[Path] = typer.Option(Path("bench-out/conductor.json"), "--json",

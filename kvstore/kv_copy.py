@@ -51,7 +51,7 @@ class _Step:
 
     __slots__ = ("event", "finish", "finished")
 
-    def __init__(self, event: "torch.cuda.Event | None", finish: Callable[[], None] | None) -> None:
+    def __init__(self, event: torch.cuda.Event | None, finish: Callable[[], None] | None) -> None:
         self.event = event
         self.finish = finish
         self.finished = False
@@ -75,7 +75,7 @@ class CopyHandle:
     ``event`` is the CUDA event recorded after the copy's last device work (None on CPU, or for
     an empty copy): a stream can ``wait_event`` on it instead of the host waiting."""
 
-    def __init__(self, steps: Sequence[_Step] = (), event: "torch.cuda.Event | None" = None) -> None:
+    def __init__(self, steps: Sequence[_Step] = (), event: torch.cuda.Event | None = None) -> None:
         self._steps = list(steps)
         self.event = event
 
@@ -100,7 +100,7 @@ def _cuda_get_last_error() -> Callable[[], int] | None:
     candidates.append(None)  # the process's global symbols
     for path in candidates:
         try:
-            return getattr(ctypes.CDLL(path), "cudaGetLastError")
+            return ctypes.CDLL(path).cudaGetLastError
         except (AttributeError, OSError):
             continue
     return None
