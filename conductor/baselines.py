@@ -19,6 +19,7 @@ from typing import Sequence
 from conductor.picking import decode_by_load, decode_terms, ready, seeded_rng
 from conductor.policy_config import PolicyConfig
 from conductor.pricing import Pricer, best_hit_source, cheapest
+from conductor.sglang_tree import SglangTrees
 from conductor.snapshot import ClusterSnapshot, InstanceView, load
 from protos.wire import Placement, PlacementRequest
 
@@ -56,31 +57,47 @@ def sglang_cache_aware(
 ) -> Placement:
     """SGLang's cache-aware router for the prefill pool; decode by load.
 
-    Load is running + waiting requests. If the pool is imbalanced (max - min > abs threshold and
-    max > rel threshold × min) go to the least loaded instance; else to the longest prefix match
-    (all tiers) if it covers more than ``cache_threshold`` of the prompt; else to the instance with
-    the smallest cache (``num_cached_blocks``), to spread new prefixes.
+    Follows sgl-project/sglang ``sgl-router/src/policies/cache_aware.rs`` (commit 026f853, the
+    sglang-router 0.2 line; defaults 0.3 / 64 / 1.5 from its ``router_args.py``). Load is the
+    router's own count of requests it sent a worker and has not seen finish (the conductor's
+    booked ``num_running_reqs``). If ``max - min > balance_abs_threshold`` and ``max >
+    balance_rel_threshold × min``: the shortest queue. Else the approximate trees
+    (``snapshot.router_state``, a ``conductor.sglang_tree.SglangTrees`` the conductor fills from
+    this policy's past choices; none: empty trees): the worker with the deepest match if it
+    covers more than ``cache_threshold`` of the prompt, else the worker with the smallest tree.
+    Ties go to the first listed. The conductor then inserts the prompt into the chosen tree.
     """
     prefill = ready(snapshot, "prefill")
     d = decode_by_load(snapshot)
-    loads = [load(v) for v in prefill]
+    loads = [v.num_running_reqs for v in prefill]
     lo, hi = min(loads), max(loads)
+    trees = snapshot.router_state if isinstance(snapshot.router_state, SglangTrees) else _NO_TREES
     if hi - lo > config.sglang_balance_abs_threshold and hi > config.sglang_balance_rel_threshold * lo:
-        p = min(prefill, key=load)
-        why = f"imbalanced (load max {hi}, min {lo}): shortest queue, load {load(p)}"
+        p = prefill[loads.index(lo)]
+        why = f"imbalanced (load max {hi}, min {lo}): shortest queue, load {lo}"
     else:
-        p = max(prefill, key=lambda v: snapshot.hit(v.instance_id).num_blocks)
-        matched_tokens = min(snapshot.hit(p.instance_id).num_blocks * config.block_size_tokens,
-                             request.num_prompt_tokens)
+        by_id = {v.instance_id: v for v in prefill}
+        matched_blocks, tenant = trees.match(request.block_keys, by_id)
+        matched_tokens = min(matched_blocks * config.block_size_tokens, request.num_prompt_tokens)
         ratio = matched_tokens / request.num_prompt_tokens if request.num_prompt_tokens else 0.0
-        if ratio > config.sglang_cache_threshold:
-            why = (f"best match {matched_tokens} tokens = {ratio:.2f} of prompt > "
+        if ratio > config.sglang_cache_threshold and tenant is not None:
+            p = by_id[tenant]
+            why = (f"tree match {matched_tokens} tokens = {ratio:.2f} of prompt > "
                    f"{config.sglang_cache_threshold}")
         else:
-            p = min(prefill, key=lambda v: v.num_cached_blocks)
-            why = (f"match {ratio:.2f} <= {config.sglang_cache_threshold}: smallest tree, "
-                   f"{p.num_cached_blocks} blocks")
+            p = min(prefill, key=lambda v: trees.size(v.instance_id))
+            why = (f"tree match {ratio:.2f} <= {config.sglang_cache_threshold}: smallest tree, "
+                   f"{trees.size(p.instance_id)} blocks")
     return Placement(p.instance_id, d.instance_id, "sglang_cache_aware", f"{why}; {decode_terms(d)}")
+
+
+def sglang_trees(config: PolicyConfig) -> SglangTrees:
+    """The approximate trees a conductor running ``sglang_cache_aware`` keeps."""
+    return SglangTrees(config.sglang_max_tree_size_tokens // config.block_size_tokens,
+                       config.sglang_eviction_interval_s)
+
+
+_NO_TREES = SglangTrees(0, 1.0)
 
 
 def _dynamo_pick(views: Sequence[InstanceView], costs: Sequence[float], temperature: float,

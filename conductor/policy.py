@@ -26,6 +26,7 @@ from conductor.baselines import (
     random,
     round_robin,
     sglang_cache_aware,
+    sglang_trees,
 )
 from conductor.baton_policy import baton
 from conductor.picking import SERVES_WITHOUT_PREFILL_POOL
@@ -42,7 +43,7 @@ from conductor.snapshot import (
 from protos.wire import Placement, PlacementRequest
 
 __all__ = [
-    "NO_HIT", "POLICIES", "SERVES_WITHOUT_PREFILL_POOL", "ClusterSnapshot", "InstanceView",
+    "NO_HIT", "POLICIES", "ROUTER_STATES", "SERVES_WITHOUT_PREFILL_POOL", "ClusterSnapshot", "InstanceView",
     "LoadArrays", "Overloaded", "Placement", "PlacementRequest", "Policy", "PolicyConfig",
     "PoolArrays", "PrefillPrice", "PrefixHit", "admit", "baton", "dynamo_kv", "least_loaded",
     "mooncake", "price", "random", "round_robin", "sglang_cache_aware", "with_prices",
@@ -60,3 +61,9 @@ POLICIES: dict[str, Policy] = {
     "baton": baton,
 }
 """Every policy by the name ``conductor.policy`` takes in the cluster config."""
+
+ROUTER_STATES: dict[str, Callable[[PolicyConfig], object]] = {"sglang_cache_aware": sglang_trees}
+"""Policies that learn from their own routing history: the state ``ConductorState`` keeps for
+them (passed as ``ClusterSnapshot.router_state``), with ``maintain(now_s)`` before each
+decision, ``record(block_keys, prefill_instance)`` after each placement and
+``remove_worker(instance_id)`` when an instance leaves."""

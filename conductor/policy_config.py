@@ -32,6 +32,14 @@ class PolicyConfig(BaseModel):
     sglang_balance_rel_threshold: float = Field(
         1.5, ge=1, description="SGLang: ... and max load exceeds this × min load (ratio)."
     )
+    sglang_max_tree_size_tokens: int = Field(
+        2**24, ge=0, description="SGLang: each worker's approximate tree is cut back to this at every "
+        "eviction (its max_tree_size, 2**26 characters, at ~4 characters a token) (tokens)."
+    )
+    sglang_eviction_interval_s: float = Field(
+        120.0, gt=0, description="SGLang: seconds between evictions of the approximate trees "
+        "(eviction_interval_secs)."
+    )
     dynamo_overlap_score_weight: float = Field(
         1.0, ge=0, description="Dynamo: weight of prefill_blocks against decode_blocks."
     )

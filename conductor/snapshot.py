@@ -173,6 +173,9 @@ class ClusterSnapshot(msgspec.Struct, frozen=True):
     pool_index: Mapping[str, tuple[int, int]] | None = None
     """Instance id → (0 for ``prefill`` or 1 for ``decode``, its index there), when the maker
     keeps it; lets a policy go from a prefix hit to its view without scanning the pools."""
+    router_state: object | None = None
+    """State a policy learns from its own routing history and the conductor keeps for it
+    (``conductor.policy.ROUTER_STATES``: SGLang's approximate trees); the policy only reads it."""
 
     def hit(self, instance_id: str) -> PrefixHit:
         return self.prefix_hits.get(instance_id, NO_HIT)

@@ -25,6 +25,7 @@ import msgspec
 from conductor.kv_index import KvIndex
 from conductor.policy import (
     POLICIES,
+    ROUTER_STATES,
     SERVES_WITHOUT_PREFILL_POOL,
     ClusterSnapshot,
     InstanceView,
@@ -141,6 +142,9 @@ class ConductorState:
         self._inflight_keys: dict[bytes, str] = {}
         """Block key → the in-flight prefill computing it (the first one placed)."""
         self.counters = PlacementCounters()
+        make_router_state = ROUTER_STATES.get(policy)
+        self.router_state = make_router_state(config) if make_router_state is not None else None
+        """What the policy learns from its own choices (``ROUTER_STATES``), or None."""
         self._loads_seen: dict[str, tuple[int, float]] = {}
 
     # ------------------------------------------------------------------ membership and load
@@ -164,6 +168,8 @@ class ConductorState:
         self._busy.pop(instance_id, None)
         self._membership_changed(instance_id)
         self.index.remove_instance(instance_id)
+        if self.router_state is not None:
+            self.router_state.remove_worker(instance_id)
 
     def _membership_changed(self, instance_id: str) -> None:
         """Both pools are rebuilt (lists, positions, arrays) at the next snapshot."""
@@ -335,13 +341,15 @@ class ConductorState:
         return ClusterSnapshot(self._pools["prefill"], self._pools["decode"], self.counters.placed,
                                prefix_hits or {}, arrays["prefill"],
                                self._ready_pools["prefill"], self._ready_pools["decode"],
-                               arrays["decode"], self._pool_index)
+                               arrays["decode"], self._pool_index, self.router_state)
 
     # ------------------------------------------------------------------ decisions
 
     def place(self, request: PlacementRequest) -> Placement:
         """Choose, price, admit and book one request; ``Overloaded`` or ``NoWorkerReady`` if not."""
         hits = self.index.prefix_hits(request.block_keys) if request.block_keys else {}
+        if self.router_state is not None:
+            self.router_state.maintain(self._clock())
         snapshot = self.snapshot(hits, private=True)
         try:
             placement = self._policy(snapshot, request, self.config)
@@ -351,6 +359,8 @@ class ConductorState:
             self.counters.rejected += 1
             raise
         self._book(request, placement)
+        if self.router_state is not None:
+            self.router_state.record(request.block_keys, placement.prefill_instance)
         log.debug("placed %s: prefill=%s decode=%s T=transfer %.1f + queue %.1f + prefill %.1f ms; %s",
                   request.request_id, placement.prefill_instance, placement.decode_instance,
                   placement.transfer_ms, placement.queue_ms, placement.prefill_ms, placement.reason)

@@ -120,11 +120,13 @@ class DeviceCache:
         self._index = index
         self._unpinned: OrderedDict[BlockKey, None] = OrderedDict()
         self._pin_counts: dict[BlockKey, int] = {}
+        self._pending: set[BlockKey] = set()
+        """Pinned keys still being computed here (``acquire(visible=False)``): not yet held."""
         self.num_private_blocks = 0
         self.num_evicted_blocks = 0
 
     def __contains__(self, key: BlockKey) -> bool:
-        return key in self._pin_counts or key in self._unpinned
+        return (key in self._pin_counts and key not in self._pending) or key in self._unpinned
 
     @property
     def num_cached_blocks(self) -> int:
@@ -140,7 +142,10 @@ class DeviceCache:
         num_new_pins = sum(1 for key in keys if key not in pins)
         return len(pins) + num_new_pins + self.num_private_blocks + num_private_blocks <= self.capacity_blocks
 
-    def acquire(self, keys: Sequence[BlockKey], num_private_blocks: int) -> None:
+    def acquire(self, keys: Sequence[BlockKey], num_private_blocks: int, visible: bool = True) -> None:
+        """Pin ``keys`` and reserve the private blocks. With ``visible`` False the keys this cache
+        did not hold are being computed here: pinned (their memory is taken) but neither in the
+        index nor ``in`` this cache until ``publish`` (a prefill's blocks exist once it ends)."""
         pins, unpinned, device, owner = self._pin_counts, self._unpinned, self._index.device, self._owner
         for key in keys:
             count = pins.get(key)
@@ -150,6 +155,8 @@ class DeviceCache:
                 pins[key] = 1
                 if key in unpinned:
                     del unpinned[key]
+                elif not visible:
+                    self._pending.add(key)
                 else:
                     holders = device.get(key)
                     if holders is None:
@@ -161,6 +168,18 @@ class DeviceCache:
         overflow = len(pins) + len(unpinned) + self.num_private_blocks - self.capacity_blocks
         if overflow > 0:
             self._evict(overflow)
+
+    def publish(self, keys: Sequence[BlockKey]) -> None:
+        """The prefill computing the pending ones of ``keys`` has ended: they enter the index."""
+        pending, device, owner = self._pending, self._index.device, self._owner
+        for key in keys:
+            if key in pending:
+                pending.remove(key)
+                holders = device.get(key)
+                if holders is None:
+                    device[key] = {owner}
+                else:
+                    holders.add(owner)
 
     def insert(self, keys: Sequence[BlockKey]) -> None:
         """Hold ``keys`` (a whole chain, root first) unpinned and most recent, leaf first, evicting
@@ -199,6 +218,7 @@ class DeviceCache:
         for key in reversed(keys):
             count = pins[key]
             if count == 1:
+                assert key not in self._pending, "released a block still being computed"
                 del pins[key]
                 unpinned[key] = None
             else:
@@ -225,8 +245,12 @@ class DeviceCache:
         assert not (self._pin_counts.keys() & self._unpinned.keys())
         assert all(count > 0 for count in self._pin_counts.values())
         assert self.num_cached_blocks + self.num_private_blocks <= self.capacity_blocks
+        assert self._pending <= self._pin_counts.keys(), "a pending block lost its pin"
         for key in list(self._pin_counts) + list(self._unpinned):
-            assert self._owner in self._index.device[key]
+            if key in self._pending:
+                assert self._owner not in self._index.device.get(key, _EMPTY)
+            else:
+                assert self._owner in self._index.device[key]
 
     def lru_order(self) -> list[BlockKey]:
         """Unpinned keys, next to be evicted first (for tests)."""

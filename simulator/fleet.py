@@ -40,6 +40,22 @@ class FleetConfig(BaseModel):
     admission: bool = Field(
         True, description="Give the policies the TTFT SLO, so those that admit (mooncake, baton) "
         "reject requests predicted to miss it.")
+    prediction_error: float = Field(
+        0.0, ge=0, lt=2, description="Mean absolute relative error of the cost model: each "
+        "request's actual prefill and prefix-transfer times are its priced ones times a "
+        "median-1 lognormal factor with this mean |factor - 1| (0: the model is exact).")
+    error_seed: int = Field(0, description="Seed of the per-request error factors (the same draws "
+                            "for every policy and rate scale).")
+    coalesce_policies: tuple[str, ...] = Field(
+        ("baton",), description="Policies whose conductor holds a request while an in-flight "
+        "prefill computes its next blocks (the live conductor's coalescing; the baselines as "
+        "their authors ship them do not).")
+    coalesce_min_blocks: int = Field(
+        4, ge=1, description="Hold only for at least this many blocks of one in-flight prefill "
+        "(conductor coalesce_min_blocks) (blocks).")
+    coalesce_max_wait_ms: float = Field(
+        10_000.0, gt=0, description="Longest hold before placing anyway (conductor "
+        "coalesce_max_wait_ms) (ms).")
     policy_overrides: dict[str, Any] = Field(
         default_factory=dict, description="Other PolicyConfig fields, by name (e.g. short_prefill_tokens).")
 

@@ -96,9 +96,10 @@ class Instance:
 
 
 class PrefillInstance(Instance):
-    """Prefills its queue one at a time, in priority order. A prefill's blocks enter the device
-    cache as it starts; when it ends they go to the node's store and the KV is handed to the
-    request's decode instance."""
+    """Prefills its queue one at a time, in priority order. A pulled prefix enters the device
+    cache (and so the index) when its transfer ends, the computed blocks when the prefill ends
+    (what KV events report live: a block exists once it is computed); then every block goes to
+    the node's store and the KV is handed to the request's decode instance."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -121,13 +122,24 @@ class PrefillInstance(Instance):
             return
         job = self.queue.pop()
         duration_ms = self.sim.begin_prefill(self, job, now_ms)
-        self.cache.insert(self.sim.keys[job.req])  # one prefill at a time: nothing to pin against
         self.current = job
+        num_pulled = int(self.sim.num_pulled_blocks[job.req])
+        if num_pulled:
+            pulled_ms = float(self.sim.transfer_ms[job.req])
+            self.sim.schedule(now_ms + pulled_ms, self.on_pull_done, job)
         self.sim.schedule(now_ms + duration_ms, self.on_prefill_done, None)
+
+    def on_pull_done(self, now_ms: float, job: Job) -> None:
+        """The pulled prefix has landed: it is a replica here from now on."""
+        if self.current is job:
+            # one prefill at a time: nothing to pin against
+            self.cache.insert(self.sim.keys[job.req][:int(self.sim.num_cached_blocks[job.req])])
+            self.sim.dirty.add(self)
 
     def on_prefill_done(self, now_ms: float, _arg: object) -> None:
         job = self.current
         assert job is not None
+        self.cache.insert(self.sim.keys[job.req])
         self.sim.end_prefill(self, job, now_ms)
         self.sim.hand_off(self, job, now_ms)
         self._start_next(now_ms)
@@ -200,6 +212,7 @@ class DecodeInstance(Instance):
             job = self.current
             assert job is not None
             self.current = None
+            self.cache.publish(self.sim.keys[job.req])
             self.sim.end_prefill(self, job, now_ms)
             self._join(self.sim.new_seq(job.req), now_ms)
         self.mode = IDLE
@@ -264,7 +277,7 @@ class DecodeInstance(Instance):
             if cache.can_acquire(keys, num_private):
                 self.prefill_queue.pop()
                 duration_ms = self.sim.begin_prefill(self, job, now_ms)
-                cache.acquire(keys, num_private)
+                cache.acquire(keys, num_private, visible=False)  # published when it ends
                 self.mode, self.current = PREFILLING, job
                 self.version += 1
                 self.sim.schedule(now_ms + duration_ms, self.on_boundary, self.version)

@@ -7,11 +7,18 @@ simulated caches keep exact (``SimKvIndex``), on a clock the simulation sets. Wo
 The placement is then carried out by the simulated mechanism: the prefill instance loads its
 local prefix (own device, then its node's host and disk tiers), pulls the rest of the prefix from
 ``placement.pulled_from``, computes the remainder, writes every block to its node's store, and
-hands the KV to the decode instance, which batches. Not simulated: the live conductor's in-flight
-prefix coalescing (an async wait outside ``ConductorState.place``).
-Prefill and transfer times come from the same ``price`` function the policies predict with,
-evaluated on the caches as they are when the prefill starts (they may differ from the prediction
-made at arrival: the queue in between changes them). Transfers do not contend for links.
+hands the KV to the decode instance, which batches. A block is visible (in a cache, so in the
+index) only once the prefill computing it, or the pull bringing it, has ended.
+
+In-flight coalescing, for the policies in ``FleetConfig.coalesce_policies``, is the live
+conductor's: a request whose next blocks an in-flight prefill is computing
+(``ConductorState.coalesce_target``) waits for that prefill to end, or for
+``coalesce_max_wait_ms``, and is placed then; its TTFT counts the wait.
+
+Prefill and transfer times are the ``price`` the policies predict with, evaluated on the caches
+as they are when the prefill starts (the queue in between may change them), times a seeded
+per-request error factor (``simulator.prediction_error``; 1 when ``prediction_error`` is 0).
+Transfers do not contend for links.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from protos.wire import PlacementRequest
 from simulator.cache import BlockIndex, DeviceCache, NodeStore
 from simulator.fleet import FleetConfig
 from simulator.instances import DecodeInstance, Instance, Job, PrefillInstance, Seq
+from simulator.prediction_error import error_factors
 from simulator.trace import TRACE_BLOCK_TOKENS, TraceRequest, ceiling_hit_ratio
 
 
@@ -142,6 +150,15 @@ class Simulation:
         """The conductor's priced T = transfer + queue + prefill at placement (ms)."""
         self.queue_wait_ms = np.full(n, np.nan)
         """Arrival to the start of the prefill (ms)."""
+        self.prefill_factor, self.transfer_factor = error_factors(n, fleet.prediction_error, fleet.error_seed)
+        """Actual over priced prefill and transfer time, per request."""
+        self.coalesce = policy in fleet.coalesce_policies
+        self.coalesce_wait_ms = np.zeros(n)
+        """How long coalescing held the request before placing it (ms)."""
+        self.coalesced = np.zeros(n, dtype=bool)
+        self._waiters: dict[str, list[int]] = {}
+        """In-flight request id → the requests held until its prefill ends."""
+        self._held_since_ms: dict[int, float] = {}
         self.served = np.zeros(n, dtype=bool)
         self.rejected = np.zeros(n, dtype=bool)
         self.unservable = np.zeros(n, dtype=bool)
@@ -234,6 +251,33 @@ class Simulation:
         if len(keys) + self.num_private_blocks[i] > self._max_blocks:
             self.unservable[i] = True  # larger than any device: no placement can serve it
             return
+        if self.coalesce:
+            owner = self.conductor.coalesce_target(self.workload.placement_requests[i],
+                                                   self.fleet.coalesce_min_blocks)
+            if owner is not None:
+                self._waiters.setdefault(owner, []).append(i)
+                self._held_since_ms[i] = now_ms
+                self.schedule(now_ms + self.fleet.coalesce_max_wait_ms, self._hold_expired, i)
+                return
+        self._place(i, now_ms)
+
+    def _release_held(self, request_id: str, now_ms: float) -> None:
+        """The prefill of ``request_id`` ended: place what waited for it (the live conductor
+        places a woken request without a second look for another in-flight prefill)."""
+        for i in self._waiters.pop(request_id, ()):
+            since = self._held_since_ms.pop(i, None)
+            if since is not None:
+                self.coalesce_wait_ms[i] = now_ms - since
+                self.coalesced[i] = True
+                self._place(i, now_ms)
+
+    def _hold_expired(self, now_ms: float, i: int) -> None:
+        since = self._held_since_ms.pop(i, None)
+        if since is not None:
+            self.coalesce_wait_ms[i] = now_ms - since
+            self._place(i, now_ms)
+
+    def _place(self, i: int, now_ms: float) -> None:
         if self.dirty and now_ms >= self._next_poll_ms:
             for inst in self.dirty:
                 self.conductor.update_load(inst.instance_id, *inst.load())
@@ -289,10 +333,12 @@ class Simulation:
         self.num_cached_blocks[i] = cost.num_cached_blocks
         self.num_pulled_blocks[i] = cost.num_pulled_blocks
         self.num_computed_tokens[i] = request.num_prompt_tokens - cached_tokens
-        self.prefill_ms[i] = cost.prefill_ms
-        self.transfer_ms[i] = cost.transfer_ms
+        prefill_ms = cost.prefill_ms * self.prefill_factor[i]
+        transfer_ms = cost.transfer_ms * self.transfer_factor[i]
+        self.prefill_ms[i] = prefill_ms
+        self.transfer_ms[i] = transfer_ms
         self.queue_wait_ms[i] = now_ms - self.workload.arrival_ms[i] / self.rate_scale
-        return cost.transfer_ms + cost.prefill_ms
+        return transfer_ms + prefill_ms
 
     def end_prefill(self, inst: Instance, job: Job, now_ms: float) -> None:
         """The KV connector writes every block of the prompt to the node's store; the worker
@@ -300,7 +346,10 @@ class Simulation:
         i = job.req
         inst.store.put(self.keys[i])
         cached_tokens = self.workload.num_prompt_tokens[i] - int(self.num_computed_tokens[i])
-        self.conductor.prefill_done(self.workload.placement_requests[i].request_id, cached_tokens)
+        request_id = self.workload.placement_requests[i].request_id
+        self.conductor.prefill_done(request_id, cached_tokens)
+        if self._waiters:
+            self._release_held(request_id, now_ms)
 
     def hand_off(self, prefill_inst: Instance, job: Job, now_ms: float) -> None:
         """Send the KV the decode instance does not already hold on device."""

@@ -35,6 +35,8 @@ from conductor.policy import (
 )
 from protos.errors import BatonError, NoWorkerReady
 from protos.wire import PlacementRequest
+from conductor.sglang_tree import SglangTrees
+from conductor.state import ConductorState
 from tests.unit.policy_oracles import baton_options, mooncake_options
 
 REQ = PlacementRequest("r", 100)
@@ -156,23 +158,70 @@ def test_sglang_goes_to_the_shortest_queue_when_imbalanced():
     assert placement.reason.startswith("imbalanced (load max 100, min 10)")
 
 
-def test_sglang_follows_the_best_match_above_the_threshold_when_balanced():
-    s = ClusterSnapshot((InstanceView("p0", 10, 0), InstanceView("p1", 0, 0, num_cached_blocks=0)),
-                        (InstanceView("d0"),), 0, {"p0": PrefixHit(4, 4, 2)})
-    placement = sglang_cache_aware(s, REQ20, PolicyConfig())
+REQ20K = PlacementRequest("r20k", 320, tuple(b"k%d" % i for i in range(20)))  # 20 blocks, keyed
+
+
+def sglang_trees_with(**routed: int) -> SglangTrees:
+    """Trees as if ``routed[worker]`` blocks of REQ20K's prompt had been routed to each worker."""
+    trees = SglangTrees(10_000, 120.0)
+    for worker, num_blocks in routed.items():
+        trees.record(REQ20K.block_keys[:num_blocks], worker)
+    return trees
+
+
+def test_sglang_follows_its_trees_best_match_above_the_threshold_when_balanced():
+    """The router's own tree decides, not the live cache: p1 holds the prefix in the KV index,
+    but only p0 was routed it."""
+    s = ClusterSnapshot((InstanceView("p0", 10, 0), InstanceView("p1", 0, 0)),
+                        (InstanceView("d0"),), 0, {"p1": PrefixHit(20)},
+                        router_state=sglang_trees_with(p0=10))
+    placement = sglang_cache_aware(s, REQ20K, PolicyConfig())
     assert placement.prefill_instance == "p0"
-    assert placement.reason.startswith("best match 160 tokens = 0.50 of prompt > 0.3")
+    assert placement.reason.startswith("tree match 160 tokens = 0.50 of prompt > 0.3")
 
 
 def test_sglang_goes_to_the_smallest_tree_below_the_threshold():
-    s = ClusterSnapshot(
-        (InstanceView("p0", num_cached_blocks=100), InstanceView("p1", num_cached_blocks=5),
-         InstanceView("p2", num_cached_blocks=30)),
-        (InstanceView("d0"),), 0, {"p0": PrefixHit(6)},
-    )
-    placement = sglang_cache_aware(s, REQ20, PolicyConfig())
+    trees = sglang_trees_with(p0=5)
+    trees.record([b"other-%d" % i for i in range(30)], "p2")
+    trees.record([b"third-%d" % i for i in range(4)], "p1")
+    s = ClusterSnapshot((InstanceView("p0"), InstanceView("p1"), InstanceView("p2")),
+                        (InstanceView("d0"),), 0, {"p0": PrefixHit(20)}, router_state=trees)
+    placement = sglang_cache_aware(s, REQ20K, PolicyConfig())  # tree match 5/20 = 0.25 <= 0.3
     assert placement.prefill_instance == "p1"
-    assert "smallest tree, 5 blocks" in placement.reason
+    assert "smallest tree, 4 blocks" in placement.reason
+
+
+def test_sglang_consecutive_misses_rotate_over_the_workers():
+    """Each miss is inserted into the chosen tree at routing time, so the next miss finds that
+    tree larger and goes to the next smallest: eight new prefixes on four workers land twice on
+    each, in pool order; the old router (live cache sizes, all tied) sent them all to p0."""
+    state = ConductorState("sglang_cache_aware", PolicyConfig(block_size_tokens=16), clock=lambda: 0.0)
+    for i in range(4):
+        state.register(f"p{i}", "prefill", "n0", "m", "l")
+        state.set_ready(f"p{i}", True)
+    state.register("d0", "decode", "n1", "m", "l")
+    state.set_ready("d0", True)
+    chosen = [state.place(PlacementRequest(f"r{i}", 4 * 16, tuple(b"%d-%d" % (i, k) for k in range(4))))
+              .prefill_instance for i in range(8)]
+    assert chosen == ["p0", "p1", "p2", "p3"] * 2
+    # a repeat of a prompt follows its tree, whatever the sizes
+    again = state.place(PlacementRequest("again", 4 * 16, tuple(b"5-%d" % k for k in range(4))))
+    assert again.prefill_instance == "p1"
+    state.router_state.check_invariants()
+
+
+def test_sglang_trees_evict_least_recent_leaves_to_the_bound_every_interval():
+    trees = SglangTrees(3, 120.0)
+    trees.maintain(0.0)
+    trees.record([b"a", b"b", b"c", b"d"], "w")
+    trees.record([b"x", b"y"], "w")
+    trees.maintain(119.0)
+    assert trees.size("w") == 6  # not due yet: trees grow between evictions
+    trees.maintain(120.0)
+    # least recent first: the a-chain's leaves d, c, then b; the newer x-chain and the root stay
+    assert trees.size("w") == 3 and trees.match([b"a", b"b"], {"w"}) == (1, "w")
+    assert trees.match([b"x", b"y"], {"w"}) == (2, "w")
+    trees.check_invariants()
 
 
 def dynamo_snapshot():

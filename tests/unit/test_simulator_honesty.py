@@ -66,10 +66,12 @@ def test_without_pulls_an_idle_fleet_hits_only_what_each_node_holds(shared_trace
 
 def test_a_one_instance_fleet_gives_every_policy_the_same_results(shared_trace):
     """1 prefill + 1 decode instance leave no placement to choose. Conditional disaggregation
-    (baton's option to prefill on the decode instance) is turned off: it is a second place."""
+    (baton's option to prefill on the decode instance) is turned off: it is a second place; so
+    is in-flight coalescing (a hold before placement, not a placement)."""
     workload = Workload(shared_trace[:600])
     fleet = FleetConfig(num_prefill_instances=1, num_decode_instances=1, admission=True,
-                        host_kv_bytes_per_node=64 * 2**30, policy_overrides={"short_prefill_tokens": 0})
+                        host_kv_bytes_per_node=64 * 2**30, policy_overrides={"short_prefill_tokens": 0},
+                        coalesce_policies=())
     reference = None
     for policy in POLICIES:
         sim = Simulation(workload, fleet, PROFILE, policy, rate_scale=4.0).run()
