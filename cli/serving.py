@@ -26,6 +26,9 @@ def serve(
     port: Optional[int] = typer.Option(None, help="gRPC port (default from config: 50051; 0 = any free)."),
     http_port: Optional[int] = typer.Option(
         None, help="OpenAI-compatible HTTP port (default from config: 8000; 0 = any free)."),
+    engine_grpc_port: Optional[int] = typer.Option(
+        None, help="Also serve the engine gRPC contract (vllm.grpc.engine, what SMG's gRPC "
+        "workers speak) on this port (engine_grpc.port; default: off; 0 = any free)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="Cluster config YAML."),
     prefill: Optional[int] = typer.Option(None, help="Prefill instances (overrides config)."),
     decode: Optional[int] = typer.Option(None, help="Decode instances (overrides config)."),
@@ -42,7 +45,8 @@ def serve(
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = parse_overrides(set_)
-    for key, value in (("gateway.port", port), ("http.port", http_port), ("prefill.num_instances", prefill),
+    for key, value in (("gateway.port", port), ("http.port", http_port),
+                       ("engine_grpc.port", engine_grpc_port), ("prefill.num_instances", prefill),
                        ("decode.num_instances", decode), ("engine.model", model)):
         if value is not None:
             overrides[key] = value

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from conductor.config import ConductorConfig
 from conductor.policy import SERVES_WITHOUT_PREFILL_POOL
 from engine.config import EngineConfig
-from gateway.config import AuthConfig, GatewayConfig, HttpConfig
+from gateway.config import AuthConfig, EngineGrpcConfig, GatewayConfig, HttpConfig
 from kvstore.config import KVStoreConfig
 from protos.errors import ConfigError
 
@@ -79,6 +79,7 @@ class ClusterConfig(BaseModel):
     gateway: GatewayConfig = GatewayConfig()
     http: HttpConfig = HttpConfig()
     auth: AuthConfig = AuthConfig()
+    engine_grpc: EngineGrpcConfig = EngineGrpcConfig()
     conductor: ConductorConfig = ConductorConfig()
     redis: RedisConfig = RedisConfig()
     ray: RayConfig = RayConfig()

@@ -25,7 +25,9 @@ def fronts_config(config: ClusterConfig) -> FrontsConfig:
     """The fronts' part of the cluster config."""
     return FrontsConfig(config.name, config.ray.namespace, config.gateway, config.http,
                         config.auth, config.engine.max_model_len_tokens,
-                        config.engine.structured_outputs_backend)
+                        config.engine.structured_outputs_backend, config.engine_grpc,
+                        config.engine.dtype,
+                        config.engine.max_num_seqs * config.decode.num_instances)
 
 
 class BatonServer:

@@ -19,12 +19,22 @@ import zmq
 import zmq.asyncio
 
 from conductor.config import ConductorConfig
+from conductor.kv_feed import KvEventFeed
 from conductor.kv_index import StreamGap
 from conductor.policy import PolicyConfig, PrefixHit
 from conductor.state import ConductorState, PlacementCounters
 from kvstore.keys import BlockKey
 from protos.errors import InvalidRequest, NoWorkerReady
-from protos.wire import KeyScheme, Placement, PlacementRequest, Registration, SoftPin, StoreRow
+from protos.wire import (
+    ClusterLoad,
+    KeyScheme,
+    KvFeedBatch,
+    Placement,
+    PlacementRequest,
+    Registration,
+    SoftPin,
+    StoreRow,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +102,8 @@ class Conductor:
         self._events_dropped = 0
         self._replayed = 0
         self._key_scheme: KeyScheme | None = None
+        self.kv_feed = KvEventFeed()
+        """Every engine batch received, for the engine contract's SubscribeKvEvents."""
 
     def events_endpoint(self) -> str:
         """Where engines publish KV events (``KVEventsConfig.endpoint``)."""
@@ -300,6 +312,24 @@ class Conductor:
                                  tiers))
         return rows
 
+    async def cluster_load(self) -> ClusterLoad:
+        """The last stats of every ready instance and the requests in flight (the engine
+        contract's GetLoads)."""
+        prefills, decodes = self.state.num_in_flight()
+        ready = [stats for instance_id, stats in sorted(self._last_stats.items())
+                 if self.state.is_instance_ready(instance_id)]
+        return ClusterLoad(ready, prefills, decodes)
+
+    async def kv_event_batches(self, after_seq: int, wait_s: float = 1.0,
+                               max_batches: int = 256) -> list[KvFeedBatch]:
+        """The engines' KV event batches received after ``after_seq`` (``conductor.kv_feed``),
+        waiting up to ``wait_s`` seconds for one when there is none yet."""
+        return await self.kv_feed.wait_after(after_seq, wait_s, max_batches)
+
+    async def kv_last_seq(self) -> int:
+        """The sequence number of the last engine KV event batch received (0: none yet)."""
+        return self.kv_feed.last_seq
+
     async def prefix_hits(self, block_keys: list[bytes]) -> PrefixHits:
         """The index's view of one prompt (for operators and tests)."""
         return PrefixHits(len(block_keys), self.state.index.prefix_hits(block_keys))
@@ -349,6 +379,8 @@ class Conductor:
         seq = int.from_bytes(seq_bytes, "big", signed=True)
         index = self.state.index
         ingest = index.ingest_engine if engine else index.ingest_store
+        if engine:
+            self.kv_feed.record(source, payload)
         try:
             gap = ingest(source, seq, payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -378,6 +410,8 @@ class Conductor:
             self._clear(gap.source, engine)
             return
         for seq, payload in batches:
+            if engine:
+                self.kv_feed.record(gap.source, payload)
             if ingest(gap.source, seq, payload) is not None:
                 self._clear(gap.source, engine)
                 return

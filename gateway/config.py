@@ -107,6 +107,21 @@ class HttpConfig(BaseModel):
         return self.tls_cert_file, self.tls_key_file
 
 
+class EngineGrpcConfig(BaseModel):
+    """The engine gRPC contract (``vllm.grpc.engine.VllmEngine``, PyPI ``smg-grpc-proto``) that
+    SMG and other clients of vLLM's ``--grpc`` mode speak: the whole cluster behind one worker
+    URL. Off unless ``port`` is set; behind the gateway's API keys (``auth``) and TLS switch
+    (``gateway.tls_cert_file``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    port: int | None = Field(
+        None, ge=0, le=65535, description="Port of the engine gRPC contract; unset: not served; "
+        "0 picks a free one."
+    )
+    host: str = Field("127.0.0.1", description="Address the engine gRPC contract binds.")
+
+
 class AuthConfig(BaseModel):
     """Client authentication, shared by the gRPC gateway and the HTTP front."""
 

@@ -18,7 +18,7 @@ import msgspec
 from engine.models import PreparedModel
 from gateway.admin import AdminServicer
 from gateway.auth import KeySet, read_admin_keys, read_api_keys
-from gateway.config import AuthConfig, GatewayConfig, HttpConfig
+from gateway.config import AuthConfig, EngineGrpcConfig, GatewayConfig, HttpConfig
 from gateway.inference import InferenceServicer, RunningGateway, start_gateway
 from gateway.live_router import LiveRouter
 from gateway.metrics import PoolGaugePoller
@@ -40,6 +40,12 @@ class FrontsConfig(msgspec.Struct, frozen=True):
     """``engine.max_model_len_tokens`` (None: the model's own limit)."""
     structured_backend: str = "auto"
     """``engine.structured_outputs_backend``: the schemas the engines can enforce."""
+    engine_grpc: EngineGrpcConfig = EngineGrpcConfig()
+    """The engine gRPC contract (``gateway.engine_contract``); off unless its port is set."""
+    engine_dtype: str = ""
+    """``engine.dtype``, as the engine contract's ``GetServerInfo`` reports it."""
+    decode_max_num_seqs: int = 0
+    """Sequences the decode pool runs at once (``engine.max_num_seqs`` × decode instances)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,8 @@ class Fronts:
         self.gauges: PoolGaugePoller | None = None
         self.gateway: RunningGateway | None = None
         self.http = None
+        self.engine_contract = None
+        """The engine gRPC contract's server (``gateway.engine_contract``) when it is on."""
         self.tokenizer: PromptTokenizer | None = None
         self._follower: asyncio.Task | None = None
         self._addresses: Callable[[], FrontAddresses | None] = lambda: None
@@ -100,8 +108,6 @@ class Fronts:
             await self.gateway.set_serving(False)
             self.progress(f"gateway listening on {cfg.gateway.host}:{self.gateway.port} "
                           "(not serving until workers are ready)")
-            if follow_readiness:
-                self._follower = asyncio.get_running_loop().create_task(self._follow_readiness())
         if cfg.http.enabled:
             from gateway.openai_http import build_app, start_http
 
@@ -110,6 +116,29 @@ class Fronts:
                             structured_backend=cfg.structured_backend)
             self.http = await start_http(app, cfg.http.host, cfg.http.port, tls=secrets.http_tls)
             self.progress(f"OpenAI-compatible HTTP on {self.http_url}")
+        if cfg.engine_grpc.port is not None:
+            await self._start_engine_contract(conductor, model, max_len)
+        if follow_readiness and (self.gateway is not None or self.engine_contract is not None):
+            self._follower = asyncio.get_running_loop().create_task(self._follow_readiness())
+
+    async def _start_engine_contract(self, conductor, model: PreparedModel, max_len: int) -> None:
+        from gateway.engine_contract import (
+            EngineContractServicer,
+            RayClusterView,
+            ServedModel,
+            start_engine_contract,
+        )
+
+        cfg = self.config
+        served = ServedModel(model.path, model.name, max_len, self.tokenizer.vocab_size,
+                             cfg.engine_dtype, cfg.decode_max_num_seqs)
+        servicer = EngineContractServicer(self.router, RayClusterView(conductor), self.tokenizer,
+                                          served, api_keys=self.secrets.api_keys,
+                                          structured_backend=cfg.structured_backend)
+        self.engine_contract = await start_engine_contract(
+            servicer, cfg.engine_grpc.host, cfg.engine_grpc.port, tls=self.secrets.grpc_tls)
+        self.progress(f"engine gRPC contract (vllm.grpc.engine) on "
+                      f"{cfg.engine_grpc.host}:{self.engine_contract.port}")
 
     @property
     def http_url(self) -> str:
@@ -119,14 +148,16 @@ class Fronts:
     async def set_serving(self, serving: bool) -> None:
         if self.gateway is not None:
             await self.gateway.set_serving(serving)
+        if self.engine_contract is not None:
+            await self.engine_contract.set_serving(serving)
 
     async def _follow_readiness(self) -> None:
         """gRPC health follows the pools: NOT_SERVING until a prefill and a decode are ready."""
         serving = None
-        while self.gateway is not None:
+        while True:  # until stop cancels it
             ready = self.router.is_ready()
             if ready != serving:
-                await self.gateway.set_serving(ready)
+                await self.set_serving(ready)
                 serving = ready
             await asyncio.sleep(0.5)
 
@@ -140,6 +171,9 @@ class Fronts:
         if self.http is not None:
             await self.http.stop()
             self.http = None
+        if self.engine_contract is not None:
+            contract, self.engine_contract = self.engine_contract, None
+            await contract.stop(grace_s=5)
         if self.router is not None:
             self.router.stop()
         if self.gauges is not None:

@@ -362,6 +362,30 @@ class TierCounters(msgspec.Struct, frozen=True, omit_defaults=True):
                 if value is not None}
 
 
+class ClusterLoad(msgspec.Struct, frozen=True):
+    """The cluster's load as the conductor knows it (``Conductor.cluster_load``): what the engine
+    gRPC contract's ``GetLoads`` reports for the whole cluster."""
+
+    instances: list[InstanceStats]
+    """The last stats of every ready instance (polled every ``conductor.stats_interval_s``)."""
+    num_in_flight_prefills: int
+    """Requests placed whose prefill has not answered yet (the conductor's queue book)."""
+    num_in_flight_decodes: int
+    """Requests placed that have not finished yet."""
+
+
+class KvFeedBatch(msgspec.Struct, frozen=True):
+    """One engine's KV event batch as the conductor received it, under the conductor's own
+    sequence number (``Conductor.kv_event_batches``)."""
+
+    seq: int
+    """1, 2, 3, ... in the order the conductor received batches from every engine."""
+    instance_id: str
+    """The engine that published it (its ZMQ topic)."""
+    payload: bytes
+    """vLLM's msgpack ``KVEventBatch``, as sent (``kvstore.events`` decodes it)."""
+
+
 # ---------------------------------------------------------------- round trips
 
 

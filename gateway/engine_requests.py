@@ -1,0 +1,154 @@
+"""The engine gRPC contract's ``GenerateRequest`` (``vllm.grpc.engine``, PyPI ``smg-grpc-proto``)
+as a Baton request: pure functions, no wire beyond the two messages.
+
+A contract request is mapped onto Baton's own ``baton.v1.GenerateRequest`` and validated by the
+same ``gateway.validation.validate_and_build`` as the gRPC front's, so both fronts accept and
+refuse alike (the context window, token ids, temperature, top_p, stop strings, logprobs, JSON
+schemas). What the contract can ask for and Baton's engines cannot do is refused here with
+``InvalidRequest`` naming the field, unless the field holds its neutral value (SMG fills some of
+them with their defaults on every request).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import msgspec
+from smg_grpc_proto import vllm_engine_pb2 as vpb
+
+from gateway.tokenization import PromptTokenizer
+from gateway.validation import validate_and_build
+from protos.baton.v1 import inference_pb2 as pb
+from protos.errors import InvalidRequest
+from protos.wire import EngineRequest
+
+UNSUPPORTED_CONSTRAINTS = ("regex", "grammar", "structural_tag", "choice")
+REMOTE_PREFILL_KEYS = ("do_remote_prefill", "do_remote_decode")
+"""``kv_transfer_params_json`` keys with which a PD router hands a request's KV between two of its
+workers: Baton moves KV between its own prefill and decode pools itself."""
+
+
+class ModelLimits(msgspec.Struct, frozen=True):
+    """What a request is checked against: the served model."""
+
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    structured_backend: str = "auto"
+
+
+def engine_request(request: vpb.GenerateRequest, tokenizer: PromptTokenizer,
+                   limits: ModelLimits) -> EngineRequest:
+    """Check a contract ``GenerateRequest`` and turn it into Baton's ``EngineRequest``.
+
+    ``InvalidRequest`` for a request Baton cannot serve as asked; the message names the field.
+    """
+    check_unsupported(request, limits)
+    kv_transfer_params(request)
+    baton_request = baton_generate_request(request)
+    built = validate_and_build(baton_request, tokenizer, limits.served_model_name,
+                               limits.max_model_len, limits.vocab_size,
+                               structured_backend=limits.structured_backend)
+    if request.sampling_params.ignore_eos:
+        built = msgspec.structs.replace(
+            built, sampling=msgspec.structs.replace(built.sampling, ignore_eos=True))
+    return built
+
+
+def baton_generate_request(request: vpb.GenerateRequest) -> pb.GenerateRequest:
+    """The same request in ``baton.v1`` terms (the prompt, the sampling fields both have)."""
+    params = request.sampling_params
+    sampling = pb.SamplingParams(
+        # the contract's unset temperature is vLLM's default, 1.0; Baton's 0 is greedy
+        temperature=params.temperature if params.HasField("temperature") else 1.0,
+        stop=list(params.stop),
+    )
+    if params.top_p != 0.0:  # 0: unset (vLLM's servicer reads it as 1.0)
+        sampling.top_p = params.top_p
+    if params.HasField("max_tokens"):
+        sampling.max_tokens = min(params.max_tokens, 2**31 - 1)
+    if params.HasField("seed"):
+        sampling.seed = params.seed
+    if params.HasField("logprobs"):
+        sampling.logprobs = params.logprobs
+    constraint = params.WhichOneof("constraint")
+    if constraint == "json_schema":
+        sampling.json_schema = params.json_schema
+    elif constraint == "json_object":
+        sampling.json_object = params.json_object
+    built = pb.GenerateRequest(sampling=sampling, request_id=request.request_id)
+    if request.WhichOneof("input") == "tokenized":
+        built.token_ids.ids.extend(request.tokenized.input_ids)
+    elif request.WhichOneof("input") == "text":
+        built.text = request.text
+    return built
+
+
+def check_unsupported(request: vpb.GenerateRequest, limits: ModelLimits) -> None:
+    """Refuse what Baton's engines do not do, unless the field holds its neutral value."""
+    params = request.sampling_params
+    kind = request.WhichOneof("input")
+    if kind == "tokenized" and any(i >= 2**31 for i in request.tokenized.input_ids):
+        raise InvalidRequest(f"tokenized.input_ids holds ids above 2^31; send ids below "
+                             f"{limits.vocab_size} (the served model's vocabulary)")
+    if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
+        raise InvalidRequest("multimodal inputs (mm_inputs, extra_mm_inputs, media_refs): the "
+                             f"served model '{limits.served_model_name}' takes text only")
+    neutral = {
+        "top_k": params.top_k == 0,
+        "min_p": params.min_p == 0.0,
+        "frequency_penalty": params.frequency_penalty == 0.0,
+        "presence_penalty": params.presence_penalty == 0.0,
+        "repetition_penalty": params.repetition_penalty in (0.0, 1.0),
+        "min_tokens": params.min_tokens == 0,
+        "n": params.n in (0, 1),
+        "logit_bias": not params.logit_bias,
+        "prompt_logprobs": not params.HasField("prompt_logprobs"),
+        "truncate_prompt_tokens": not params.HasField("truncate_prompt_tokens"),
+        "include_stop_str_in_output": not params.include_stop_str_in_output,
+    }
+    refused = [name for name, ok in neutral.items() if not ok]
+    if refused:
+        raise InvalidRequest(
+            f"sampling_params.{', sampling_params.'.join(refused)}: not supported by Baton's "
+            "engines; leave them unset (Baton serves temperature, top_p, max_tokens, seed, "
+            "stop, stop_token_ids of the model's end-of-sequence tokens, ignore_eos, logprobs, "
+            "json_schema and json_object)")
+    constraint = params.WhichOneof("constraint")
+    if constraint in UNSUPPORTED_CONSTRAINTS:
+        raise InvalidRequest(f"sampling_params.{constraint}: not supported; Baton enforces "
+                             "json_schema and json_object")
+    others = sorted(set(params.stop_token_ids) - set(limits.eos_token_ids))
+    if others and not params.ignore_eos:
+        raise InvalidRequest(
+            f"sampling_params.stop_token_ids {others}: Baton's engines stop on the model's "
+            f"end-of-sequence tokens {list(limits.eos_token_ids)} only; drop the others")
+    if others:
+        raise InvalidRequest("sampling_params.stop_token_ids with ignore_eos: not supported; "
+                             "drop stop_token_ids or ignore_eos")
+    if params.HasField("temperature") and not math.isfinite(params.temperature):
+        raise InvalidRequest(f"sampling_params.temperature must be finite, got {params.temperature}")
+
+
+def kv_transfer_params(request: vpb.GenerateRequest) -> dict:
+    """``kv_transfer_params_json`` parsed: a JSON object, without a remote-prefill handoff
+    (Baton disaggregates inside the cluster: put it behind SMG as one regular worker)."""
+    if not request.HasField("kv_transfer_params_json") or not request.kv_transfer_params_json:
+        return {}
+    try:
+        params = json.loads(request.kv_transfer_params_json)
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"kv_transfer_params_json is not valid JSON ({e}); send a JSON "
+                             "object or leave it unset") from e
+    if not isinstance(params, dict):
+        raise InvalidRequest("kv_transfer_params_json must be a JSON object, got "
+                             f"{type(params).__name__}")
+    handoff = [key for key in REMOTE_PREFILL_KEYS if params.get(key)]
+    if handoff:
+        raise InvalidRequest(
+            f"kv_transfer_params_json asks for {', '.join(handoff)}: Baton hands KV from its "
+            "prefill pool to its decode pool itself; route to it as one regular worker, not as "
+            "the prefill or decode side of a PD pair")
+    return params
