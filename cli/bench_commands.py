@@ -56,15 +56,22 @@ def bench_replay(
     host_gib: Optional[float] = typer.Option(None, help="Host KV tier per node (GiB; default 256)."),
     disk_gib: Optional[float] = typer.Option(None, help="Disk KV tier per node (GiB; default 1024)."),
     admission: bool = typer.Option(True, help="Let the conductor reject requests predicted to miss SLOs."),
+    tune: bool = typer.Option(True, help="Tune each policy's knobs on the trace's first slice, race on the rest."),
+    tune_fraction: float = typer.Option(0.25, help="Share of the trace (first requests) held apart for tuning."),
+    prediction_error: float = typer.Option(
+        0.0, help="Mean relative error of actual prefill/transfer times around the prediction (0.1: 10%)."),
+    error_seed: int = typer.Option(0, help="Seed of the per-request prediction errors."),
+    coalesce: bool = typer.Option(True, help="Model baton's in-flight prefix coalescing (its live conductor's)."),
 ) -> None:
     """SIMULATE a fleet replaying a trace under each placement policy (the conductor's own code):
-    hit ratio, TTFT, TBT, SLO attainment and goodput per policy."""
+    each tuned on a held-apart slice, then hit ratio, TTFT, TBT, SLO attainment, goodput (to 2%)
+    and the ratios to the trace's oracle bound per policy."""
     from bench.replay import replay_command
     from simulator.replay import default_jobs
 
     replay_command(trace, prefill, decode, policy, out, rate_scale, profile, ttft_slo_ms, tbt_slo_ms,
                    goodput, jobs or default_jobs(), instances_per_node, device_kv_gib, host_gib,
-                   disk_gib, admission, err)
+                   disk_gib, admission, err, tune, tune_fraction, prediction_error, error_seed, coalesce)
 
 
 @bench_app.command("kvstore")

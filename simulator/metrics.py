@@ -9,8 +9,11 @@ from simulator.sim import Simulation
 
 
 class TtftStats(msgspec.Struct):
-    """Time to first token of the requests served (ms): arrival to the first token the decode
-    instance emits (queue + prefix transfer + prefill + KV hand-off + admission + one step)."""
+    """Time to first token over *all* requests (ms): arrival to the first token the decode
+    instance emits (coalescing hold + queue + prefix transfer + prefill + KV hand-off + admission
+    + one step); a request rejected by admission or too large for any device is charged the
+    TTFT SLO bound (it never gets a first token, and leaving it out would flatter the policy
+    that rejects most)."""
 
     mean: float
     p50: float
@@ -53,8 +56,13 @@ class PolicyResult(msgspec.Struct):
     """Requests prefilled on their decode instance (conditional disaggregation)."""
     num_pulled_blocks: int
     """Prefix blocks pulled from another instance or node."""
+    num_coalesced: int = 0
+    """Requests held until an in-flight prefill of their prefix ended, then placed."""
     goodput_rate_scale: float | None = None
     """Highest rate scale with >= 90% of requests meeting both SLOs (None: not swept)."""
+    goodput_ci: tuple[float, float | None] | None = None
+    """The bracket the search ended with: ``goodput_rate_scale`` passed, the upper end failed
+    (None: nothing tried failed)."""
 
 
 def weighted_percentile(values: list[float], weights: list[int], q: float) -> float:
@@ -74,7 +82,7 @@ def summarize(sim: Simulation) -> PolicyResult:
     blocks = np.array([len(k) for k in workload.keys])
     served_blocks = int(blocks[served].sum())
     hit_ratio = float(sim.num_cached_blocks[served].sum() / served_blocks) if served_blocks else 0.0
-    ttft = sim.ttft_ms[served]
+    ttft = np.where(served, sim.ttft_ms, fleet.ttft_slo_ms)
     if len(ttft):
         p50, p90, p99 = np.percentile(ttft, [50, 90, 99])
         ttft_stats = TtftStats(float(ttft.mean()), float(p50), float(p90), float(p99))
@@ -94,4 +102,5 @@ def summarize(sim: Simulation) -> PolicyResult:
         prefill_compute_s=float(sim.prefill_ms.sum() / 1000.0),
         prefill_tokens_computed=int(sim.num_computed_tokens.sum()),
         num_colocated=int(sim.colocated.sum()), num_pulled_blocks=int(sim.num_pulled_blocks.sum()),
+        num_coalesced=int(sim.coalesced.sum()),
     )

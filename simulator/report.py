@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from simulator.replay import PolicyRun
+    from simulator.replay import PolicyRun, ReplayOutcome
 
 
 def _title(meta: dict) -> str:
@@ -16,29 +16,55 @@ def _title(meta: dict) -> str:
             f"{meta['fleet']['num_decode_instances']}D, profile {meta['profile_name']}")
 
 
-def markdown_table(runs: dict[str, PolicyRun], meta: dict) -> str:
+def _scale(value: float | None) -> str:
+    return "-" if value is None else ("inf" if value == float("inf") else f"{value:.2f}")
+
+
+def _knobs(knobs: dict) -> str:
+    short = {"mooncake_kvcache_balancing_threshold": "threshold", "dynamo_overlap_score_weight": "weight",
+             "dynamo_temperature": "temp", "sglang_cache_threshold": "cache", "sglang_balance_abs_threshold": "abs",
+             "sglang_balance_rel_threshold": "rel", "baton_replication_margin_frac": "margin",
+             "short_prefill_tokens": "short"}
+    return ", ".join(f"{short.get(k, k)} {v:g}" for k, v in knobs.items()) or "-"
+
+
+def markdown_table(outcome: ReplayOutcome, meta: dict) -> str:
     fleet = meta["fleet"]
+    runs, oracle = outcome.runs, outcome.oracle
+    sliced = (f"tuned on the first {outcome.num_tune_requests} requests, raced on the other "
+              f"{outcome.num_race_requests}" if outcome.num_tune_requests
+              else f"raced on all {outcome.num_race_requests} requests, untuned")
     lines = [
         f"# {_title(meta)}",
         "",
-        f"Rate scale {meta['rate_scale']:g} ({meta['num_requests']} requests); trace hit ceiling "
-        f"{meta['ceiling_hit_ratio']:.3f}; SLOs: TTFT <= {fleet['ttft_slo_ms']:g} ms, worst "
-        f"inter-token gap <= {fleet['tbt_slo_ms']:g} ms; admission {'on' if fleet['admission'] else 'off'}. "
-        f"Goodput: highest rate scale with >= 90% of requests meeting both SLOs.",
+        f"{sliced}. Rate scale {meta['rate_scale']:g}; trace hit ceiling {meta['ceiling_hit_ratio']:.3f}; "
+        f"SLOs: TTFT <= {fleet['ttft_slo_ms']:g} ms, worst inter-token gap <= {fleet['tbt_slo_ms']:g} ms; "
+        f"admission {'on' if fleet['admission'] else 'off'}; prediction error "
+        f"{fleet['prediction_error']:.0%}; coalescing for {', '.join(fleet['coalesce_policies']) or 'none'}. "
+        "TTFT over all requests, a rejected or unservable one at the SLO bound. Goodput: highest rate "
+        "scale with >= 90% of requests meeting both SLOs, bracketed to 2%.",
         "",
-        "| policy | hit ratio | of ceiling | TTFT mean | p50 | p90 | p99 (ms) | TBT p99 (ms) | "
-        "TTFT SLO | TBT SLO | both | rejected | prefill GPU-s | goodput (x rate) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| policy | tuned | hit ratio | TTFT mean | p50 | p90 | p99 (ms) | TBT p99 (ms) | both SLOs | "
+        "rejected | prefill GPU-s | goodput (x rate) | bracket | TTFT / oracle | goodput / oracle |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for policy, run in runs.items():
         r = run.result
-        goodput = "-" if r.goodput_rate_scale is None else f"{r.goodput_rate_scale:.2f}"
+        bracket = "-" if r.goodput_ci is None else f"{_scale(r.goodput_ci[0])}-{_scale(r.goodput_ci[1])}"
+        vs_goodput = ("-" if r.goodput_rate_scale is None or oracle.goodput_rate_scale in (0, float("inf"))
+                      else f"{r.goodput_rate_scale / oracle.goodput_rate_scale:.2f}")
         lines.append(
-            f"| {policy} | {r.hit_ratio:.3f} | {r.hit_ceiling_fraction:.2f} | {r.ttft_ms.mean:,.0f} | "
+            f"| {policy} | {_knobs(run.tuned)} | {r.hit_ratio:.3f} | {r.ttft_ms.mean:,.0f} | "
             f"{r.ttft_ms.p50:,.0f} | {r.ttft_ms.p90:,.0f} | {r.ttft_ms.p99:,.0f} | {r.tbt_p99_ms:.1f} | "
-            f"{r.slo_attainment.ttft:.3f} | {r.slo_attainment.tbt:.3f} | {r.slo_attainment.both:.3f} | "
-            f"{r.num_rejected} | {r.prefill_compute_s:,.0f} | {goodput} |"
+            f"{r.slo_attainment.both:.3f} | {r.num_rejected} | {r.prefill_compute_s:,.0f} | "
+            f"{_scale(r.goodput_rate_scale)} | {bracket} | {r.ttft_ms.mean / oracle.ttft_ms.mean:.2f} | "
+            f"{vs_goodput} |"
         )
+    o = oracle
+    lines.append(
+        f"| oracle | - | {o.hit_ratio:.3f} | {o.ttft_ms.mean:,.0f} | {o.ttft_ms.p50:,.0f} | "
+        f"{o.ttft_ms.p90:,.0f} | {o.ttft_ms.p99:,.0f} | - | {o.slo_attainment_ttft:.3f} (TTFT) | - | "
+        f"{o.prefill_compute_s:,.0f} | {_scale(o.goodput_rate_scale)} (fluid) | - | 1.00 | 1.00 |")
     lines += ["", f"Profile: {meta['profile']['model']}; {meta['profile']['device']}.", ""]
     return "\n".join(lines)
 
@@ -67,7 +93,7 @@ def plot_ttft_cdf(path: Path, runs: dict[str, PolicyRun], meta: dict) -> Path | 
     ax.axvline(meta["fleet"]["ttft_slo_ms"] / 1000.0, color="grey", linestyle="--", label="TTFT SLO")
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s)")
-    ax.set_ylabel("share of all requests (rejected never arrive)")
+    ax.set_ylabel("share of all requests (rejected at the SLO bound)")
     ax.set_title(f"{_title(meta)}, rate x{meta['rate_scale']:g}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()

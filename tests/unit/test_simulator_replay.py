@@ -16,30 +16,40 @@ from simulator.replay import UnknownPolicy, find_goodput, parse_policies
 TRACE = Path(__file__).parents[1] / "data" / "mooncake_synthetic_trace.jsonl"
 
 
-def test_goodput_doubles_then_bisects():
+def test_goodput_doubles_then_bisects_until_the_bracket_is_within_2_percent():
     tried = []
 
     def attainment(scale):
         tried.append(scale)
         return 0.95 if scale <= 5.0 else 0.5
 
-    goodput, points = find_goodput(attainment)
-    # 1, 2, 4 pass, 8 fails; bisect [4, 8] in log space: 4·2^(1/2) = 5.66 fails, 4·2^(1/4) = 4.76
-    # passes, 4·2^(3/8) = 5.19 fails
-    assert tried == pytest.approx([1, 2, 4, 8, 4 * 2 ** 0.5, 4 * 2 ** 0.25, 4 * 2 ** 0.375])
-    assert goodput == pytest.approx(4 * 2 ** 0.25) and goodput <= 5.0
-    assert [p.rate_scale for p in points] == tried
+    search = find_goodput(attainment)
+    # 1, 2, 4 pass, 8 fails; then [4, 8] is bisected in log space six times: 4·2^(k/64) with
+    # k = 32 (5.66 fails), 16 (4.76 passes), 24 (5.19 fails), 20 (4.97 passes), 22 (5.08 fails),
+    # 21 (5.02 fails): the bracket 2^(1/64) = 1.1% wide
+    bisections = [4 * 2 ** (k / 64) for k in (32, 16, 24, 20, 22, 21)]
+    assert tried == pytest.approx([1, 2, 4, 8, *bisections])
+    assert search.goodput == pytest.approx(4 * 2 ** (20 / 64)) and search.upper == pytest.approx(4 * 2 ** (21 / 64))
+    assert search.goodput <= 5.0 < search.upper and search.upper / search.goodput <= 1.02
+    assert [p.rate_scale for p in search.points] == tried
+
+
+@pytest.mark.parametrize("true_goodput", [0.37, 1.0, 3.3, 7.99, 12.5])
+def test_the_goodput_bracket_holds_the_answer_within_2_percent(true_goodput):
+    search = find_goodput(lambda s: 0.95 if s <= true_goodput else 0.5)
+    assert search.goodput <= true_goodput < search.upper <= search.goodput * 1.02
 
 
 def test_goodput_halves_when_the_trace_rate_already_fails():
-    goodput, points = find_goodput(lambda s: 0.91 if s <= 0.3 else 0.2)
-    assert [p.rate_scale for p in points][:3] == [1.0, 0.5, 0.25]
-    assert 0.25 <= goodput <= 0.3
+    search = find_goodput(lambda s: 0.91 if s <= 0.3 else 0.2)
+    assert [p.rate_scale for p in search.points][:3] == [1.0, 0.5, 0.25]
+    assert 0.25 <= search.goodput <= 0.3 < search.upper
 
 
 def test_goodput_is_zero_when_nothing_passes_and_capped_when_everything_does():
-    assert find_goodput(lambda s: 0.0, max_doublings=3)[0] == 0.0
-    assert find_goodput(lambda s: 1.0, max_doublings=3)[0] == 8.0
+    assert (find_goodput(lambda s: 0.0, max_doublings=3).goodput, find_goodput(lambda s: 0.0, max_doublings=3).upper) == (0.0, 0.125)
+    capped = find_goodput(lambda s: 1.0, max_doublings=3)
+    assert (capped.goodput, capped.upper) == (8.0, None)
 
 
 def test_policy_names():
@@ -105,8 +115,16 @@ def test_replay_writes_results_table_and_plots(tmp_path):
                                       "--jobs", "1"])
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
-    assert list(results) == ["least_loaded", "baton"]
+    assert list(results) == ["least_loaded", "baton", "oracle"]
+    oracle = results.pop("oracle")
+    assert set(oracle["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and oracle["goodput_rate_scale"] > 0
+    assert results["least_loaded"]["tuned"] == {}  # no knobs
+    assert set(results["baton"]["tuned"]) == {"baton_replication_margin_frac", "short_prefill_tokens"}
+    assert len(results["baton"]["tuning"]) == 9
     for entry in results.values():
+        lo, hi = entry["goodput_ci"]
+        assert lo == entry["goodput_rate_scale"] and hi <= lo * 1.02
+        assert entry["ttft_mean_vs_oracle"] >= 1.0
         assert {"hit_ratio", "hit_ceiling_fraction", "ttft_ms", "tbt_p99_ms", "slo_attainment",
                 "goodput_rate_scale", "prefill_compute_s", "profile"} <= set(entry)
         assert set(entry["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
@@ -114,6 +132,8 @@ def test_replay_writes_results_table_and_plots(tmp_path):
         assert entry["goodput_rate_scale"] > 0 and entry["profile"] == "analytic"
         assert entry["goodput_sweep"][0]["rate_scale"] == 1.0
     assert "SIMULATED" in (out / "results.md").read_text()
+    run = json.loads((out / "run.json").read_text())
+    assert (run["num_tune_requests"], run["num_race_requests"]) == (75, 225)
     assert (out / "ttft_cdf.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "goodput.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((out / "run.json").read_text())["simulated"] is True
