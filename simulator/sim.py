@@ -86,6 +86,10 @@ def policy_config(fleet: FleetConfig, profile: CostProfile, block_size_tokens: i
     return PolicyConfig(**fields)
 
 
+def _instance_order(inst: Instance) -> int:
+    return inst.idx
+
+
 class SimKvIndex:
     """The KV index ``ConductorState`` reads, answered from the simulated caches (always exact:
     no events to lose). What the conductor tells it from prefill reports is already true here."""
@@ -279,7 +283,9 @@ class Simulation:
 
     def _place(self, i: int, now_ms: float) -> None:
         if self.dirty and now_ms >= self._next_poll_ms:
-            for inst in self.dirty:
+            # in instance order: a set of objects iterates in address order, which differs from
+            # process to process, and the order of the updates moves the conductor's refreshes
+            for inst in sorted(self.dirty, key=_instance_order):
                 self.conductor.update_load(inst.instance_id, *inst.load())
             self.dirty.clear()
             self._next_poll_ms = now_ms + self.fleet.stats_interval_ms
