@@ -56,6 +56,10 @@ class FleetConfig(BaseModel):
     coalesce_max_wait_ms: float = Field(
         10_000.0, gt=0, description="Longest hold before placing anyway (conductor "
         "coalesce_max_wait_ms) (ms).")
+    warm_rejected_policies: tuple[str, ...] = Field(
+        (), description="EXPERIMENTAL, not what the live conductor does: policies whose rejected "
+        "requests are still prefilled, last in the queue of the prefill instance with the "
+        "shortest queue, for their KV only (no decode), so the session's next requests hit.")
     policy_overrides: dict[str, Any] = Field(
         default_factory=dict, description="Other PolicyConfig fields, by name (e.g. short_prefill_tokens).")
 

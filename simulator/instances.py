@@ -27,14 +27,18 @@ if TYPE_CHECKING:
 class Job:
     """One placed request on its way through prefill."""
 
-    __slots__ = ("req", "source", "decode", "priority")
+    __slots__ = ("req", "source", "decode", "priority", "num_blocks")
 
-    def __init__(self, req: int, source: Instance | None, decode: DecodeInstance, priority: int) -> None:
+    def __init__(self, req: int, source: Instance | None, decode: DecodeInstance | None, priority: int,
+                 num_blocks: int | None = None) -> None:
         self.req = req
         self.source = source
         """The instance the placement pulls the prefix from (None: local prefix only)."""
         self.decode = decode
+        """None: a rejected request prefilled only to warm the cache (``warm_rejected_policies``)."""
         self.priority = priority
+        self.num_blocks = num_blocks
+        """Prefill only the first this many blocks (a warming chunk); None: the whole prompt."""
 
 
 class PrefillQueue:
@@ -139,7 +143,7 @@ class PrefillInstance(Instance):
     def on_prefill_done(self, now_ms: float, _arg: object) -> None:
         job = self.current
         assert job is not None
-        self.cache.insert(self.sim.keys[job.req])
+        self.cache.insert(self.sim.job_keys(job))
         self.sim.end_prefill(self, job, now_ms)
         self.sim.hand_off(self, job, now_ms)
         self._start_next(now_ms)

@@ -86,6 +86,13 @@ def policy_config(fleet: FleetConfig, profile: CostProfile, block_size_tokens: i
     return PolicyConfig(**fields)
 
 
+WARM_PRIORITY = 1 << 40
+"""Queue priority of a rejected request prefilled only for its KV: after every placed one."""
+WARM_CHUNK_BLOCKS = 8
+"""Such a prefill runs in chunks of this many blocks, each queued again behind placed work
+(chunked prefill under priority scheduling), so it delays a placed request by one chunk at most."""
+
+
 def _instance_order(inst: Instance) -> int:
     return inst.idx
 
@@ -157,6 +164,7 @@ class Simulation:
         self.prefill_factor, self.transfer_factor = error_factors(n, fleet.prediction_error, fleet.error_seed)
         """Actual over priced prefill and transfer time, per request."""
         self.coalesce = policy in fleet.coalesce_policies
+        self.warm_rejected = policy in fleet.warm_rejected_policies
         self.coalesce_wait_ms = np.zeros(n)
         """How long coalescing held the request before placing it (ms)."""
         self.coalesced = np.zeros(n, dtype=bool)
@@ -293,6 +301,10 @@ class Simulation:
             placement = self.conductor.place(self.workload.placement_requests[i])
         except Overloaded:
             self.rejected[i] = True
+            if self.warm_rejected:
+                target = min(self.prefill, key=lambda p: (p.current is not None, len(p.queue)))
+                target.enqueue(Job(i, None, None, WARM_PRIORITY, min(WARM_CHUNK_BLOCKS, len(self.keys[i]))),
+                               now_ms)
             return
         prefill_inst = self.by_id[placement.prefill_instance]
         decode_inst = self.by_id[placement.decode_instance]
@@ -318,8 +330,11 @@ class Simulation:
         """Load the local prefix, pull the rest from the placement's source, compute the remainder:
         returns how long that takes (ms), priced on the caches as they are now."""
         i = job.req
-        keys = self.keys[i]
+        keys = self.job_keys(job)
         request = self.workload.placement_requests[i]
+        if job.num_blocks is not None:
+            request = PlacementRequest(request.request_id, min(len(keys) * self.workload.block_size_tokens,
+                                                               request.num_prompt_tokens), keys)
         local = self.index.leading_run(inst.idx, keys)
         prefix_hits = {inst.instance_id: PrefixHit(*local)}
         source_view = None
@@ -341,6 +356,10 @@ class Simulation:
         self.num_computed_tokens[i] = request.num_prompt_tokens - cached_tokens
         prefill_ms = cost.prefill_ms * self.prefill_factor[i]
         transfer_ms = cost.transfer_ms * self.transfer_factor[i]
+        if job.decode is None:  # a warming chunk: the request's compute is the sum of its chunks
+            self.prefill_ms[i] += prefill_ms
+            self.num_computed_tokens[i] += request.num_prompt_tokens - cached_tokens
+            return transfer_ms + prefill_ms
         self.prefill_ms[i] = prefill_ms
         self.transfer_ms[i] = transfer_ms
         self.queue_wait_ms[i] = now_ms - self.workload.arrival_ms[i] / self.rate_scale
@@ -350,16 +369,26 @@ class Simulation:
         """The KV connector writes every block of the prompt to the node's store; the worker
         reports the prefill to the conductor."""
         i = job.req
-        inst.store.put(self.keys[i])
+        inst.store.put(self.job_keys(job))
         cached_tokens = self.workload.num_prompt_tokens[i] - int(self.num_computed_tokens[i])
         request_id = self.workload.placement_requests[i].request_id
         self.conductor.prefill_done(request_id, cached_tokens)
         if self._waiters:
             self._release_held(request_id, now_ms)
 
+    def job_keys(self, job: Job) -> tuple[bytes, ...]:
+        keys = self.keys[job.req]
+        return keys if job.num_blocks is None else keys[:job.num_blocks]
+
     def hand_off(self, prefill_inst: Instance, job: Job, now_ms: float) -> None:
-        """Send the KV the decode instance does not already hold on device."""
+        """Send the KV the decode instance does not already hold on device (none for a
+        rejected request prefilled only to warm the cache)."""
         i, decode_inst = job.req, job.decode
+        if decode_inst is None:
+            if job.num_blocks is not None and job.num_blocks < len(self.keys[i]):
+                prefill_inst.enqueue(Job(i, None, None, WARM_PRIORITY, min(  # type: ignore[attr-defined]
+                    job.num_blocks + WARM_CHUNK_BLOCKS, len(self.keys[i]))), now_ms)
+            return
         keys = self.keys[i]
         num_prompt_tokens = self.workload.num_prompt_tokens[i]
         held_tokens = min(decode_inst.cache.leading_run(keys) * self.workload.block_size_tokens,

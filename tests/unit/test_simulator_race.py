@@ -142,3 +142,18 @@ def test_the_oracle_bounds_every_policys_ttft(error):
         for q in ("mean", "p50", "p90", "p99"):
             assert getattr(oracle.ttft_ms, q) <= getattr(result.ttft_ms, q), (policy, q)
         assert result.goodput_rate_scale is None and math.isfinite(oracle.goodput_rate_scale)
+
+
+def test_warming_a_rejected_prompt_prefills_it_in_chunks_for_the_next_request():
+    """EXPERIMENTAL switch. A (10 blocks, 60 ms priced) is rejected at a 40 ms SLO; warmed, it
+    computes 8 blocks (10 + 40.96 ms) then the last 2 over them (10 + 9.04 ms), so B, its
+    follow-up, finds all 10 and prefills 80 tokens (10.8 ms): admitted."""
+    w = workload((0.0, 5000, 1, list(range(10, 20))), (1000.0, 5200, 1, [*range(10, 20), 99]))
+    f = fleet(admission=True, ttft_slo_ms=40.0)
+    plain = Simulation(w, f, PROFILE, "least_loaded").run()
+    assert plain.rejected.tolist() == [True, True]
+    warm = Simulation(w, f.model_copy(update={"warm_rejected_policies": ("least_loaded",)}), PROFILE,
+                      "least_loaded").run()
+    assert warm.rejected.tolist() == [True, False] and warm.num_cached_blocks[1] == 10
+    assert warm.prefill_ms.tolist() == pytest.approx([50.96 + 19.04, 10.8])
+    assert summarize(warm).prefill_compute_s == pytest.approx((70.0 + 10.8) / 1000)
