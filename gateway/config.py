@@ -120,6 +120,12 @@ class EngineGrpcConfig(BaseModel):
         "0 picks a free one."
     )
     host: str = Field("127.0.0.1", description="Address the engine gRPC contract binds.")
+    require_api_key: bool = Field(
+        True, description="With auth.api_key_file set, every call must carry one of its keys "
+        "(authorization: Bearer), as on the fronts. false: calls without a key are served, for "
+        "routers that send none to their gRPC workers (SMG 1.13 does not): keep the port on "
+        "loopback or a private network then."
+    )
 
 
 class AuthConfig(BaseModel):

@@ -133,7 +133,8 @@ class Fronts:
         served = ServedModel(model.path, model.name, max_len, self.tokenizer.vocab_size,
                              cfg.engine_dtype, cfg.decode_max_num_seqs)
         servicer = EngineContractServicer(self.router, RayClusterView(conductor), self.tokenizer,
-                                          served, api_keys=self.secrets.api_keys,
+                                          served, api_keys=self.secrets.api_keys
+                                          if cfg.engine_grpc.require_api_key else frozenset(),
                                           structured_backend=cfg.structured_backend)
         self.engine_contract = await start_engine_contract(
             servicer, cfg.engine_grpc.host, cfg.engine_grpc.port, tls=self.secrets.grpc_tls)
