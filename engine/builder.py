@@ -12,9 +12,11 @@ from kvstore.attach import StoreWiring
 
 Role = Literal["prefill", "decode", "plain"]
 
-_KV_ROLE = {"prefill": "kv_both", "decode": "kv_consumer"}
-"""A prefill engine also loads: a prefix another instance computed is pulled from the store,
-not recomputed; a decode engine only loads."""
+_KV_ROLE = {"prefill": "kv_both", "decode": "kv_both"}
+"""Both roles load and save: a prefill engine loads a prefix another instance computed instead
+of recomputing it; a decode engine saves what it computed itself (a co-located prefill's
+prompt, the blocks a finished request's output completed) so the next step of the same agent,
+wherever it lands, loads them."""
 
 
 class EventsWiring(msgspec.Struct, frozen=True):
@@ -93,6 +95,7 @@ def build_engine_args(
                 "model_id": model.name,
                 "store_actor": store.store_actor,
                 "namespace": store.namespace,
+                "async_transfers": config.async_kv_transfers,
             },
         )
     max_len = min(config.max_model_len_tokens or model.max_model_len, model.max_model_len)

@@ -36,6 +36,12 @@ class EngineConfig(BaseModel):
         0.85, gt=0, le=1, description="CUDA only: fraction of device memory vLLM may use."
     )
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine's batch.")
+    async_kv_transfers: bool = Field(
+        True, description="KV loads and saves off the engine's step: a request's KV is copied "
+        "in (and a step's blocks out) on the connector's own threads while the engine steps "
+        "its other sequences, store calls batched per step and never waited for on vLLM's "
+        "scheduler thread. false: the synchronous path (copies and store calls on the step), "
+        "the baseline of `baton bench itl`.")
     enforce_eager: bool = Field(
         True, description="Skip torch.compile/CUDA graphs: ~3 s start instead of ~70 s on CPU."
     )

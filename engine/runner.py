@@ -22,6 +22,9 @@ from protos.wire import EngineRequest, SamplingOptions
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
+_TRANSFER_POLL_S = 0.0005
+"""How often an engine with nothing to step but KV transfers under way asks whether they are
+done (each ask is one empty engine step)."""
 
 
 class EngineDead(WorkerFailed):
@@ -155,10 +158,14 @@ class EngineRunner:
     def _loop(self) -> None:
         try:
             while not self._stopping:
-                self._drain_commands(block=not self.engine.has_unfinished_requests())
-                if self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
+                busy = self._busy()
+                self._drain_commands(block=not busy)
+                if busy or self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    for output in outputs:
                         self._deliver(output)
+                    if not outputs and self._only_transfers():
+                        time.sleep(_TRANSFER_POLL_S)  # nothing to step: let the copies run
         except BaseException as exc:  # the engine is unusable: fail every waiting request
             log.exception("engine thread crashed")
             self._dead = exc
@@ -167,6 +174,19 @@ class EngineRunner:
             self._sinks.clear()
             return
         self._dead = EngineDead("engine shut down")
+
+    def _busy(self) -> bool:
+        """Requests to step, or KV transfers the connector has not reported finished (a load a
+        request waits for, the saves of a finished request whose blocks vLLM holds)."""
+        if self.engine.has_unfinished_requests():
+            return True
+        scheduler = self._scheduler()
+        return bool(scheduler is not None and scheduler.has_requests())
+
+    def _only_transfers(self) -> bool:
+        """Nothing runs: every request left waits for its KV, or is finished and held."""
+        scheduler = self._scheduler()
+        return scheduler is not None and not scheduler.running
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -87,6 +87,28 @@ class PendingSlots:
         return self._done
 
 
+class PendingRuns:
+    """Lookups sent without waiting (``StoreClient.acquire_many_later``), one run of pinned
+    slots per key list once answered. ``ready`` asks without waiting; ``result`` waits (once)."""
+
+    def __init__(self, client: "StoreClient | None", ref, arena_path: str, num: int,
+                 done: list[StoreSlots] | None = None) -> None:
+        self._client, self._ref, self.arena_path, self._num = client, ref, arena_path, num
+        self._done = done
+
+    def ready(self) -> bool:
+        if self._done is not None:
+            return True
+        ready, _ = ray.wait([self._ref], num_returns=1, timeout=0)
+        return bool(ready)
+
+    def result(self) -> list[StoreSlots]:
+        if self._done is None:
+            self._done = self._client._resolve_runs(self._ref, self.arena_path, self._num)
+            self._client = self._ref = None
+        return self._done
+
+
 @dataclass
 class _InFlight:
     """A call sent without waiting, until its answer is seen (``StoreClient._reap``)."""
@@ -171,6 +193,47 @@ class StoreClient:
             self.calls.count("store.reserve", "deferred")
             ref = self._actor.reserve.remote(keys, parents)
             return PendingSlots(self, ref, self.arena_path, (keys, parents))
+
+    def acquire_many_later(self, key_lists: Sequence[Sequence[BlockKey]]) -> PendingRuns:
+        """``acquire`` for several key lists in one call, sent without waiting: the connector's
+        scheduler half sends an engine step's new lookups together and never waits on its
+        scheduler thread while other sequences step. Does not wait for this client's commits
+        in flight (a block committed a moment ago may be missed: recomputed, not wrong)."""
+        lists = [list(keys) for keys in key_lists]
+        with self._lock:
+            self._reap()
+            if not lists or not self._ensure_attached():
+                return PendingRuns(None, None, "", len(lists), [StoreSlots("", [])] * len(lists))
+            self.calls.count("store.acquire_many", "deferred")
+            ref = self._actor.acquire_many.remote(lists)
+            return PendingRuns(self, ref, self.arena_path, len(lists))
+
+    def reserve_many(self, chains: Sequence[tuple[Sequence[BlockKey], Sequence[BlockKey | None]]]
+                     ) -> list[StoreSlots]:
+        """``reserve`` for several chains in one round trip (an engine step's saves), waited for
+        without holding the client's lock: called off the engine's step, by the connector's
+        saving thread, while the step goes on using the client. Waits for this client's commits
+        in flight first (a chunk's parents are the previous chunk's blocks)."""
+        chains = [(list(k), list(p)) for k, p in chains]
+        none = [StoreSlots("", [None] * len(k)) for k, _ in chains]
+        commits = [sent.ref for sent in list(self._commits)]
+        if commits:
+            ray.wait(commits, num_returns=len(commits), timeout=self._call_timeout_s)
+        with self._lock:
+            self._reap()
+            if not chains or not self._ensure_attached():
+                return none
+            path = self.arena_path
+            self.calls.count("store.reserve_many", "deferred")
+            ref = self._actor.reserve_many.remote(chains)
+        try:
+            answers = ray.get(ref, timeout=self._call_timeout_s)
+        except _STORE_GONE as exc:
+            with self._lock:
+                if path == self.arena_path:
+                    self._detach("reserve_many", exc)
+            return none
+        return [StoreSlots(path, slots) for slots in answers]
 
     def release(self, keys: Sequence[BlockKey], arena_path: str) -> None:
         """Unpin ``keys``, sent without waiting: nothing waits on an unpin (a failure means the
@@ -281,6 +344,17 @@ class StoreClient:
                     except _STORE_GONE as again:
                         self._detach("reserve", again)
             return StoreSlots("", [None] * len(keys))
+
+    def _resolve_runs(self, ref, arena_path: str, num: int) -> list[StoreSlots]:
+        """The answer to ``acquire_many_later``; a store found gone grants nothing (a miss)."""
+        try:
+            return [StoreSlots(arena_path, slots)
+                    for slots in ray.get(ref, timeout=self._call_timeout_s)]
+        except _STORE_GONE as exc:
+            with self._lock:
+                if arena_path == self.arena_path:
+                    self._detach("acquire_many", exc)
+            return [StoreSlots("", [])] * num
 
     def _settle_commits(self) -> None:
         """Wait for the commits in flight (normally answered already), then see their answers."""

@@ -3,11 +3,13 @@
 Roles (``kv_transfer_config.kv_role``):
 
 - ``kv_producer``: every prompt block a step completes that is not yet in the store is written
-  into a host-tier slot (two-phase: reserve before the forward pass, copy and commit after it).
-- ``kv_consumer`` (decode): before scheduling a new request, the longest run of its full prompt
-  blocks that the store holds (beyond vLLM's own prefix cache) is pinned and copied into the
-  engine's paged KV cache, so the engine computes only the rest.
-- ``kv_both`` (prefill): both, so a prefix another instance computed is loaded, not recomputed.
+  into a host-tier slot.
+- ``kv_consumer``: before scheduling a new request, the longest run of its full prompt blocks
+  that the store holds (beyond vLLM's own prefix cache) is pinned and copied into the engine's
+  paged KV cache, so the engine computes only the rest.
+- ``kv_both`` (prefill and decode engines): both, so a prefix another instance computed is
+  loaded, not recomputed, and what this engine computed (a co-located prefill's prompt, the
+  blocks a finished request's output completed) can be loaded by the others.
 
 Blocks are named by Baton's chain-hashed keys (``kvstore.keys``), never by vLLM's own hashes,
 so a producer and a consumer in different processes agree on them. The keys come hashed from
@@ -15,15 +17,16 @@ the gateway with the request (vLLM's per-request ``kv_transfer_params``); a requ
 them (an engine driven directly) is hashed here. Full blocks and the prompt's partial tail are
 stored.
 
-The scheduler half decides, the worker half moves bytes. Loads: the scheduler half pins the
-blocks it promises to vLLM (``get_num_new_matched_tokens``, the one store call a request waits
-for); the pin travels with the connector metadata to the worker half, which copies the blocks
-and releases the pin without waiting. Pins of requests that never got to load are released by
-the scheduler half. Saves: the scheduler half reserves a step's slots without waiting
-(``build_connector_meta``); the worker half takes the answer after the forward pass, copies,
-and commits without waiting (the prefill worker waits for its commits before its result
-returns, so a decode elsewhere finds the blocks). A request whose placement expects nothing
-cached is not looked up at all.
+The scheduler half decides, the worker half moves bytes, and with asynchronous transfers (the
+default, ``async_transfers`` in the connector's extra config) neither waits on the engine's
+step: an engine step's lookups go to the store in one call sent without waiting, a hit is
+loaded by vLLM's asynchronous-load path (the request waits for its KV while the other sequences
+keep decoding; the worker half copies it on its loading thread and reports it once landed), and
+a step's saves are reserved, copied and committed in one job on the saving thread, vLLM holding
+a finished request's blocks until they are written. The prefill worker waits for its saves
+(``save_ledger``) and their commits before its result returns, so a decode elsewhere finds the
+blocks. The synchronous baseline (``async_transfers`` false) does the lookups, copies and
+reservations on the step. A request whose placement expects nothing cached is not looked up.
 
 What the connector did for one request (tokens loaded, blocks stored) is returned by
 ``request_finished`` and reaches the request's last ``RequestOutput`` (``request_transfer``);
@@ -45,6 +48,7 @@ half in ``kvstore.connector_worker``.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,10 +66,11 @@ from kvstore.connector_meta import (
     connector_stats,
     request_transfer,
     request_transfer_params,
+    save_ledger,
 )
 from kvstore.connector_scheduler import ConnectorSchedulerHalf, _RequestState
-from kvstore.connector_worker import ConnectorWorkerHalf
-from kvstore.keys import kv_layout_tag
+from kvstore.connector_worker import ConnectorWorkerHalf, _Transfers
+from kvstore.keys import BlockKey, kv_layout_tag
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,6 +89,7 @@ __all__ = [
     "kv_layout_tag",
     "request_transfer",
     "request_transfer_params",
+    "save_ledger",
     "_RequestState",
 ]
 
@@ -108,11 +114,16 @@ class BatonConnector(ConnectorSchedulerHalf, ConnectorWorkerHalf, KVConnectorBas
         self._kv_layout = kv_layout_tag(str(vllm_config.model_config.dtype), self._block_size)
         self._saves = cfg.kv_role in ("kv_producer", "kv_both")
         self._loads = cfg.kv_role in ("kv_consumer", "kv_both")
+        self._async = bool(extra.get("async_transfers", True))
         self._store = shared_store_client(extra["store_actor"], extra["namespace"])
         self.stats = connector_stats(self._engine_id)
         # scheduler half
         self._requests: dict[str, _RequestState] = {}
         self._loads_ready: list[LoadSpec] = []
+        self._lookups_unsent: list[_RequestState] = []
+        self._final_saves: list[SaveSpec] = []
+        self._releases: dict[str, list[BlockKey]] = {}
+        self._stepping = False
         # worker half
         self._layers: list[torch.Tensor] = []
         self._device = torch.device("cpu")
@@ -120,3 +131,7 @@ class BatonConnector(ConnectorSchedulerHalf, ConnectorWorkerHalf, KVConnectorBas
         self._arena_layers_path = ""
         self._load_errors: set[int] = set()
         self._step = BatonWorkerMetadata()  # this step's news for the scheduler half
+        self._ledger = save_ledger(self._engine_id)
+        self._transfers = _Transfers()
+        self._arena_lock = threading.Lock()
+        self._threads = {}

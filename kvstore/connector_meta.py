@@ -7,6 +7,9 @@ totals both halves add to (``connector_stats``). Plain data: no store calls, no 
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +50,54 @@ def connector_stats(engine_id: str) -> ConnectorStats:
     halves of one engine's connector add to the same totals). What the connector did for one
     request travels with that request instead (``request_transfer``)."""
     return _STATS.setdefault(engine_id, ConnectorStats())
+
+
+class SaveLedger:
+    """The saves one engine's connector has handed off and not yet finished writing, and the
+    blocks each request got stored: the prefill worker waits on it before its result says the
+    prompt is in the store (``pending``, then ``take_stored``). Thread-safe: the saving thread
+    writes it, the worker's event loop reads it."""
+
+    KEEP_STORED = 4096
+    """Requests whose stored-block counts are kept for a reader (the oldest go first)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: set[Future] = set()
+        self._stored: OrderedDict[str, int] = OrderedDict()
+
+    def started(self, job: Future) -> None:
+        with self._lock:
+            self._jobs.add(job)
+        job.add_done_callback(self._finished)
+
+    def _finished(self, job: Future) -> None:
+        with self._lock:
+            self._jobs.discard(job)
+
+    def add_stored(self, request_id: str, num_blocks: int) -> None:
+        with self._lock:
+            self._stored[request_id] = self._stored.pop(request_id, 0) + num_blocks
+            while len(self._stored) > self.KEEP_STORED:
+                self._stored.popitem(last=False)
+
+    def pending(self) -> list[Future]:
+        """The save jobs not finished yet: once they are, every block handed off so far is
+        written and its commit sent (``StoreClient.unsettled_commits`` then says answered)."""
+        with self._lock:
+            return list(self._jobs)
+
+    def take_stored(self, request_id: str) -> int:
+        with self._lock:
+            return self._stored.pop(request_id, 0)
+
+
+_LEDGERS: dict[str, SaveLedger] = {}
+
+
+def save_ledger(engine_id: str) -> SaveLedger:
+    """The ``SaveLedger`` of the connector built for ``engine_id`` in this process."""
+    return _LEDGERS.setdefault(engine_id, SaveLedger())
 
 
 PARAMS_KEY = "baton"
@@ -96,18 +147,24 @@ class LoadSpec:
     keys: list[BlockKey]
     arena_path: str
     """The arena ``slots`` index (the store that pinned them)."""
+    unpin_also: list[BlockKey] = field(default_factory=list)
+    """Blocks the lookup pinned that are not loaded (cached locally already, or past what the
+    engine must compute itself): unpinned with ``keys``, in one call."""
 
 
 @dataclass
 class SaveSpec:
-    """Blocks to write this step: the scheduler half asked the store for their slots before
-    the forward pass (``granted``: one per key once answered, None where the store holds the
-    block already or has no room); the worker half waits for the answer after it."""
+    """Blocks to write: ``keys[i]`` (chained after ``parents[i]``) is in the engine's block
+    ``block_ids[i]``. With asynchronous transfers the worker half asks the store for their
+    slots off the step (``granted`` None); the synchronous baseline asked before the forward
+    pass (``granted``: one slot per key once answered, None where the store holds the block
+    already or has no room) and the worker half waits for the answer after it."""
 
     request_id: str
     block_ids: list[int]
     keys: list[BlockKey]
-    granted: PendingSlots
+    granted: PendingSlots | None = None
+    parents: list[BlockKey | None] = field(default_factory=list)
 
 
 @dataclass

@@ -1,12 +1,24 @@
 """The scheduler half of ``BatonConnector``: it decides, and moves no bytes.
 
 Per request it keeps the prompt's block keys (carried from the gateway, else hashed here) and
-what was pinned, loaded and reserved for it. ``get_num_new_matched_tokens`` pins the store's
-run of the prompt's blocks (the one store call a request waits for); ``update_state_after_alloc``
-turns the pin into a ``LoadSpec`` for the worker half, which releases it; ``build_connector_meta``
-reserves each step's newly computed blocks without waiting (``SaveSpec``);
-``update_connector_output`` takes the worker half's news; ``request_finished`` releases a pin
-that never loaded and returns what was done for the request.
+what was pinned, loaded and saved for it.
+
+Loads (``get_num_new_matched_tokens``): with asynchronous transfers (the default) the lookups of
+an engine step's new requests go to the store in one call, sent without waiting; a request
+whose answer has not arrived yet is asked again on a later step (vLLM skips it meanwhile), so
+the scheduler thread never waits on the store while other sequences step (when nothing steps,
+it waits: that costs no one). A hit is loaded asynchronously: the request waits for its KV
+(``WAITING_FOR_REMOTE_KVS``) while the others keep decoding, until the worker half reports the
+copy finished. ``update_state_after_alloc`` turns the pin into a ``LoadSpec`` for the worker
+half, which releases it once copied. The synchronous baseline (``async_transfers`` off) asks
+the store and waits, and has the worker half copy before the forward pass.
+
+Saves (``build_connector_meta``): each step's newly computed prompt blocks become ``SaveSpec``s;
+the worker half reserves, copies and commits them off the step. When a request finishes, the
+full blocks its output completed are saved too (an agent's next step, prompt = this prompt +
+reply + tool result, loads the reply's KV instead of recomputing it); ``request_finished`` then
+holds the request's blocks until the worker half reports them written. Blocks the store held at
+the request's lookup are never saved again.
 
 A mixin of ``BatonConnector``, which sets the attributes declared below in its ``__init__``.
 """
@@ -19,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvstore.client import PendingSlots, StoreClient
+from kvstore.client import PendingRuns, PendingSlots, StoreClient
 from kvstore.connector_meta import (
     PARAMS_KEY,
     BatonConnectorMetadata,
@@ -28,7 +40,7 @@ from kvstore.connector_meta import (
     LoadSpec,
     SaveSpec,
 )
-from kvstore.keys import BlockKey, KeyExtras, prompt_block_keys, unpack_keys
+from kvstore.keys import BlockKey, KeyExtras, chain_keys, prompt_block_keys, root_key, unpack_keys
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -64,6 +76,16 @@ class _RequestState:
     """Every save reservation made for the request (answered by the time it finishes)."""
     num_dropped_blocks: int = 0
     """Granted blocks the worker half could not write (its news of steps before the last)."""
+    lookup_sent: PendingRuns | None = None
+    """The store's answer to this request's lookup (asynchronous transfers), until used."""
+    lookup_index: int = 0
+    """This request's place in ``lookup_sent`` (one call answers a step's new requests)."""
+    unpin_also: list[BlockKey] = field(default_factory=list)
+    """Pinned by the lookup, not loaded: unpinned with the pinned blocks."""
+    known_stored: int = 0
+    """Leading prompt blocks the store held at the lookup: never saved again."""
+    has_saves: bool = False
+    """A ``SaveSpec`` was handed to the worker half: it reports when the blocks are written."""
 
     def num_stored_blocks(self) -> int:
         granted = (r.result() for r in self.reservations)
@@ -83,6 +105,12 @@ class ConnectorSchedulerHalf:
     stats: ConnectorStats
     _requests: dict[str, _RequestState]
     _loads_ready: list[LoadSpec]
+    _async: bool
+    _lookups_unsent: list[_RequestState]
+    _final_saves: list[SaveSpec]
+    _releases: dict[str, list[BlockKey]]
+    _stepping: bool
+    """The last step scheduled work: a wait on the store now would hold running sequences."""
 
     def _state(self, request: "Request") -> _RequestState:
         state = self._requests.get(request.request_id)
@@ -113,38 +141,91 @@ class ConnectorSchedulerHalf:
                            kv_layout=self._kv_layout)
         return prompt_block_keys(prompt, self._block_size, extras)
 
+    def _unpin_keys(self, keys: list[BlockKey], arena_path: str) -> None:
+        """Unpin ``keys``: with asynchronous transfers, together with the step's other unpins
+        (sent once the step is scheduled, ``build_connector_meta``)."""
+        if not self._async:
+            self._store.release(keys, arena_path)
+        elif keys:
+            self._releases.setdefault(arena_path, []).extend(keys)
+
+    def _send_unpins(self) -> None:
+        releases, self._releases = self._releases, {}
+        for arena_path, keys in releases.items():
+            self._store.release(keys, arena_path)
+
     def _unpin(self, state: _RequestState) -> None:
-        self._store.release(state.pinned, state.pinned_arena)
+        self._unpin_keys(state.pinned + state.unpin_also, state.pinned_arena)
+        state.unpin_also = []
         state.pinned, state.pinned_slots, state.pinned_arena = [], [], ""
+
+    def on_new_request(self, request: "Request") -> None:
+        if not self._async:
+            return
+        state = self._state(request)
+        if self._loads and state.lookup and state.keys:
+            self._lookups_unsent.append(state)
+
+    def _send_lookups(self) -> None:
+        """One store call for every lookup not yet sent (an engine step's new requests)."""
+        unsent, self._lookups_unsent = self._lookups_unsent, []
+        states = list({id(st): st for st in unsent if st.lookup_sent is None}.values())
+        if not states:
+            return
+        pending = self._store.acquire_many_later([st.keys for st in states])
+        for index, st in enumerate(states):
+            st.lookup_sent, st.lookup_index = pending, index
+
+    def _looked_up(self, state: _RequestState) -> tuple[list[int], str] | None:
+        """The slots of the run the store holds from the prompt's first block, pinned, and
+        their arena; None while the answer is on its way (asynchronous transfers). The
+        synchronous baseline asks and waits."""
+        if not self._async:
+            held = self._store.acquire(state.keys)
+            return held.slots, held.arena_path
+        if state.lookup_sent is None:  # asked again after a preemption, or never sent
+            self._lookups_unsent.append(state)
+        self._send_lookups()
+        pending = state.lookup_sent
+        if self._stepping and not pending.ready():
+            return None  # vLLM asks again next step; the others step meanwhile
+        answer = pending.result()[state.lookup_index]
+        state.lookup_sent = None
+        return answer.slots, answer.arena_path
 
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         state = self._state(request)
-        if not self._loads or not state.lookup:
+        if not self._loads or not state.lookup or not state.keys:
             return 0, False
         self._unpin(state)  # a request that was not scheduled last time asks again
+        looked_up = self._looked_up(state)
+        if looked_up is None:
+            return None, False
+        slots, arena_path = looked_up
         first_block = num_computed_tokens // self._block_size
         candidates = state.keys[first_block:]
         self.stats.lookups_blocks += len(candidates)
-        if not candidates:
-            return 0, False
-        held = self._store.acquire(candidates)
-        slots = held.slots
-        self.stats.hits_blocks += len(slots)
+        state.known_stored = max(state.known_stored, len(slots))
+        hits = max(0, len(slots) - first_block)
+        self.stats.hits_blocks += hits
         # vLLM must compute at least the last prompt token itself.
-        covered = min((first_block + len(slots)) * self._block_size, state.num_prompt_tokens)
+        covered = min((first_block + hits) * self._block_size, state.num_prompt_tokens)
         load_end = min(covered, state.num_prompt_tokens - 1)
         num_external = load_end - num_computed_tokens
         if num_external <= 0:
-            self._store.release(candidates[: len(slots)], held.arena_path)
+            self._unpin_keys(state.keys[: len(slots)], arena_path)
             return 0, False
         num_blocks = -(-num_external // self._block_size)
-        self._store.release(candidates[num_blocks : len(slots)], held.arena_path)
-        state.pinned, state.pinned_slots = candidates[:num_blocks], slots[:num_blocks]
-        state.pinned_arena = held.arena_path
+        # keep the pins of the blocks to load; the rest (locally cached, or not needed) go back
+        # with them, once loaded (one unpin for the request)
+        keep = slice(first_block, first_block + num_blocks)
+        state.unpin_also = state.keys[: first_block] + state.keys[keep.stop : len(slots)]
+        state.pinned, state.pinned_slots = state.keys[keep], slots[keep]
+        state.pinned_arena = arena_path
         state.first_load_block = first_block
-        return num_external, False
+        return num_external, self._async
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -164,15 +245,20 @@ class ConnectorSchedulerHalf:
                 slots=state.pinned_slots,
                 keys=state.pinned,
                 arena_path=state.pinned_arena,
+                unpin_also=state.unpin_also,
             )
         )
+        state.unpin_also = []
         state.num_loaded_tokens = num_external_tokens
         # the worker half releases them now
         state.pinned, state.pinned_slots, state.pinned_arena = [], [], ""
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = BatonConnectorMetadata(loads=self._loads_ready)
-        self._loads_ready = []
+        self._send_lookups()
+        self._send_unpins()
+        self._stepping = scheduler_output.total_num_scheduled_tokens > 0
+        meta = BatonConnectorMetadata(loads=self._loads_ready, saves=self._final_saves)
+        self._loads_ready, self._final_saves = [], []
         if not self._saves:
             return meta
         computed: dict[str, int] = {}
@@ -200,17 +286,39 @@ class ConnectorSchedulerHalf:
             full_blocks = -(-done_tokens // self._block_size) if (
                 done_tokens == state.num_prompt_tokens) else done_tokens // self._block_size
             full_blocks = min(full_blocks, len(state.keys), len(state.block_ids))
-            if full_blocks <= state.saved_blocks:
+            first = max(state.saved_blocks, min(state.known_stored, full_blocks))
+            if full_blocks <= first:
                 continue
-            first = state.saved_blocks
             keys = state.keys[first:full_blocks]
             parents = [state.keys[i - 1] if i > 0 else None for i in range(first, full_blocks)]
-            # answered during the forward pass; the worker half waits for it after
-            granted = self._store.reserve_later(keys, parents)
+            granted = None
+            if not self._async:  # answered during the forward pass; waited for after it
+                granted = self._store.reserve_later(keys, parents)
+                state.reservations.append(granted)
             state.saved_blocks = full_blocks
-            state.reservations.append(granted)
-            meta.saves.append(SaveSpec(req_id, state.block_ids[first:full_blocks], keys, granted))
+            state.has_saves = True
+            meta.saves.append(SaveSpec(req_id, state.block_ids[first:full_blocks], keys,
+                                       granted, parents))
         return meta
+
+    def _output_saves(self, request: "Request", state: _RequestState,
+                      block_ids: list[int]) -> SaveSpec | None:
+        """The full blocks the request's output completed (beyond its prompt's full blocks),
+        to save once it finishes; None when there are none."""
+        first = state.num_prompt_tokens // self._block_size
+        last = min(request.num_computed_tokens // self._block_size, len(block_ids))
+        if last <= first or first > len(state.keys):
+            return None
+        tokens = request.all_token_ids[first * self._block_size: last * self._block_size]
+        parent = state.keys[first - 1] if first > 0 else root_key(KeyExtras(
+            model_id=self._model_id, cache_salt=request.cache_salt or "",
+            kv_layout=self._kv_layout))
+        keys = chain_keys(parent, tokens, self._block_size)
+        parents = [parent, *keys[:-1]]
+        granted = self._store.reserve_later(keys, parents) if not self._async else None
+        if granted is not None:
+            state.reservations.append(granted)
+        return SaveSpec(request.request_id, list(block_ids[first:last]), keys, granted, parents)
 
     def update_connector_output(self, connector_output: Any) -> None:
         news = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -235,5 +343,18 @@ class ConnectorSchedulerHalf:
             return False, None
         if state.pinned:
             self._unpin(state)
-        return False, {PARAMS_KEY: {"loaded_tokens": state.num_loaded_tokens,
-                                    "stored_blocks": state.num_stored_blocks()}}
+        self._lookups_unsent = [st for st in self._lookups_unsent if st is not state]
+        if state.lookup_sent is not None:  # answered or not, its pins go back
+            self._send_lookups()
+            answer = state.lookup_sent.result()[state.lookup_index]
+            self._unpin_keys(state.keys[: len(answer.slots)], answer.arena_path)
+            state.lookup_sent = None
+        self._send_unpins()  # finished between steps, maybe the last: not left for the next
+        if self._saves and request.num_output_tokens > 0:
+            output = self._output_saves(request, state, block_ids)
+            if output is not None:
+                self._final_saves.append(output)
+                state.has_saves = True
+        # the worker half tells when the blocks are written (``get_finished``): vLLM holds them
+        return state.has_saves, {PARAMS_KEY: {"loaded_tokens": state.num_loaded_tokens,
+                                              "stored_blocks": state.num_stored_blocks()}}

@@ -1,11 +1,21 @@
 """The worker half of ``BatonConnector``: it moves bytes between the engine's paged KV cache
 and the store's host arena, as the scheduler half's metadata for the step says.
 
-``start_load_kv`` copies each ``LoadSpec``'s pinned slots into the engine's blocks before the
-forward pass and releases the pins without waiting; a load whose arena is no longer mapped
-fails block by block (``get_block_ids_with_load_errors``) and is recomputed. ``wait_for_save``
-takes each ``SaveSpec``'s granted slots after the forward pass, copies the blocks into them and
-commits without waiting. What went wrong in a step reaches the scheduler half through
+With asynchronous transfers (the default) nothing waits on the engine's step:
+
+- ``start_load_kv`` hands each ``LoadSpec`` to the loading thread, which copies the pinned
+  slots into the engine's blocks while the engine steps its other sequences; ``get_finished``
+  reports a load once its bytes have landed (never before), and releases its pins. A load whose
+  arena is no longer mapped fails block by block (``get_block_ids_with_load_errors``, reported
+  with the request) and is recomputed.
+- ``wait_for_save`` hands the step's ``SaveSpec``s to the saving thread as one job: one
+  reservation for all of them, the copies, one commit. The blocks become visible (committed,
+  indexed) only once written; a finished request's blocks are held by vLLM until
+  ``get_finished`` reports its saves done. Before blocks of a preempted request are reused,
+  ``handle_preemptions`` waits for the saves in flight.
+
+The synchronous baseline (``async_transfers`` off) copies loads before the forward pass and
+saves after it, on the step. What went wrong in a step reaches the scheduler half through
 ``build_connector_worker_meta``.
 
 A mixin of ``BatonConnector``, which sets the attributes declared below in its ``__init__``;
@@ -15,17 +25,24 @@ A mixin of ``BatonConnector``, which sets the attributes declared below in its `
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.client import StoreClient
+from kvstore.client import StoreClient, StoreSlots
 from kvstore.connector_meta import (
     BatonConnectorMetadata,
     BatonWorkerMetadata,
     ConnectorStats,
     LoadSpec,
+    SaveLedger,
+    SaveSpec,
 )
 from kvstore.keys import BlockKey
 
@@ -33,6 +50,31 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
 
 log = logging.getLogger("kvstore.connector")  # one logger for the connector, whichever half logs
+
+
+@dataclass
+class _SaveOutcome:
+    """What one save job did, applied to the engine's books on the engine's thread."""
+
+    saved_blocks: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Blocks granted (or asked for) but not written, by request."""
+    lost_blocks: int = 0
+    """Blocks not saved because the store was gone."""
+
+
+@dataclass
+class _Transfers:
+    """The worker half's transfers in flight (asynchronous transfers)."""
+
+    loading: dict[str, tuple[Future, LoadSpec]] = field(default_factory=dict)
+    saves: list[tuple[Future, set[str]]] = field(default_factory=list)
+    open_saves: dict[str, int] = field(default_factory=dict)
+    """Save jobs not yet seen finished, per request."""
+    saving: set[str] = field(default_factory=set)
+    """Requests that had blocks to save, until reported finished sending."""
+    finished: set[str] = field(default_factory=set)
+    """Of those, the requests vLLM has finished: reported once their saves are done."""
 
 
 class ConnectorWorkerHalf:
@@ -47,6 +89,19 @@ class ConnectorWorkerHalf:
     _arena_layers_path: str
     _load_errors: set[int]
     _step: BatonWorkerMetadata
+    _async: bool
+    _ledger: SaveLedger
+    _transfers: _Transfers
+    _arena_lock: threading.Lock
+    _threads: dict[str, ThreadPoolExecutor]
+
+    def _thread(self, name: str) -> ThreadPoolExecutor:
+        """The one thread that does this engine's loads (or saves), in order."""
+        pool = self._threads.get(name)
+        if pool is None:
+            pool = self._threads[name] = ThreadPoolExecutor(
+                1, thread_name_prefix=f"baton-kv-{name}-{self._engine_id}")
+        return pool
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._bind_layers(list(kv_caches.values()))
@@ -77,7 +132,12 @@ class ConnectorWorkerHalf:
 
     def _arena_view(self, arena_path: str) -> torch.Tensor | None:
         """The arena named ``arena_path`` viewed as ``[slot, layer, *block_shape]`` in the
-        cache's dtype; None when the client no longer maps it (its store is gone)."""
+        cache's dtype; None when the client no longer maps it (its store is gone). Called by
+        the engine's thread and the transfer threads."""
+        with self._arena_lock:
+            return self._arena_view_locked(arena_path)
+
+    def _arena_view_locked(self, arena_path: str) -> torch.Tensor | None:
         if arena_path and arena_path == self._arena_layers_path:
             return self._arena_layers
         arena = self._store.arena_for(arena_path)
@@ -121,22 +181,42 @@ class ConnectorWorkerHalf:
         self._ensure_layers(forward_context)
         if not meta.loads:
             return
+        if self._async:  # copied while the engine steps; reported by ``get_finished``
+            loads = self._transfers.loading
+            for load in meta.loads:
+                loads[load.request_id] = (self._thread("load").submit(self._copy_in, load), load)
+            return
         released: dict[str, list[BlockKey]] = {}
         started = time.perf_counter()
         for load in meta.loads:
-            arena_layers = self._arena_view(load.arena_path)
-            if arena_layers is None:  # pinned by a store that was replaced since: recompute
+            if not self._copy_in(load):  # pinned by a store that was replaced since: recompute
                 self._fail_load(load)
                 continue
-            slots = torch.tensor(load.slots, dtype=torch.long)
-            # the arena is host memory; on GPUs the engine's cache is device memory
-            block_ids = torch.tensor(load.block_ids, dtype=torch.long, device=self._device)
-            for index, layer in enumerate(self._layers):
-                layer[block_ids] = arena_layers[slots, index].to(self._device)
-            self.stats.loaded_blocks += len(load.slots)
-            self.stats.loaded_bytes += len(load.slots) * sum(layer[0].nbytes for layer in self._layers)
-            released.setdefault(load.arena_path, []).extend(load.keys)
+            self._loaded(load, released)
         self.stats.load_seconds += time.perf_counter() - started
+        self._release(released)
+
+    def _copy_in(self, load: LoadSpec) -> bool:
+        """Copy a load's pinned slots into the engine's blocks; False when its arena is gone."""
+        arena_layers = self._arena_view(load.arena_path)
+        if arena_layers is None:
+            return False
+        started = time.perf_counter()
+        slots = torch.tensor(load.slots, dtype=torch.long)
+        # the arena is host memory; on GPUs the engine's cache is device memory
+        block_ids = torch.tensor(load.block_ids, dtype=torch.long, device=self._device)
+        for index, layer in enumerate(self._layers):
+            layer[block_ids] = arena_layers[slots, index].to(self._device)
+        if self._async:
+            self.stats.load_seconds += time.perf_counter() - started
+        return True
+
+    def _loaded(self, load: LoadSpec, released: dict[str, list[BlockKey]]) -> None:
+        self.stats.loaded_blocks += len(load.slots)
+        self.stats.loaded_bytes += len(load.slots) * sum(layer[0].nbytes for layer in self._layers)
+        released.setdefault(load.arena_path, []).extend(load.keys + load.unpin_also)
+
+    def _release(self, released: dict[str, list[BlockKey]]) -> None:
         for arena_path, keys in released.items():
             self._store.release(keys, arena_path)
 
@@ -161,34 +241,126 @@ class ConnectorWorkerHalf:
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, BatonConnectorMetadata)
-        for save in meta.saves:
-            granted = save.granted.result()
-            if not granted.arena_path:  # the store is gone
-                self.stats.dropped_save_blocks += len(save.keys)
-                continue
-            written = [(i, s) for i, s in enumerate(granted.slots) if s is not None]
-            if not written:
-                continue
-            keys = [save.keys[i] for i, _ in written]
-            arena_path = granted.arena_path
-            arena_layers = self._arena_view(arena_path)
-            if arena_layers is None:
-                self._store.abort(keys, arena_path)
-                self._dropped(save.request_id, len(keys))
-                continue
-            try:
-                src = torch.tensor([save.block_ids[i] for i, _ in written], dtype=torch.long,
-                                   device=self._device)
-                dst = torch.tensor([s for _, s in written], dtype=torch.long)
-                for index, layer in enumerate(self._layers):
-                    arena_layers[dst, index] = layer[src].to("cpu")
-            except BaseException:
-                self._store.abort(keys, arena_path)
-                raise
+        if not meta.saves:
+            return
+        requests = {save.request_id for save in meta.saves}
+        if not self._async:
+            self._apply(self._write(meta.saves))
+            self._transfers.saving |= requests  # written: reported finished when vLLM is done
+            return
+        job = self._thread("save").submit(self._write, meta.saves)
+        self._ledger.started(job)
+        t = self._transfers
+        t.saves.append((job, requests))
+        t.saving |= requests
+        for request_id in requests:
+            t.open_saves[request_id] = t.open_saves.get(request_id, 0) + 1
+
+    def _write(self, saves: list[SaveSpec]) -> _SaveOutcome:
+        """Reserve slots for ``saves`` (one store call for all; the synchronous baseline asked
+        before the forward pass), copy the blocks into them and commit them (one call)."""
+        outcome = _SaveOutcome()
+        if saves[0].granted is None:
+            grants = self._store.reserve_many([(save.keys, save.parents) for save in saves])
+        else:
+            grants = [save.granted.result() for save in saves]
+        commits: dict[str, list[BlockKey]] = {}
+        for save, granted in zip(saves, grants):
+            written = self._write_one(save, granted, outcome)
+            if written:
+                commits.setdefault(granted.arena_path, []).extend(written)
+                self._ledger.add_stored(save.request_id, len(written))
+        for arena_path, keys in commits.items():
             # readable by other processes once answered: the prefill worker waits for that
             # before its result returns (``StoreClient.unsettled_commits``)
-            self.stats.saved_blocks += len(written)
             self._store.commit_later(keys, arena_path, self._commit_lost)
+        return outcome
+
+    def _write_one(self, save: SaveSpec, granted: StoreSlots,
+                   outcome: _SaveOutcome) -> list[BlockKey]:
+        """Copy one request's granted blocks into their slots; the keys written."""
+        if not granted.arena_path:  # the store is gone
+            outcome.lost_blocks += len(save.keys)
+            return []
+        written = [(i, s) for i, s in enumerate(granted.slots) if s is not None]
+        if not written:
+            return []
+        keys = [save.keys[i] for i, _ in written]
+        arena_layers = self._arena_view(granted.arena_path)
+        if arena_layers is None:
+            self._store.abort(keys, granted.arena_path)
+            outcome.dropped[save.request_id] = outcome.dropped.get(save.request_id, 0) + len(keys)
+            return []
+        try:
+            src = torch.tensor([save.block_ids[i] for i, _ in written], dtype=torch.long,
+                               device=self._device)
+            dst = torch.tensor([s for _, s in written], dtype=torch.long)
+            for index, layer in enumerate(self._layers):
+                arena_layers[dst, index] = layer[src].to("cpu")
+        except BaseException:
+            self._store.abort(keys, granted.arena_path)
+            raise
+        outcome.saved_blocks += len(keys)
+        return keys
+
+    def _apply(self, outcome: _SaveOutcome) -> None:
+        self.stats.saved_blocks += outcome.saved_blocks
+        self.stats.dropped_save_blocks += outcome.lost_blocks
+        for request_id, n in outcome.dropped.items():
+            self._dropped(request_id, n)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """A preempted request's blocks are about to be reused: the saves reading them finish
+        first."""
+        jobs = [job for job, _ in self._transfers.saves]
+        if jobs:
+            wait_all(jobs)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose saves are written, requests whose loads have landed)."""
+        if not self._async:
+            return self._finished_sending(finished_req_ids), None
+        t = self._transfers
+        done = [(rid, entry) for rid, entry in t.loading.items() if entry[0].done()]
+        released: dict[str, list[BlockKey]] = {}
+        for request_id, (job, load) in done:
+            del t.loading[request_id]
+            try:
+                landed = job.result()
+            except Exception:  # a copy that failed: its blocks are recomputed
+                log.exception("request %s: copying %d KV blocks in failed", request_id,
+                              len(load.block_ids))
+                landed = False
+                released.setdefault(load.arena_path, []).extend(load.keys + load.unpin_also)
+            if landed:
+                self._loaded(load, released)
+            else:
+                self._fail_load(load)
+        self._release(released)
+        still = []
+        for job, requests in t.saves:
+            if not job.done():
+                still.append((job, requests))
+                continue
+            try:
+                self._apply(job.result())
+            except Exception:
+                log.exception("saving KV blocks of %s failed", sorted(requests))
+            for request_id in requests:
+                t.open_saves[request_id] -= 1
+                if not t.open_saves[request_id]:
+                    del t.open_saves[request_id]
+        t.saves = still
+        return self._finished_sending(finished_req_ids), {rid for rid, _ in done} or None
+
+    def _finished_sending(self, finished_req_ids: Iterable[str]) -> set[str] | None:
+        """The finished requests with saves (vLLM holds their blocks) whose saves are done."""
+        t = self._transfers
+        t.finished.update(r for r in finished_req_ids if r in t.saving)
+        sending = {r for r in t.finished if r not in t.open_saves}
+        t.finished -= sending
+        t.saving -= sending
+        return sending or None
 
     def _commit_lost(self, num_blocks: int) -> None:
         """A commit found its store gone: the blocks are dropped (counted for the engine; the

@@ -155,12 +155,29 @@ class KVStoreNode(NodePulls):
         return self.store.acquire(keys)
 
     @_locked
+    def acquire_many(self, key_lists: Sequence[Sequence[BlockKey]]) -> list[list[int]]:
+        """``acquire`` for several requests in one call (an engine step's new requests)."""
+        runs = []
+        for keys in key_lists:
+            if self.disk is not None:
+                self._promote(keys)
+            runs.append(self.store.acquire(keys))
+        return runs
+
+    @_locked
     def release(self, keys: Sequence[BlockKey]) -> None:
         self.store.release(keys)
 
     @_locked
     def reserve(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> list[int | None]:
         return self.store.reserve(keys, parents).slots  # evictions were published by _demote
+
+    @_locked
+    def reserve_many(self, chains: Sequence[tuple[Sequence[BlockKey], Sequence[BlockKey | None]]]
+                     ) -> list[list[int | None]]:
+        """``reserve`` for several chains in one call (an engine step's saves): each chain
+        stops at its own first block that cannot be stored, as ``reserve`` does."""
+        return [self.store.reserve(keys, parents).slots for keys, parents in chains]
 
     @_locked
     def commit(self, keys: Sequence[BlockKey]) -> None:

@@ -29,7 +29,7 @@ class PrefillWorker(EngineWorker):
 
         ``priority``: lower runs first among waiting prefills (the conductor passes minus the
         matched prefix length, so the cheapest-to-finish requests go first)."""
-        from kvstore.connector import request_transfer
+        from kvstore.connector import request_transfer, save_ledger
 
         started = time.perf_counter()
         num_pulled = await self._pull_remote_kv(request)
@@ -45,7 +45,10 @@ class PrefillWorker(EngineWorker):
             last = output
         await self._saves_readable()
         done = request_transfer(last)  # what the connector did, with the last output
-        num_stored_blocks, num_loaded_tokens = done.num_stored_blocks, done.num_loaded_tokens
+        # asynchronous saves: counted once written (the baseline counts them with the output)
+        num_stored_blocks = done.num_stored_blocks + save_ledger(self.instance_id).take_stored(
+            request.request_id)
+        num_loaded_tokens = done.num_loaded_tokens
         prefill_ms = (time.perf_counter() - started) * 1000.0
         self._record_request(len(request.prompt_token_ids), num_cached_tokens, prefill_ms)
         return PrefillResult(
@@ -61,22 +64,30 @@ class PrefillWorker(EngineWorker):
         )
 
     async def _saves_readable(self) -> None:
-        """Wait until the store has answered every commit the engine's connector sent so far
-        (they are sent without waiting, on the engine's step): the decode instance that is
-        given this result next must find the prompt's blocks committed. Normally answered by
-        the time the prefill's output got here; a store that does not answer is given up on
-        (its blocks are then recomputed, as for a lost store)."""
+        """Wait until every save the engine's connector handed off so far is written and its
+        commit answered (both happen off the engine's step): the decode instance that is given
+        this result next must find the prompt's blocks committed. A store that does not answer
+        is given up on (its blocks are then recomputed, as for a lost store)."""
         if self._store is None:
             return
         from kvstore.client import shared_store_client
+        from kvstore.connector import save_ledger
 
         client = shared_store_client(self._store.store_actor, self._store.namespace)
-        commits = client.unsettled_commits()
-        if not commits:
+        saves = [asyncio.wrap_future(job) for job in save_ledger(self.instance_id).pending()]
+
+        async def written_and_committed() -> None:
+            # the saving thread copies the blocks, then sends their commits
+            await asyncio.gather(*saves, return_exceptions=True)
+            commits = client.unsettled_commits()
+            if commits:
+                await asyncio.gather(*commits, return_exceptions=True)
+
+        if not saves and not client.unsettled_commits():
             return
         try:  # a failed commit is the client's to see (it detaches); here only the wait counts
-            await asyncio.wait_for(asyncio.gather(*commits, return_exceptions=True), COMMIT_WAIT_S)
+            await asyncio.wait_for(written_and_committed(), COMMIT_WAIT_S)
         except asyncio.TimeoutError:
-            log.warning("the KV store did not answer %d commits within %.0f s; returning the "
-                        "prefill result anyway (its blocks may be recomputed)", len(commits),
+            log.warning("the prompt's KV blocks were not written and committed within %.0f s; "
+                        "returning the prefill result anyway (its blocks may be recomputed)",
                         COMMIT_WAIT_S)

@@ -13,13 +13,16 @@ the answer), ``deferred`` (sent without waiting, awaited later off that path) an
 
 Before this was pinned, one steady-state request made 8 blocking round trips (place, prefill,
 decode stream; the prefill's store lookup, reserve and commit; the decode's acquire and
-release) and sent 2 (prefill_done, finished); the first also fetched the key scheme. Now: 4
-blocking (place, prefill, decode stream, the decode's acquire, which decides what vLLM
-computes and so must be answered on its scheduler step), 2 deferred (the prefill's reserve,
-sent before the forward pass and awaited after it; its commit, awaited once before the prefill
-result returns, so the decode finds the blocks), 3 sent (prefill_done, finished, the decode's
-release). The prefill asks the store nothing when its placement expects nothing cached, and the
-router fetches the key scheme while it polls readiness."""
+release) and sent 2 (prefill_done, finished); the first also fetched the key scheme. Then 4
+blocking (the decode's acquire was still waited for on vLLM's scheduler step), 2 deferred, 3
+sent. Now, with the connector's transfers off the engine's step (``engine.async_kv_transfers``):
+3 blocking (place, prefill, decode stream: no engine waits on the store while it steps), 3
+deferred (the prefill's reservation and commit, made by its saving thread after the forward
+pass, one of each for all of a step's requests, the commit awaited once before the prefill
+result returns; the decode's lookup, sent with the step's other lookups and read on a later
+scheduler step), 3 sent (prefill_done, finished, the decode's unpin once its KV landed). The
+prefill asks the store nothing when its placement expects nothing cached, saves nothing the
+store held at its lookup, and the router fetches the key scheme while it polls readiness."""
 
 from __future__ import annotations
 
@@ -43,11 +46,14 @@ ROUTER_STEADY = CallCounts(
     sent={"conductor.finished": 1, "conductor.prefill_done": 1},
 )
 """place → prefill → one decode stream; the conductor's books are closed without waiting."""
-PREFILL_STEADY = CallCounts(deferred={"store.commit": 1, "store.reserve": 1})
+PREFILL_STEADY = CallCounts(deferred={"store.commit": 1, "store.reserve_many": 1})
 """The producer's connector saves the prompt (no lookup: the placement expects nothing cached):
-the reservation overlaps the forward pass, the commit is awaited before the result returns."""
-DECODE_STEADY = CallCounts(blocking={"store.acquire": 1}, sent={"store.release": 1})
-"""The consumer's connector: pin the prompt's blocks, copy them, unpin them without waiting."""
+its saving thread reserves, copies and commits after the forward pass; the commit is awaited
+before the result returns."""
+DECODE_STEADY = CallCounts(deferred={"store.acquire_many": 1}, sent={"store.release": 1})
+"""The decode engine's connector: the lookup pins the prompt's blocks (sent without waiting),
+its loading thread copies them, and they are unpinned without waiting once landed. It saves
+nothing: the store held every prompt block at its lookup."""
 FIRST_REQUEST_ONLY = CallCounts(blocking={"gcs.get_actor": 2})
 """The router's first request also looks up both workers' actors (then cached)."""
 
@@ -119,8 +125,8 @@ async def test_a_steady_state_request_makes_exactly_these_round_trips(server, fi
     calls = await one_request(server, seed=2)
 
     assert calls == {"router": ROUTER_STEADY, "prefill": PREFILL_STEADY, "decode": DECODE_STEADY}
-    assert sum(c.total("blocking") for c in calls.values()) == 4
-    assert sum(c.total("deferred") for c in calls.values()) == 2
+    assert sum(c.total("blocking") for c in calls.values()) == 3
+    assert sum(c.total("deferred") for c in calls.values()) == 3
     assert sum(c.total("sent") for c in calls.values()) == 3
 
 
@@ -140,8 +146,8 @@ async def test_an_engine_driven_directly_hashes_the_prompt_itself(server, first_
 
 async def test_a_prefill_whose_placement_expects_a_cached_prefix_looks_it_up(server, first_request):
     """The same prompt again: the placement expects its three full blocks cached, so the
-    prefill's connector asks the store for the rest (the tail); its reservation finds every
-    block stored already, so nothing is committed."""
+    prefill's connector asks the store; its engine's own prefix cache holds the full blocks,
+    so it loads the tail, and saves nothing (the store held every block at its lookup)."""
     prompt = random_prompt(3 * BLOCK + 20, seed=4)
     await request_calls(server, prompt)
 
@@ -149,7 +155,6 @@ async def test_a_prefill_whose_placement_expects_a_cached_prefix_looks_it_up(ser
     calls = await request_calls(server, prompt, num_loaded_tokens=len(prompt) - 1 - 3 * BLOCK)
 
     assert calls == {"router": ROUTER_STEADY,
-                     "prefill": CallCounts(blocking={"store.acquire": 1},
-                                           deferred={"store.reserve": 1},
+                     "prefill": CallCounts(deferred={"store.acquire_many": 1},
                                            sent={"store.release": 1}),
                      "decode": DECODE_STEADY}

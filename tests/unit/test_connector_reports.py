@@ -36,6 +36,8 @@ def scheduler_half(states: dict[str, _RequestState]) -> BatonConnector:
     """The scheduler half's bookkeeping alone (no engine, no store)."""
     connector = object.__new__(BatonConnector)
     connector._requests, connector._store = states, _NoStore()
+    connector._lookups_unsent, connector._final_saves, connector._saves = [], [], False
+    connector._async, connector._releases = False, {}
     return connector
 
 
