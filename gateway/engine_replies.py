@@ -36,11 +36,18 @@ def stream_chunk(chunk: TokenChunk, num_prompt_tokens: int, placed: Placed) -> v
     """One streamed delta: the chunk's new tokens (and their log-probabilities)."""
     return vpb.GenerateResponse(chunk=vpb.GenerateStreamChunk(
         token_ids=chunk.token_ids, prompt_tokens=num_prompt_tokens,
-        completion_tokens=len(chunk.token_ids),
-        cached_tokens=num_cached_tokens(placed, chunk) if chunk.finish_reason else
-        placed.prefill.num_cached_tokens if placed.placement.prefill_instance
-        != placed.placement.decode_instance else 0,
+        completion_tokens=len(chunk.token_ids), cached_tokens=_cached_so_far(placed, chunk),
         output_logprobs=output_logprobs(chunk)))
+
+
+def _cached_so_far(placed: Placed, chunk: TokenChunk) -> int:
+    """Prompt tokens known not computed by this chunk: the prefill's count once it answered
+    (a request prefilled on its decode instance learns it with its last chunk)."""
+    if chunk.finish_reason:
+        return num_cached_tokens(placed, chunk)
+    if placed.placement.prefill_instance == placed.placement.decode_instance:
+        return 0
+    return placed.prefill.num_cached_tokens
 
 
 def complete(output_ids: list[int], last: TokenChunk, num_prompt_tokens: int,

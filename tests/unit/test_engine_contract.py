@@ -392,3 +392,26 @@ async def test_with_api_keys_every_call_needs_one(router, cluster, tokenizer, mo
             assert info.served_model_name == "tiny"
     finally:
         await running.stop(None)
+
+
+async def test_with_the_gateways_tls_it_serves_tls_only(router, cluster, tokenizer, model, tmp_path):
+    from tests.tls import self_signed
+
+    cert, key = self_signed(tmp_path, "contract")
+    servicer = EngineContractServicer(router, cluster, tokenizer,
+                                      ServedModel(model.path, "tiny", MAX_MODEL_LEN,
+                                                  tokenizer.vocab_size))
+    running = await start_engine_contract(servicer, "127.0.0.1", 0,
+                                          tls=(key.read_bytes(), cert.read_bytes()))
+    try:
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{running.port}", credentials) as channel:
+            info = await vpb_grpc.VllmEngineStub(channel).GetModelInfo(vpb.GetModelInfoRequest())
+            assert info.served_model_name == "tiny"
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await vpb_grpc.VllmEngineStub(channel).GetModelInfo(vpb.GetModelInfoRequest(),
+                                                                    timeout=5)
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await running.stop(None)
