@@ -45,7 +45,8 @@ class KvEventFeed:
             return []
         first_kept = self._batches[0].seq
         start = max(seq + 1 - first_kept, 0)
-        return [self._batches[i] for i in range(start, min(start + max_batches, len(self._batches)))]
+        end = min(start + max_batches, len(self._batches))
+        return [self._batches[i] for i in range(start, end)]
 
     async def wait_after(self, seq: int, wait_s: float, max_batches: int) -> list[KvFeedBatch]:
         """``after(seq)``, waiting up to ``wait_s`` seconds for a batch when none is there yet

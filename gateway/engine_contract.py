@@ -177,7 +177,8 @@ class EngineContractServicer:
 
     # ------------------------------------------------------------------ Generate, Abort
 
-    async def Generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Generate(self, request: vpb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> None:
         """Validate, then relay the router's stream: chunks (``stream``) or one complete."""
         await self._checked(request, context)
         self._last_receive = time.time()

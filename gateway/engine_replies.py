@@ -156,7 +156,8 @@ def model_info(model_path: Path, served_model_name: str, max_model_len: int,
         architectures=config.get("architectures", []), eos_token_ids=eos_ids,
         pad_token_id=config.get("pad_token_id") or 0, bos_token_id=config.get("bos_token_id") or 0,
         max_req_input_len=max_model_len - 1,
-        default_sampling_params_json=json.dumps(defaults, separators=(",", ":")) if defaults else "")
+        default_sampling_params_json=(json.dumps(defaults, separators=(",", ":"))
+                                      if defaults else ""))
 
 
 def eos_token_ids(model_path: Path) -> tuple[int, ...]:

@@ -129,7 +129,8 @@ def check_unsupported(request: vpb.GenerateRequest, limits: ModelLimits) -> None
         raise InvalidRequest("sampling_params.stop_token_ids with ignore_eos: not supported; "
                              "drop stop_token_ids or ignore_eos")
     if params.HasField("temperature") and not math.isfinite(params.temperature):
-        raise InvalidRequest(f"sampling_params.temperature must be finite, got {params.temperature}")
+        raise InvalidRequest("sampling_params.temperature must be finite, got "
+                             f"{params.temperature}")
 
 
 def kv_transfer_params(request: vpb.GenerateRequest) -> dict:

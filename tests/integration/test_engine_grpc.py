@@ -61,7 +61,7 @@ async def smg(server, tiny_model, tmp_path_factory):
     """``smg launch`` pointed at Baton's engine contract; its OpenAI base URL. (Async: the
     cluster's fronts answer SMG on this event loop.)"""
     binary = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
-    assert Path(binary).exists(), "the smg router is missing: scripts/setup.sh installs it (test extra)"
+    assert Path(binary).exists(), "no smg router: scripts/setup.sh installs it (the test extra)"
     port = _free_port()
     log = tmp_path_factory.mktemp("smg") / "smg.log"
     with open(log, "w") as out:

@@ -25,7 +25,14 @@ from gateway.engine_requests import ModelLimits, engine_request
 from gateway.tokenization import PromptTokenizer
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from protos.errors import InvalidRequest, NoWorkerReady
-from protos.wire import ClusterLoad, InstanceStats, KvFeedBatch, PositionLogprobs, TokenChunk, TokenLogprob
+from protos.wire import (
+    ClusterLoad,
+    InstanceStats,
+    KvFeedBatch,
+    PositionLogprobs,
+    TokenChunk,
+    TokenLogprob,
+)
 from tests.unit.test_gateway_wire import PLACEMENT, FakeRouter
 
 MAX_MODEL_LEN = 100
@@ -394,7 +401,8 @@ async def test_with_api_keys_every_call_needs_one(router, cluster, tokenizer, mo
         await running.stop(None)
 
 
-async def test_with_the_gateways_tls_it_serves_tls_only(router, cluster, tokenizer, model, tmp_path):
+async def test_with_the_gateways_tls_it_serves_tls_only(router, cluster, tokenizer, model,
+                                                        tmp_path):
     from tests.tls import self_signed
 
     cert, key = self_signed(tmp_path, "contract")
