@@ -135,3 +135,4 @@ class BatonConnector(ConnectorSchedulerHalf, ConnectorWorkerHalf, KVConnectorBas
         self._transfers = _Transfers()
         self._arena_lock = threading.Lock()
         self._threads = {}
+        self._copiers = {}

@@ -45,6 +45,7 @@ from kvstore.connector_meta import (
     SaveSpec,
 )
 from kvstore.keys import BlockKey
+from kvstore.kv_copy import BlockCopier
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -94,6 +95,14 @@ class ConnectorWorkerHalf:
     _transfers: _Transfers
     _arena_lock: threading.Lock
     _threads: dict[str, ThreadPoolExecutor]
+    _copiers: dict[str, BlockCopier]
+
+    def _copier(self, direction: str) -> BlockCopier:
+        """The copier of loads (or saves): one each, since each thread reuses its staging."""
+        copier = self._copiers.get(direction)
+        if copier is None:
+            copier = self._copiers[direction] = BlockCopier(self._layers)
+        return copier
 
     def _thread(self, name: str) -> ThreadPoolExecutor:
         """The one thread that does this engine's loads (or saves), in order."""
@@ -202,11 +211,7 @@ class ConnectorWorkerHalf:
         if arena_layers is None:
             return False
         started = time.perf_counter()
-        slots = torch.tensor(load.slots, dtype=torch.long)
-        # the arena is host memory; on GPUs the engine's cache is device memory
-        block_ids = torch.tensor(load.block_ids, dtype=torch.long, device=self._device)
-        for index, layer in enumerate(self._layers):
-            layer[block_ids] = arena_layers[slots, index].to(self._device)
+        self._copier("load").load(arena_layers, load.slots, load.block_ids).wait()
         if self._async:
             self.stats.load_seconds += time.perf_counter() - started
         return True
@@ -292,11 +297,8 @@ class ConnectorWorkerHalf:
             outcome.dropped[save.request_id] = outcome.dropped.get(save.request_id, 0) + len(keys)
             return []
         try:
-            src = torch.tensor([save.block_ids[i] for i, _ in written], dtype=torch.long,
-                               device=self._device)
-            dst = torch.tensor([s for _, s in written], dtype=torch.long)
-            for index, layer in enumerate(self._layers):
-                arena_layers[dst, index] = layer[src].to("cpu")
+            self._copier("save").save(arena_layers, [save.block_ids[i] for i, _ in written],
+                                      [s for _, s in written]).wait()
         except BaseException:
             self._store.abort(keys, granted.arena_path)
             raise

@@ -353,3 +353,46 @@ async def test_a_grpc_cancel_mid_stream_releases_everything_the_request_held(ser
             await asyncio.sleep(0.05)
         assert await held() == (0, 0, 0, 0)
     assert (await decode.stats.remote()).num_finished_reqs == finished_before
+
+
+async def test_the_next_agent_step_loads_the_replys_kv_the_decode_engine_saved(server):
+    """A decode engine saves the blocks its output completed when the request finishes, so the
+    agent's next step (prompt = prompt + reply + tool result), prefilled on another engine,
+    loads the reply's KV instead of recomputing it. The control: the same step after a reply
+    the decode engine never produced loads only the prompt's full blocks."""
+    from protos.wire import EngineRequest, SamplingOptions
+
+    cluster = server.cluster
+    decode = cluster.actor(cluster.decode_ids[0])
+    prefill = cluster.actor(cluster.prefill_ids[0])
+    prompt = random_prompt(BLOCK + 72, seed=71)  # one full block and a tail
+    reply: list[int] = []
+    step = EngineRequest("agent-step-1", tuple(prompt), SamplingOptions(max_tokens=2 * BLOCK,
+                                                                        temperature=0.0))
+    async for ref in decode.generate.options(num_returns="streaming").remote(step):
+        reply.extend((await ref).token_ids)
+    assert len(reply) == 2 * BLOCK
+    tool_result = random_prompt(40, seed=72)
+    # prompt + reply = 456 tokens: the reply completed blocks 1 and 2 (tokens 128..384), and
+    # the KV of the last reply token was never computed
+    reply_blocks = (len(prompt) + len(reply) - 1) // BLOCK
+    assert reply_blocks == 3
+
+    async def next_step(request_id: str, history: list[int]):
+        deadline = time.monotonic() + 5
+        while True:  # the decode engine's saves are written off its step, then committed
+            result = await prefill.prefill.remote(EngineRequest(
+                request_id, tuple(history + tool_result), SamplingOptions(max_tokens=1)))
+            if result.num_loaded_tokens >= reply_blocks * BLOCK or time.monotonic() > deadline:
+                return result
+            await asyncio.sleep(0.1)
+
+    done = await next_step("agent-step-2", prompt + reply)
+    assert done.num_loaded_tokens == reply_blocks * BLOCK
+    other_reply = random_prompt(len(reply), seed=73)
+    control = await prefill.prefill.remote(EngineRequest(
+        "agent-step-2-control", tuple(prompt + other_reply + tool_result),
+        SamplingOptions(max_tokens=1)))
+    # nothing of the other reply is anywhere; the prompt's full block is in the prefill
+    # engine's own prefix cache by now (cached, not loaded)
+    assert control.num_loaded_tokens == 0

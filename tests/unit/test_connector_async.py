@@ -1,0 +1,188 @@
+"""The worker half's asynchronous transfers, on CPU tensors with a store stand-in: a load is
+reported finished (``get_finished``'s receiving set) only once its bytes are in the engine's
+blocks, and a finished request's saves are reported (its blocks freed by vLLM) only once
+written and committed. The copies are held back at will, so "reported early" cannot hide
+behind a fast copy."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip(
+    "vllm", reason="needs vllm, which is not installed (kvstore.connector is a vLLM KV connector)"
+)
+
+from kvstore.client import StoreSlots  # noqa: E402
+from kvstore.connector import (  # noqa: E402
+    BatonConnector,
+    BatonConnectorMetadata,
+    BatonWorkerMetadata,
+    ConnectorStats,
+    LoadSpec,
+    SaveSpec,
+)
+from kvstore.connector_meta import SaveLedger  # noqa: E402
+from kvstore.connector_worker import _Transfers  # noqa: E402
+from kvstore.kv_copy import BlockCopier  # noqa: E402
+
+NUM_LAYERS, NUM_BLOCKS, BLOCK_SHAPE, NUM_SLOTS = 3, 8, (2, 4, 5), 6
+ARENA = "/dev/shm/test-arena"
+
+
+class _Arena:
+    def __init__(self) -> None:
+        per_layer = torch.zeros(BLOCK_SHAPE).numel() * 4
+        self.slot_bytes, self.num_slots = per_layer * NUM_LAYERS, NUM_SLOTS
+        self.slots = torch.zeros(NUM_SLOTS, self.slot_bytes, dtype=torch.uint8)
+
+    def view(self) -> torch.Tensor:
+        return self.slots.view(torch.float32).view(NUM_SLOTS, NUM_LAYERS, *BLOCK_SHAPE)
+
+
+class _Store:
+    """Records the calls the worker half makes; grants what it is told to."""
+
+    def __init__(self) -> None:
+        self.arena = _Arena()
+        self.released: list[list] = []
+        self.committed: list[list] = []
+        self.grants: list[int | None] = []
+
+    def arena_for(self, path):
+        return self.arena if path == ARENA else None
+
+    def release(self, keys, arena_path) -> None:
+        self.released.append(list(keys))
+
+    def reserve_many(self, chains):
+        return [StoreSlots(ARENA, self.grants[: len(keys)]) for keys, _ in chains]
+
+    def commit_later(self, keys, arena_path, on_lost=None) -> None:
+        self.committed.append(list(keys))
+
+    def abort(self, keys, arena_path) -> None:
+        raise AssertionError("nothing is aborted here")
+
+
+class _GatedCopier(BlockCopier):
+    """A ``BlockCopier`` whose copies wait until the test opens the gate."""
+
+    def __init__(self, layers, gate: threading.Event) -> None:
+        super().__init__(layers)
+        self.gate = gate
+
+    def load(self, arena_layers, slots, block_ids):
+        self.gate.wait(10)
+        return super().load(arena_layers, slots, block_ids)
+
+    def save(self, arena_layers, block_ids, slots):
+        self.gate.wait(10)
+        return super().save(arena_layers, block_ids, slots)
+
+
+def worker_half(gate: threading.Event) -> tuple[BatonConnector, _Store]:
+    connector = object.__new__(BatonConnector)
+    store = _Store()
+    layers = [torch.zeros(NUM_BLOCKS, *BLOCK_SHAPE) for _ in range(NUM_LAYERS)]
+    connector._store, connector._layers, connector._device = store, layers, torch.device("cpu")
+    connector._num_gpu_blocks, connector._engine_id = NUM_BLOCKS, "test-engine"
+    connector._arena_layers, connector._arena_layers_path = None, ""
+    connector._load_errors, connector._step = set(), BatonWorkerMetadata()
+    connector.stats, connector._async = ConnectorStats(), True
+    connector._ledger, connector._transfers = SaveLedger(), _Transfers()
+    connector._arena_lock, connector._threads = threading.Lock(), {}
+    connector._copiers = {"load": _GatedCopier(layers, gate), "save": _GatedCopier(layers, gate)}
+    return connector, store
+
+
+def step(connector: BatonConnector, meta: BatonConnectorMetadata,
+         finished: set[str] = frozenset()) -> tuple[set | None, set | None]:
+    """One engine step as vLLM drives the worker half: metadata bound, loads started, saves
+    handed off, then what finished."""
+    connector._connector_metadata = meta
+    connector.start_load_kv(None)
+    connector.wait_for_save()
+    done = connector.get_finished(set(finished))
+    connector._connector_metadata = None
+    return done
+
+
+def until(connector, finished=frozenset(), timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sending, recving = step(connector, BatonConnectorMetadata(), finished)
+        if sending or recving:
+            return sending, recving
+        time.sleep(0.005)
+    raise AssertionError("nothing was reported finished")
+
+
+def test_a_load_is_reported_finished_only_once_its_bytes_are_in_the_engines_blocks():
+    gate = threading.Event()
+    connector, store = worker_half(gate)
+    arena = store.arena.view()
+    arena[2] = torch.randn(NUM_LAYERS, *BLOCK_SHAPE)
+    arena[4] = torch.randn(NUM_LAYERS, *BLOCK_SHAPE)
+    load = LoadSpec("r", block_ids=[5, 1], slots=[2, 4], keys=[b"k2", b"k4"], arena_path=ARENA,
+                    unpin_also=[b"k0"])
+
+    assert step(connector, BatonConnectorMetadata(loads=[load])) == (None, None)
+    time.sleep(0.05)
+    assert step(connector, BatonConnectorMetadata()) == (None, None)  # still copying
+    assert all(not layer[5].any() and not layer[1].any() for layer in connector._layers)
+    assert store.released == []  # pinned while the copy reads the slots
+
+    gate.set()
+    assert until(connector) == (None, {"r"})
+    for index, layer in enumerate(connector._layers):
+        assert torch.equal(layer[5], arena[2, index]) and torch.equal(layer[1], arena[4, index])
+    assert store.released == [[b"k2", b"k4", b"k0"]]
+    assert connector.stats.loaded_blocks == 2
+    assert connector.get_block_ids_with_load_errors() == set()
+
+
+def test_a_load_from_an_arena_that_is_gone_is_reported_with_its_blocks_to_recompute():
+    gate = threading.Event()
+    gate.set()
+    connector, store = worker_half(gate)
+    load = LoadSpec("r", block_ids=[3, 4], slots=[0, 1], keys=[b"a", b"b"], arena_path="/gone")
+
+    first = step(connector, BatonConnectorMetadata(loads=[load]))  # may be found at once
+    assert (first if first != (None, None) else until(connector)) == (None, {"r"})
+    assert connector.get_block_ids_with_load_errors() == {3, 4}
+    assert store.released == []  # the store that pinned them is gone, and its pins with it
+
+
+def test_a_finished_requests_blocks_are_held_until_its_saves_are_written_and_committed():
+    gate = threading.Event()
+    connector, store = worker_half(gate)
+    for index, layer in enumerate(connector._layers):
+        layer[6] = torch.full(BLOCK_SHAPE, float(index + 1))
+        layer[7] = torch.full(BLOCK_SHAPE, float(index + 10))
+    store.grants = [3, None]  # the second block is in the store already
+    save = SaveSpec("r", block_ids=[6, 7], keys=[b"x", b"y"], parents=[None, b"x"])
+
+    assert step(connector, BatonConnectorMetadata(saves=[save]), finished={"r"}) == (None, None)
+    time.sleep(0.05)
+    assert step(connector, BatonConnectorMetadata()) == (None, None)  # vLLM keeps the blocks
+    assert store.committed == [] and not store.arena.slots.any()
+    assert len(connector._ledger.pending()) == 1
+
+    gate.set()
+    assert until(connector) == ({"r"}, None)
+    assert store.committed == [[b"x"]]
+    for index in range(NUM_LAYERS):
+        assert torch.equal(store.arena.view()[3, index], connector._layers[index][6])
+    assert connector._ledger.pending() == [] and connector._ledger.take_stored("r") == 1
+    assert connector.stats.saved_blocks == 1
+
+
+def test_a_request_with_nothing_to_save_is_never_reported_as_sending():
+    gate = threading.Event()
+    gate.set()
+    connector, store = worker_half(gate)
+    assert step(connector, BatonConnectorMetadata(), finished={"other"}) == (None, None)
