@@ -32,7 +32,14 @@ from typing import Any, Callable
 import numpy as np
 
 from conductor.cost_model import CostProfile
-from conductor.policy import POLICIES, ClusterSnapshot, Overloaded, PolicyConfig, PrefixHit, price
+from conductor.policy import (
+    POLICIES,
+    ClusterSnapshot,
+    Overloaded,
+    PolicyConfig,
+    PrefixHit,
+    price,
+)
 from conductor.state import ConductorState
 from protos.errors import BatonError
 from protos.wire import PlacementRequest

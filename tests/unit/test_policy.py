@@ -33,10 +33,10 @@ from conductor.policy import (
     round_robin,
     sglang_cache_aware,
 )
-from protos.errors import BatonError, NoWorkerReady
-from protos.wire import PlacementRequest
 from conductor.sglang_tree import SglangTrees
 from conductor.state import ConductorState
+from protos.errors import BatonError, NoWorkerReady
+from protos.wire import PlacementRequest
 from tests.unit.policy_oracles import baton_options, mooncake_options
 
 REQ = PlacementRequest("r", 100)
