@@ -324,10 +324,13 @@ class Conductor:
                                max_batches: int = 256) -> list[KvFeedBatch]:
         """The engines' KV event batches received after ``after_seq`` (``conductor.kv_feed``),
         waiting up to ``wait_s`` seconds for one when there is none yet."""
+        self.kv_feed.arm()
         return await self.kv_feed.wait_after(after_seq, wait_s, max_batches)
 
     async def kv_last_seq(self) -> int:
-        """The sequence number of the last engine KV event batch received (0: none yet)."""
+        """The sequence number of the last engine KV event batch kept (0: none yet); from the
+        first call on, batches are kept."""
+        self.kv_feed.arm()
         return self.kv_feed.last_seq
 
     async def prefix_hits(self, block_keys: list[bytes]) -> PrefixHits:

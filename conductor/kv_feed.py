@@ -4,7 +4,8 @@ them on (the engine gRPC contract's ``SubscribeKvEvents``).
 One cluster-wide sequence number (1, 2, 3, ...) orders the batches of every engine; a bounded
 buffer keeps the most recent ones, so a subscriber that falls behind by more than the buffer
 resumes at the oldest kept batch (its next batch then skips sequence numbers: a gap it can see).
-The conductor's own index does not read from here; this is a tap beside it.
+The conductor's own index does not read from here; this is a tap beside it, and it keeps nothing
+until a subscriber first asks (``arm``), so a cluster without one pays nothing for it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections import deque
 
 from protos.wire import KvFeedBatch
 
-DEFAULT_CAPACITY_BATCHES = 4096
+DEFAULT_CAPACITY_BATCHES = 1024
 
 
 class KvEventFeed:
@@ -25,14 +26,23 @@ class KvEventFeed:
         self._batches: deque[KvFeedBatch] = deque(maxlen=capacity_batches)
         self._last_seq = 0
         self._arrived = asyncio.Event()
+        self.armed = False
+        """Batches are kept once a subscriber has asked for them (``arm``)."""
+
+    def arm(self) -> None:
+        """Keep batches from now on."""
+        self.armed = True
 
     @property
     def last_seq(self) -> int:
         """The sequence number of the last batch recorded (0: none yet)."""
         return self._last_seq
 
-    def record(self, instance_id: str, payload: bytes) -> int:
-        """Keep one batch from ``instance_id``; returns its sequence number."""
+    def record(self, instance_id: str, payload: bytes) -> int | None:
+        """Keep one batch from ``instance_id``; returns its sequence number (None before
+        ``arm``)."""
+        if not self.armed:
+            return None
         self._last_seq += 1
         self._batches.append(KvFeedBatch(self._last_seq, instance_id, payload))
         arrived, self._arrived = self._arrived, asyncio.Event()

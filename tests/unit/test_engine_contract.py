@@ -186,6 +186,8 @@ def test_an_undecodable_batch_keeps_its_place_in_the_numbering():
 
 async def test_the_feed_numbers_batches_and_keeps_the_latest():
     feed = KvEventFeed(capacity_batches=3)
+    assert feed.record("before", b"p") is None  # nobody asked yet: nothing kept
+    feed.arm()
     for i in range(5):
         feed.record(f"e{i}", b"p")
     assert feed.last_seq == 5
@@ -204,6 +206,7 @@ async def test_the_feed_numbers_batches_and_keeps_the_latest():
 class FakeCluster:
     def __init__(self) -> None:
         self.feed = KvEventFeed()
+        self.feed.arm()
         self.load = ClusterLoad([_stats("d0", "decode", 2, 1, 0.25)], 0, 3)
 
     async def cluster_load(self) -> ClusterLoad:
