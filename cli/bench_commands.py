@@ -82,16 +82,19 @@ def bench_kvstore(
     blocks: int = typer.Option(
         128, help="Blocks per batch: one prompt's pull (128 x 16 tokens = 2,048 tokens; the "
         "Mooncake trace's median prompt is 11,587)."),
-    rounds: int = typer.Option(21, help="Measured rounds (after one warm-up)."),
+    rounds: int = typer.Option(5, help="Timed rounds per process (after one warm-up)."),
+    runs: int = typer.Option(5, help="ABBA runs per path: each side of each run is a fresh "
+                             "process."),
     disk_dir: Optional[Path] = typer.Option(None, help="Folder for the disk tier runs "
                                             "(default: the system temp folder)."),
-    paths: str = typer.Option("shm,tcp,ucx,disk", help="Comma-separated: shm, tcp, ucx, disk."),
+    paths: str = typer.Option("shm,tcp,ucx,disk", help="Comma-separated: shm, tcp, ucx, disk "
+                              "(or disk-write, disk-write-fsync, disk-read)."),
 ) -> None:
-    """Each KV store data path (shared memory, tcp, ucx, disk tier) against its raw baseline."""
+    """Each KV store data path (shared memory, tcp, ucx, disk tier) against a fair baseline."""
     from bench.kvstore import main as run_kvstore_bench
 
     run_kvstore_bench(str(json_path) if json_path else None, block_bytes, blocks, rounds,
-                      str(disk_dir) if disk_dir else None, tuple(paths.split(",")))
+                      str(disk_dir) if disk_dir else None, tuple(paths.split(",")), runs)
 
 
 @bench_app.command("kvcopy")
@@ -204,6 +207,40 @@ def bench_overload(
     factor_list = tuple(float(f) for f in factors.split(","))
     _live("overload", None, overrides, lambda cfg, progress: run_overload(
         cfg, json_path, factor_list, probe, burst, max_tokens, seed, progress), json_path)
+
+
+@bench_app.command("itl")
+def bench_itl(
+    json_path: Optional[Path] = typer.Option(Path("bench-out/itl.json"), "--json",
+                                             help="Write the report here."),
+    model: str = typer.Option("smollm2", help="'smollm2' or 'tiny'."),
+    streams: int = typer.Option(8, help="Long generations the decode engine streams throughout."),
+    prompt_tokens: int = typer.Option(3000, help="Tokens of each cached prompt the decode loads."),
+    pool: Optional[int] = typer.Option(None, help="Cached prompts cycled through (default: "
+                                       "enough that the decode engine's own KV cache cannot "
+                                       "hold them, so each is loaded from the host tier)."),
+    load_clients: int = typer.Option(16, help="Clients sending cached prompts back to back."),
+    idle: float = typer.Option(15.0, help="Seconds of the idle phase (streams only)."),
+    loaded: float = typer.Option(30.0, help="Seconds of the loaded phase."),
+    order: str = typer.Option("async,sync", help="Which configuration runs first."),
+    repeats: int = typer.Option(1, help="Runs of each configuration (ABBA order)."),
+    seed: int = typer.Option(0, help="Seed of the prompts and the streams' sampling."),
+    set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
+) -> None:
+    """LIVE: the decode streams' inter-token latency while the decode engine loads other
+    requests' KV from the host tier, against the same streams idle; the shipped asynchronous KV
+    path and the synchronous baseline (engine.async_kv_transfers false) in the same run.
+    Reports ITL p50/p99 idle and loaded, their ratio, the loads, their rate and GB/s. Exit code
+    1 when the shipped path's ratio is over 1.1 or fewer than 10 loads a second were under way."""
+    from bench.itl import main as run_itl
+
+    overrides = {"engine.model": model, "gateway.port": 0, "http.enabled": False, "name": "itl",
+                 "prefill.num_instances": 1, "decode.num_instances": 1,
+                 "kvstore.host_capacity_bytes": 3 << 30, **parse_overrides(set_)}
+    _live("itl", None, overrides, lambda cfg, progress: run_itl(
+        cfg, json_path, progress, streams=streams, prompt_tokens=prompt_tokens, pool=pool,
+        load_clients=load_clients, idle_s=idle, loaded_s=loaded, order=order, repeats=repeats,
+        seed=seed), json_path)
 
 
 @bench_app.command("fuzz")

@@ -91,10 +91,10 @@ class PendingRuns:
     """Lookups sent without waiting (``StoreClient.acquire_many_later``), one run of pinned
     slots per key list once answered. ``ready`` asks without waiting; ``result`` waits (once)."""
 
-    def __init__(self, client: "StoreClient | None", ref, arena_path: str, num: int,
+    def __init__(self, client: "StoreClient | None", ref, arena_path: str, key_lists: list,
                  done: list[StoreSlots] | None = None) -> None:
-        self._client, self._ref, self.arena_path, self._num = client, ref, arena_path, num
-        self._done = done
+        self._client, self._ref, self.arena_path = client, ref, arena_path
+        self._key_lists, self._done = key_lists, done  # to ask a new store on a loss
 
     def ready(self) -> bool:
         if self._done is not None:
@@ -104,8 +104,8 @@ class PendingRuns:
 
     def result(self) -> list[StoreSlots]:
         if self._done is None:
-            self._done = self._client._resolve_runs(self._ref, self.arena_path, self._num)
-            self._client = self._ref = None
+            self._done = self._client._resolve_runs(self._ref, self.arena_path, self._key_lists)
+            self._client = self._ref = self._key_lists = None
         return self._done
 
 
@@ -203,10 +203,10 @@ class StoreClient:
         with self._lock:
             self._reap()
             if not lists or not self._ensure_attached():
-                return PendingRuns(None, None, "", len(lists), [StoreSlots("", [])] * len(lists))
+                return PendingRuns(None, None, "", lists, [StoreSlots("", [])] * len(lists))
             self.calls.count("store.acquire_many", "deferred")
             ref = self._actor.acquire_many.remote(lists)
-            return PendingRuns(self, ref, self.arena_path, len(lists))
+            return PendingRuns(self, ref, self.arena_path, lists)
 
     def reserve_many(self, chains: Sequence[tuple[Sequence[BlockKey], Sequence[BlockKey | None]]]
                      ) -> list[StoreSlots]:
@@ -219,21 +219,25 @@ class StoreClient:
         commits = [sent.ref for sent in list(self._commits)]
         if commits:
             ray.wait(commits, num_returns=len(commits), timeout=self._call_timeout_s)
-        with self._lock:
-            self._reap()
-            if not chains or not self._ensure_attached():
-                return none
-            path = self.arena_path
-            self.calls.count("store.reserve_many", "deferred")
-            ref = self._actor.reserve_many.remote(chains)
-        try:
-            answers = ray.get(ref, timeout=self._call_timeout_s)
-        except _STORE_GONE as exc:
+        for attempt in range(2):  # a store found gone: a new one already up is asked at once
             with self._lock:
-                if path == self.arena_path:
-                    self._detach("reserve_many", exc)
-            return none
-        return [StoreSlots(path, slots) for slots in answers]
+                self._reap()
+                if not chains or not self._ensure_attached():
+                    return none
+                path = self.arena_path
+                self.calls.count("store.reserve_many", "deferred")
+                ref = self._actor.reserve_many.remote(chains)
+            try:
+                answers = ray.get(ref, timeout=self._call_timeout_s)
+            except _STORE_GONE as exc:
+                with self._lock:
+                    if path == self.arena_path:
+                        self._detach("reserve_many", exc)
+                    if attempt or not self._attach() or self.arena_path in ("", path):
+                        return none
+                continue
+            return [StoreSlots(path, slots) for slots in answers]
+        return none
 
     def release(self, keys: Sequence[BlockKey], arena_path: str) -> None:
         """Unpin ``keys``, sent without waiting: nothing waits on an unpin (a failure means the
@@ -345,8 +349,10 @@ class StoreClient:
                         self._detach("reserve", again)
             return StoreSlots("", [None] * len(keys))
 
-    def _resolve_runs(self, ref, arena_path: str, num: int) -> list[StoreSlots]:
-        """The answer to ``acquire_many_later``; a store found gone grants nothing (a miss)."""
+    def _resolve_runs(self, ref, arena_path: str, key_lists: list) -> list[StoreSlots]:
+        """The answer to ``acquire_many_later``. When its store was found gone and a new one is
+        already up (the client was idle while the node was replaced), the new one is asked at
+        once and waited for (a rare path: a miss otherwise); else nothing is granted."""
         try:
             return [StoreSlots(arena_path, slots)
                     for slots in ray.get(ref, timeout=self._call_timeout_s)]
@@ -354,7 +360,14 @@ class StoreClient:
             with self._lock:
                 if arena_path == self.arena_path:
                     self._detach("acquire_many", exc)
-            return [StoreSlots("", [])] * num
+                if self._attach() and self.arena_path not in ("", arena_path):
+                    path = self.arena_path
+                    try:
+                        return [StoreSlots(path, slots)
+                                for slots in self._call("acquire_many", key_lists)]
+                    except _STORE_GONE as again:
+                        self._detach("acquire_many", again)
+            return [StoreSlots("", [])] * len(key_lists)
 
     def _settle_commits(self) -> None:
         """Wait for the commits in flight (normally answered already), then see their answers."""

@@ -76,8 +76,13 @@ class SaveLedger:
             self._jobs.discard(job)
 
     def add_stored(self, request_id: str, num_blocks: int) -> None:
+        """``request_id`` is the engine's own id of the request: vLLM makes it the caller's id
+        with a suffix (``<id>-<8 characters>``); ``take_stored`` takes the caller's."""
         with self._lock:
-            self._stored[request_id] = self._stored.pop(request_id, 0) + num_blocks
+            head, _, suffix = request_id.rpartition("-")
+            external = head if head and len(suffix) == 8 else request_id
+            for key in {request_id, external}:
+                self._stored[key] = self._stored.pop(key, 0) + num_blocks
             while len(self._stored) > self.KEEP_STORED:
                 self._stored.popitem(last=False)
 

@@ -1,0 +1,42 @@
+"""``baton bench itl``'s bookkeeping: which gaps belong to which phase, how big the pool of
+cached prompts must be, the summary over runs, and the order of the configurations."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.itl import ItlRun, _Gaps, pool_size, run_itl, summary
+from cluster.config import load_config
+
+
+def test_a_gap_belongs_to_the_phase_both_its_ends_fall_in():
+    gaps = _Gaps()
+    gaps.streams = [[0.0, 0.1, 0.25, 1.0, 1.05], [0.5, 0.52]]
+    assert gaps.window(0.0, 0.5) == pytest.approx([100.0, 150.0])
+    assert gaps.window(0.5, 2.0) == pytest.approx([50.0, 20.0])  # 0.25 -> 1.0 straddles
+
+
+def test_the_pool_outgrows_the_decode_engines_own_kv_cache():
+    config = load_config(None, {"engine.model": "smollm2", "engine.kv_cache_gib": 1.0})
+    # SmolLM2 in bf16: 23,040 bytes a token, so 1 GiB holds 46,603 tokens: 15 prompts of 3,000
+    assert pool_size(config, 3000) == 15 + 6
+
+
+def _run(async_transfers: bool, ratio: float, too_light: bool = False) -> ItlRun:
+    return ItlRun(async_transfers, 40.0, 50.0, 42.0, 50.0 * ratio, ratio, 60.0, 70.0, 100, 200,
+                  300, 10.0, 1.5, 200.0, 16.0, 20.0, too_light)
+
+
+def test_the_summary_is_the_median_of_each_figure_and_flags_any_light_run():
+    runs = [_run(True, 1.0), _run(True, 1.4, too_light=True), _run(True, 1.2)]
+    out = summary(runs)
+    assert (out["ratio"], out["loaded_itl_p99_ms"], out["runs"], out["too_light"]) == (
+        1.2, 60.0, 3, True)
+
+
+def test_the_order_must_name_both_configurations():
+    config = load_config(None, {"engine.model": "tiny"})
+    with pytest.raises(ValueError, match="async and sync"):
+        asyncio.run(run_itl(config, order="async,async"))
