@@ -157,3 +157,15 @@ def test_warming_a_rejected_prompt_prefills_it_in_chunks_for_the_next_request():
     assert warm.rejected.tolist() == [True, False] and warm.num_cached_blocks[1] == 10
     assert warm.prefill_ms.tolist() == pytest.approx([50.96 + 19.04, 10.8])
     assert summarize(warm).prefill_compute_s == pytest.approx((70.0 + 10.8) / 1000)
+
+
+def test_sglang_reaches_at_least_half_of_least_loadeds_goodput():
+    """The faithful router's sanity floor (the old stand-in scored 0.05x least_loaded's)."""
+    from simulator.replay import run_policy
+
+    w = Workload(load_trace(TRACE)[:600])
+    f = FleetConfig(num_prefill_instances=4, num_decode_instances=4)
+    profile = load_profile("analytic")
+    goodput = {p: run_policy(w, f, profile, "analytic", p, 1.0, True).result.goodput_rate_scale
+               for p in ("least_loaded", "sglang_cache_aware")}
+    assert goodput["sglang_cache_aware"] >= 0.5 * goodput["least_loaded"] > 0, goodput
