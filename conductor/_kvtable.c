@@ -627,14 +627,19 @@ typedef struct {
     uint64_t *words;
 } Tier;
 
-static int tier_words(Tier *tier, PyObject *key, Py_ssize_t num_words, PyObject *zero)
+/* The tier's value for ``key`` (borrowed; ``zero`` when absent). */
+static inline PyObject *tier_value(const Tier *tier, PyObject *key, PyObject *zero)
 {
     uint64_t k0, k1;
     PyObject *value = NULL;
     if (tier->table != NULL && key_of(key, &k0, &k1))
         value = tier->table->slots[probe(tier->table, k0, k1)].value;
-    if (value == NULL)
-        value = zero;
+    return value != NULL ? value : zero;
+}
+
+/* Make ``tier->words`` the reachability of ``value``. */
+static int tier_load(Tier *tier, PyObject *value, Py_ssize_t num_words, PyObject *zero)
+{
     if (value == tier->last)
         return 0;
     tier->last = value; /* table values outlive the call: nothing else runs on the table */
@@ -652,6 +657,23 @@ static int tier_words(Tier *tier, PyObject *key, Py_ssize_t num_words, PyObject 
     int rc = words_of(members, tier->words, num_words);
     Py_DECREF(members);
     return rc;
+}
+
+/* Add ``times`` keys' blocks to each live bit's count, in the fastest tier reaching it. */
+static void add_counts(Py_ssize_t *counts, const uint64_t *alive, const Tier *tiers,
+                       Py_ssize_t num_words, Py_ssize_t times)
+{
+    const uint64_t *dev = tiers[0].words, *hst = tiers[1].words;
+    for (Py_ssize_t wd = 0; wd < num_words; wd++) {
+        uint64_t now = alive[wd];
+        Py_ssize_t *c = counts + 3 * 64 * wd;
+        for (uint64_t m = now & dev[wd]; m; m &= m - 1)
+            c[3 * __builtin_ctzll(m)] += times;
+        for (uint64_t m = now & ~dev[wd] & hst[wd]; m; m &= m - 1)
+            c[3 * __builtin_ctzll(m) + 1] += times;
+        for (uint64_t m = now & ~dev[wd] & ~hst[wd]; m; m &= m - 1)
+            c[3 * __builtin_ctzll(m) + 2] += times;
+    }
 }
 
 static int tier_init(Tier *tier, PyObject *table, PyObject *members, PyObject *fill)
@@ -686,34 +708,46 @@ static int emit_runs(PyObject *out, const uint64_t *first, Py_ssize_t num_words,
     return 0;
 }
 
-/* prefix_runs(keys, device, host, disk, members_of_mask, instances_on)
- *     -> list[tuple[bit, num_device, num_host, num_disk]]
- *
- * Per instance bit with a non-empty leading run of ``keys``: the run's blocks by fastest tier.
- * A key is reachable by an instance if its bit is in the key's device mask, or its node's bit in
- * the key's host or disk (node) mask; ``members_of_mask`` maps node masks to instance masks and
- * ``instances_on(node_mask)`` fills it. Keys are walked in chunks (the first alone, then 8 at a
- * time, each chunk's slots prefetched) and the walk stops with the chunk where the last run ends.
- * Only the bits reachable at the first key can have a run, so masks are cut to its width. */
-static PyObject *mod_prefix_runs(PyObject *self, PyObject *args)
+/* The prefix walk's result: the bits reachable at the first key (``first``, ``num_words``
+ * words) and, per bit, its run's (device, host, disk) blocks (``counts``, 3 per bit). */
+typedef struct {
+    uint64_t *buf;      /* alive, first, then one word row per tier */
+    Py_ssize_t *counts;
+    Py_ssize_t num_words;
+} Walk;
+
+static void walk_free(Walk *w)
+{
+    PyMem_Free(w->buf);
+    PyMem_Free(w->counts);
+}
+
+/* The walk of prefix_runs and prefix_groups (same arguments). 1: ``w`` holds the runs (free it
+ * with walk_free); 0: no instance holds the first key; -1: an exception is set. */
+static int prefix_walk(PyObject *args, const char *fmt, Walk *w)
 {
     PyObject *keys, *device, *host, *disk, *members, *fill;
-    if (!PyArg_ParseTuple(args, "OOOOO!O:prefix_runs", &keys, &device, &host, &disk,
-                          &PyDict_Type, &members, &fill))
-        return NULL;
+    w->buf = NULL;
+    w->counts = NULL;
+    w->num_words = 0;
+    if (!PyArg_ParseTuple(args, fmt, &keys, &device, &host, &disk, &PyDict_Type, &members, &fill))
+        return -1;
     Tier tiers[3];
     if (tier_init(&tiers[0], device, NULL, NULL) < 0 || tier_init(&tiers[1], host, members, fill) < 0 ||
         tier_init(&tiers[2], disk, members, fill) < 0)
-        return NULL;
+        return -1;
     PyObject *seq = PySequence_Fast(keys, "prefix_runs: keys must be a sequence");
     if (seq == NULL)
-        return NULL;
+        return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *zero = PyLong_FromLong(0), *out = PyList_New(0), *first = NULL;
-    uint64_t *buf = NULL;
-    Py_ssize_t *counts = NULL;
-    if (out == NULL || n == 0)
+    PyObject *zero = PyLong_FromLong(0), *first = NULL;
+    int rc = 0;
+    if (zero == NULL) {
+        rc = -1;
+        goto done;
+    }
+    if (n == 0)
         goto done;
     /* the first key decides the width: reach_0 = device | host members | disk members */
     first = Py_NewRef(zero);
@@ -741,19 +775,23 @@ static PyObject *mod_prefix_runs(PyObject *self, PyObject *args)
     if (PyObject_Not(first))
         goto done;
     Py_ssize_t num_words = (Py_ssize_t)((_PyLong_NumBits(first) + 63) / 64);
+    w->num_words = num_words;
     /* words: alive, first, device, host, disk; counts: 3 per bit */
-    buf = PyMem_Calloc(5 * num_words, sizeof(uint64_t));
-    counts = PyMem_Calloc(3 * 64 * num_words, sizeof(Py_ssize_t));
-    if (buf == NULL || counts == NULL) {
+    w->buf = PyMem_Calloc(5 * num_words, sizeof(uint64_t));
+    w->counts = PyMem_Calloc(3 * 64 * num_words, sizeof(Py_ssize_t));
+    if (w->buf == NULL || w->counts == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
-    uint64_t *alive = buf, *first_words = buf + num_words;
+    uint64_t *alive = w->buf, *first_words = w->buf + num_words;
+    Py_ssize_t *counts = w->counts;
     for (int t = 0; t < 3; t++)
-        tiers[t].words = buf + (2 + t) * num_words;
+        tiers[t].words = w->buf + (2 + t) * num_words;
     if (words_of(first, first_words, num_words) < 0)
         goto fail;
     memcpy(alive, first_words, 8 * num_words);
+    Py_ssize_t pending = 0;
+    uint64_t any_alive = 1;
     for (Py_ssize_t start = 0, stop = 1; start < n; start = stop, stop = start + 8 > n ? n : start + 8) {
         for (Py_ssize_t i = start; i < stop; i++) {
             uint64_t k0, k1;
@@ -762,42 +800,153 @@ static PyObject *mod_prefix_runs(PyObject *self, PyObject *args)
                     if (tiers[t].table != NULL)
                         prefetch_home(tiers[t].table, k0, k1);
         }
-        uint64_t any_alive = 0;
         for (Py_ssize_t i = start; i < stop; i++) {
+            PyObject *values[3];
             for (int t = 0; t < 3; t++)
-                if (tier_words(&tiers[t], items[i], num_words, zero) < 0)
+                values[t] = tier_value(&tiers[t], items[i], zero);
+            /* The same holder masks as the previous key (interned: the same objects, the common
+             * case along a shared prefix): the live bits and their counts repeat, so the count
+             * is deferred instead of walking every holder's bit again. */
+            if (values[0] == tiers[0].last && values[1] == tiers[1].last && values[2] == tiers[2].last) {
+                pending++;
+                continue;
+            }
+            if (pending) {
+                add_counts(counts, alive, tiers, num_words, pending);
+                pending = 0;
+            }
+            for (int t = 0; t < 3; t++)
+                if (tier_load(&tiers[t], values[t], num_words, zero) < 0)
                     goto fail;
             const uint64_t *dev = tiers[0].words, *hst = tiers[1].words, *dsk = tiers[2].words;
             any_alive = 0;
-            for (Py_ssize_t w = 0; w < num_words; w++) {
-                uint64_t now = alive[w] & (dev[w] | hst[w] | dsk[w]);
-                alive[w] = now;
-                any_alive |= now;
-                Py_ssize_t *c = counts + 3 * 64 * w;
-                for (uint64_t m = now & dev[w]; m; m &= m - 1)
-                    c[3 * __builtin_ctzll(m)]++;
-                for (uint64_t m = now & ~dev[w] & hst[w]; m; m &= m - 1)
-                    c[3 * __builtin_ctzll(m) + 1]++;
-                for (uint64_t m = now & ~dev[w] & ~hst[w]; m; m &= m - 1)
-                    c[3 * __builtin_ctzll(m) + 2]++;
+            for (Py_ssize_t wd = 0; wd < num_words; wd++) {
+                alive[wd] &= dev[wd] | hst[wd] | dsk[wd];
+                any_alive |= alive[wd];
             }
             if (!any_alive)
                 break;
+            add_counts(counts, alive, tiers, num_words, 1);
         }
         if (!any_alive)
             break;
     }
-    if (emit_runs(out, first_words, num_words, counts) < 0)
-        goto fail;
+    if (pending)
+        add_counts(counts, alive, tiers, num_words, pending);
+    rc = 1;
     goto done;
 fail:
-    Py_CLEAR(out);
+    walk_free(w);
+    w->buf = NULL;
+    w->counts = NULL;
+    rc = -1;
 done:
-    PyMem_Free(buf);
-    PyMem_Free(counts);
     Py_XDECREF(first);
-    Py_DECREF(zero);
+    Py_XDECREF(zero);
     Py_DECREF(seq);
+    return rc;
+}
+
+/* prefix_runs(keys, device, host, disk, members_of_mask, instances_on)
+ *     -> list[tuple[bit, num_device, num_host, num_disk]]
+ *
+ * Per instance bit with a non-empty leading run of ``keys``: the run's blocks by fastest tier.
+ * A key is reachable by an instance if its bit is in the key's device mask, or its node's bit in
+ * the key's host or disk (node) mask; ``members_of_mask`` maps node masks to instance masks and
+ * ``instances_on(node_mask)`` fills it. Keys are walked in chunks (the first alone, then 8 at a
+ * time, each chunk's slots prefetched) and the walk stops with the chunk where the last run ends.
+ * Only the bits reachable at the first key can have a run, so masks are cut to its width. */
+static PyObject *mod_prefix_runs(PyObject *self, PyObject *args)
+{
+    Walk w;
+    int rc = prefix_walk(args, "OOOOO!O:prefix_runs", &w);
+    if (rc < 0)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    if (out != NULL && rc == 1 && emit_runs(out, w.buf + w.num_words, w.num_words, w.counts) < 0)
+        Py_CLEAR(out);
+    walk_free(&w);
+    return out;
+}
+
+/* prefix_groups(keys, device, host, disk, members_of_mask, instances_on)
+ *     -> (list[tuple[num_device, num_host, num_disk]], bits: bytes, runs: bytes)
+ *
+ * prefix_runs grouped by run: the distinct runs in the order of their first holder bit, and, as
+ * native int64 arrays (bytes), every holder's bit in ascending order and the index of its run in
+ * that list. With a system prompt on every instance nearly all holders share one run, and the
+ * caller handles each run once instead of each holder. */
+static PyObject *mod_prefix_groups(PyObject *self, PyObject *args)
+{
+    Walk w;
+    int rc = prefix_walk(args, "OOOOO!O:prefix_groups", &w);
+    if (rc < 0)
+        return NULL;
+    PyObject *runs = PyList_New(0), *bits = NULL, *run_of = NULL, *out = NULL;
+    int64_t *slots = NULL, *bit_buf = NULL, *run_buf = NULL;
+    if (runs == NULL)
+        goto done;
+    Py_ssize_t num_holders = 0;
+    const uint64_t *first = rc == 1 ? w.buf + w.num_words : NULL;
+    for (Py_ssize_t i = 0; first != NULL && i < w.num_words; i++)
+        num_holders += __builtin_popcountll(first[i]);
+    /* open addressing over the runs seen: slot -> run index + 1 (0 empty) */
+    size_t capacity = 8;
+    while (capacity < 2 * (size_t)num_holders)
+        capacity <<= 1;
+    slots = PyMem_Calloc(capacity, sizeof(int64_t));
+    bit_buf = PyMem_Malloc((num_holders ? num_holders : 1) * sizeof(int64_t));
+    run_buf = PyMem_Malloc((num_holders ? num_holders : 1) * sizeof(int64_t));
+    Py_ssize_t *run_counts = PyMem_Malloc((num_holders ? num_holders : 1) * 3 * sizeof(Py_ssize_t));
+    if (slots == NULL || bit_buf == NULL || run_buf == NULL || run_counts == NULL) {
+        PyMem_Free(run_counts);
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t h = 0, num_runs = 0;
+    for (Py_ssize_t wd = 0; first != NULL && wd < w.num_words; wd++) {
+        for (uint64_t m = first[wd]; m; m &= m - 1, h++) {
+            Py_ssize_t b = 64 * wd + __builtin_ctzll(m);
+            const Py_ssize_t *c = w.counts + 3 * b;
+            uint64_t hash = ((uint64_t)c[0] * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)c[1] * 0xC2B2AE3D27D4EB4Full)
+                            ^ ((uint64_t)c[2] * 0x165667B19E3779F9ull);
+            size_t s = (size_t)(hash ^ (hash >> 29)) & (capacity - 1);
+            for (;; s = (s + 1) & (capacity - 1)) {
+                int64_t r = slots[s] - 1;
+                if (r < 0) {
+                    r = num_runs++;
+                    slots[s] = r + 1;
+                    memcpy(run_counts + 3 * r, c, 3 * sizeof(Py_ssize_t));
+                    PyObject *run = Py_BuildValue("(nnn)", c[0], c[1], c[2]);
+                    if (run == NULL || PyList_Append(runs, run) < 0) {
+                        Py_XDECREF(run);
+                        PyMem_Free(run_counts);
+                        goto done;
+                    }
+                    Py_DECREF(run);
+                }
+                const Py_ssize_t *rc3 = run_counts + 3 * r;
+                if (rc3[0] == c[0] && rc3[1] == c[1] && rc3[2] == c[2]) {
+                    bit_buf[h] = b;
+                    run_buf[h] = r;
+                    break;
+                }
+            }
+        }
+    }
+    PyMem_Free(run_counts);
+    bits = PyBytes_FromStringAndSize((const char *)bit_buf, num_holders * (Py_ssize_t)sizeof(int64_t));
+    run_of = PyBytes_FromStringAndSize((const char *)run_buf, num_holders * (Py_ssize_t)sizeof(int64_t));
+    if (bits != NULL && run_of != NULL)
+        out = PyTuple_Pack(3, runs, bits, run_of);
+done:
+    PyMem_Free(slots);
+    PyMem_Free(bit_buf);
+    PyMem_Free(run_buf);
+    Py_XDECREF(runs);
+    Py_XDECREF(bits);
+    Py_XDECREF(run_of);
+    walk_free(&w);
     return out;
 }
 
@@ -890,6 +1039,10 @@ static PyMethodDef module_methods[] = {
     {"prefix_runs", mod_prefix_runs, METH_VARARGS,
      "prefix_runs(keys, device, host, disk, members_of_mask, instances_on) -> list of (bit, "
      "num_device, num_host, num_disk): every leading run of keys, by fastest tier."},
+    {"prefix_groups", mod_prefix_groups, METH_VARARGS,
+     "prefix_groups(keys, device, host, disk, members_of_mask, instances_on) -> (runs, bits, "
+     "run_of): prefix_runs grouped by run: the distinct (num_device, num_host, num_disk) runs, and "
+     "as int64 bytes each holder's bit (ascending) and its run's index."},
     {"blake2b_128", mod_blake2b_128, METH_VARARGS,
      "blake2b_128(data, person) -> bytes: hashlib.blake2b(data, digest_size=16, person=person)."},
     {"msgpack_token_ids", mod_msgpack_token_ids, METH_O,

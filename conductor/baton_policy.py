@@ -17,6 +17,16 @@ from conductor.snapshot import ClusterSnapshot, InstanceView
 from protos.wire import Placement, PlacementRequest
 
 
+def _pull_candidate(snapshot: ClusterSnapshot, best: InstanceView | None, best_len: int,
+                    view: InstanceView) -> InstanceView | None:
+    """``best`` when its run (``best_len`` blocks) is longer than ``view``'s own, so a pull is
+    worth pricing, else None: ``cheapest`` then pulls for ``view`` only when strictly faster,
+    which makes its choice ``_pull_source``'s."""
+    if best is None or best_len <= snapshot.hit(view.instance_id).num_blocks:
+        return None
+    return best
+
+
 def _pull_source(pricer: Pricer, best: InstanceView | None, best_len: int,
                  view: InstanceView) -> InstanceView | None:
     """Where ``view`` takes its prefix from: ``best`` (its run is ``best_len`` blocks) when that
@@ -56,9 +66,9 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
     best = best_hit_source(snapshot, include_decode=True)
     best_len = snapshot.hit(best.instance_id).num_blocks if best is not None else 0
     pricer = Pricer(snapshot, request, config)
-    source_for_hit = partial(_pull_source, pricer, best, best_len)
-    view, best_t, local_view, local_t = cheapest(prefill, pricer, best, source_for_hit, always_pull=False)
+    view, best_t, local_view, local_t = cheapest(
+        prefill, pricer, best, partial(_pull_candidate, snapshot, best, best_len), always_pull=False)
     if local_view is not None and local_t <= best_t * (1 + config.baton_replication_margin_frac):
         view = local_view
-    chosen = pricer.price(view, source_for_hit(view))
+    chosen = pricer.price(view, _pull_source(pricer, best, best_len, view))
     return chosen.placement(d.instance_id, "baton", f"{chosen.describe()}; {decode_terms(d)}")

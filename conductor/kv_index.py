@@ -16,7 +16,9 @@ a thousand instances is a few dozen integer ANDs. The tiers are ``KeyTable``s an
 are keyed straight from their raw msgpack tokens, both in C (``conductor/_kvtable.c``): a
 million-key dict of ``bytes`` costs three dependent cache misses per lookup, and decoding and
 hashing tokens in Python cost most of the ingestion time. ``prefix_hits`` returns, per instance, the
-leading run of the prompt's blocks it can reach and in which tier (``conductor.policy.PrefixHit``).
+leading run of the prompt's blocks it can reach and in which tier (``conductor.policy.PrefixHit``);
+``prefix_run_groups`` returns the same grouped by run (with a system prompt on every instance,
+nearly every holder has the same run, and pricing handles each run once).
 
 Never trusting a stale entry: every stream carries sequence numbers; a gap (lost events) or a
 restart (sequence back to 0, ``AllBlocksCleared``) makes ``ingest_*`` return ``StreamGap`` and the
@@ -33,7 +35,7 @@ from typing import Iterable, Sequence
 
 import msgspec
 
-from conductor._kvtable import KeyTable, chain_keys_msgpack, prefix_runs
+from conductor._kvtable import KeyTable, chain_keys_msgpack, prefix_groups, prefix_runs
 from conductor.policy import PrefixHit
 from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.keys import BlockKey, KeyExtras, chain_keys, root_key
@@ -74,6 +76,17 @@ def _event_keys(parent: BlockKey, event: BlockStored | _RawBlockStored) -> list[
     if isinstance(event.token_ids, msgspec.Raw):
         return chain_keys_msgpack(parent, event.token_ids, event.block_size)
     return chain_keys(parent, event.token_ids, event.block_size)
+
+
+class RunGroups(msgspec.Struct, frozen=True):
+    """``KvIndex.prefix_hits`` grouped by run: ``runs`` are the distinct leading runs (each of
+    at least one block), ``bits`` the holders' instance bits in ascending order and ``run_of``
+    the index in ``runs`` of each holder's run (both int64 ``memoryview``s). An instance's bit
+    is ``KvIndex.bit_of``."""
+
+    runs: tuple[PrefixHit, ...]
+    bits: memoryview
+    run_of: memoryview
 
 
 class StreamGap(msgspec.Struct, frozen=True):
@@ -356,6 +369,19 @@ class KvIndex:
             if instance_id is not None:
                 hits[instance_id] = PrefixHit(num_device, num_host, num_disk)
         return hits
+
+    def prefix_run_groups(self, keys: Sequence[BlockKey]) -> RunGroups:
+        """``prefix_hits(keys)`` grouped by run, without a Python object per holder: the same
+        walk (``prefix_groups`` in C) hands back the distinct runs and two int64 arrays."""
+        runs, bits, run_of = prefix_groups(keys, self._device, self._host, self._disk,
+                                           self._members_of_mask, self._instances_on)
+        return RunGroups(tuple(PrefixHit(*run) for run in runs), memoryview(bits).cast("q"),
+                         memoryview(run_of).cast("q"))
+
+    def bit_of(self, instance_id: str) -> int | None:
+        """The instance's bit in holder masks and ``RunGroups.bits`` (None: not tracked)."""
+        inst = self._instances.get(instance_id)
+        return inst.bit if inst is not None else None
 
     def num_blocks(self) -> dict[str, int]:
         """Indexed keys per tier (a key held by several holders counts once)."""

@@ -8,13 +8,17 @@ sum. The rest of this module implements that definition faster and must agree wi
   node that reach a store hit share one run, so they share every term but the queue);
 - ``cheapest`` is the least ``price(...).total_ms`` over a whole pool in one C pass
   (``conductor._scan``: the sums in ``predicted_ttft_ms``'s order, IEEE doubles, first listed on
-  ties). ``tests/unit/policy_oracles.py`` prices every instance with ``price`` and the tests hold
-  both to it.
+  ties). Instances are priced by class: no hit, or one class per distinct leading run
+  (``GroupedHits``), so an agent fleet whose system prompt every instance holds costs a few
+  priced runs and one pass, not a Python loop over the holders.
+  ``tests/unit/policy_oracles.py`` prices every instance with ``price`` and the tests hold both
+  to it.
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from typing import Callable, Sequence
 
 import msgspec
@@ -24,6 +28,7 @@ from conductor.policy_config import PolicyConfig
 from conductor.snapshot import (
     NO_HIT,
     ClusterSnapshot,
+    GroupedHits,
     InstanceView,
     PoolArrays,
     PrefixHit,
@@ -162,34 +167,51 @@ def best_source(snapshot: ClusterSnapshot, views: Sequence[InstanceView]) -> Ins
                                      snapshot.hit(v.instance_id).num_blocks_device))
 
 
+def grouped_hits(snapshot: ClusterSnapshot) -> GroupedHits:
+    """The snapshot's prefix hits grouped by run (``GroupedHits``; the state's snapshots carry
+    them so, a plain mapping is grouped here)."""
+    hits = snapshot.prefix_hits
+    if isinstance(hits, GroupedHits):
+        return hits
+    return GroupedHits.of(hits, snapshot.prefill, snapshot.decode, snapshot.pool_index)
+
+
 def best_hit_source(snapshot: ClusterSnapshot, include_decode: bool) -> InstanceView | None:
     """``best_source`` over the ready instances with a hit, listed prefill pool first, then the
-    decode pool when ``include_decode`` (None when no such instance has a hit). With the
-    snapshot's ``pool_index`` it visits only the hits: the largest (run, device blocks), then
-    the first listed, exactly as the scan of the pools picks."""
-    hits = snapshot.prefix_hits
-    index = snapshot.pool_index
-    if index is None:
-        if not any(hit.num_blocks for hit in hits.values()):
-            return None
-        views = tuple(v for v in snapshot.prefill if v.ready) + (
-            tuple(v for v in snapshot.decode if v.ready) if include_decode else ())
-        holders = [v for v in views if v.instance_id in hits and hits[v.instance_id].num_blocks]
-        return best_source(snapshot, holders) if holders else None
-    pools = (snapshot.prefill, snapshot.decode)
-    best, best_key = None, None
-    for instance_id, hit in hits.items():
-        where = index.get(instance_id)
-        if where is None or (where[0] and not include_decode):
-            continue
-        num_blocks = hit.num_blocks
-        if not num_blocks:
-            continue
-        view = pools[where[0]][where[1]]
-        key = (num_blocks, hit.num_blocks_device, -where[0], -where[1])
-        if view.ready and (best_key is None or key > best_key):
-            best, best_key = view, key
-    return best
+    decode pool when ``include_decode`` (None when no such instance has a hit): the first listed
+    ready instance of the largest (run, device blocks). Visits the runs from the largest down,
+    and in each the first listed holder (then, if it is not ready, the others in order)."""
+    groups = grouped_hits(snapshot)
+    runs = groups.runs
+    if not runs:
+        return None
+    pools = [(snapshot.prefill, groups.prefill_run_of, 0)]
+    if include_decode:
+        pools.append((snapshot.decode, groups.decode_run_of, 1))
+    keys = [(run.num_blocks, run.num_blocks_device) for run in runs]
+    for key in sorted(set(keys), reverse=True):
+        level = [r for r, k in enumerate(keys) if k == key]
+        for views, run_of, pool in pools:
+            first = groups.first_positions(pool)
+            starts = [first[r] for r in level if first[r] >= 0]
+            if not starts:
+                continue
+            start = min(starts)
+            for p in range(start, len(views)):  # the first holder, unless it is not ready
+                if views[p].ready and run_of[p] in level:
+                    return views[p]
+    return None
+
+
+def _pull_terms(pricer: Pricer, hit: PrefixHit, best: InstanceView, on_node: object) -> tuple[float, ...]:
+    """(same-node transfer, prefill, remote transfer, prefill) of ``hit`` pulling ``best``'s run;
+    the same-node pair is unused (infinite) when no pool instance shares ``best``'s node."""
+    same = pricer.terms(hit, best, True)[:2] if on_node is not None else (math.inf, math.inf)
+    return (*same, *pricer.terms(hit, best, False)[:2])
+
+
+NEVER_PULL, PULL_IF_FASTER, ALWAYS_PULL = 0, 1, 2
+"""The scan's modes per class (``conductor/_scan.c``)."""
 
 
 def cheapest(prefill: Sequence[InstanceView], pricer: Pricer, best: InstanceView | None,
@@ -199,12 +221,14 @@ def cheapest(prefill: Sequence[InstanceView], pricer: Pricer, best: InstanceView
     the snapshot's prefill pool (``picking.ready``), and the same among the options without a
     pull (None, inf when every option pulls); first listed on ties.
 
-    An instance with a prefix hit is priced pulling from ``source_for_hit(view)`` (None: its own
-    prefix); one without pulls ``best``'s run (None: nothing to pull) when ``always_pull``
-    (Mooncake) or when that is strictly faster than recomputing. Those with a hit are priced here
-    through ``pricer``; every other instance's T is its queue plus one of three constants
-    (recompute, or pull over the same-node or the remote path), summed in one C pass over the
-    pool's arrays, in which an instance that is not ready costs infinitely much and never wins.
+    An instance with a prefix hit may pull from ``source_for_hit(view)`` (None: it uses its own
+    prefix; else ``best``), one without a hit may pull ``best``'s run (None: nothing to pull); a
+    pull that may happen is taken when ``always_pull`` (Mooncake), else when strictly faster than
+    the instance's own prefix. ``source_for_hit`` must depend on the view only through its hit:
+    it is asked once per distinct run. The instances fall into classes (no hit, or one per run;
+    ``GroupedHits``) whose terms but the queue are equal: each class is priced once through
+    ``pricer``, and one C pass over the pool's arrays adds the queues and takes the least, in
+    which an instance that is not ready costs infinitely much and never wins.
     """
     if not prefill:
         return None, math.inf, None, math.inf
@@ -214,30 +238,39 @@ def cheapest(prefill: Sequence[InstanceView], pricer: Pricer, best: InstanceView
     if arrays is None:  # a snapshot made without them (the tests'): built for this decision
         arrays = PoolArrays.of(pool)
     q = arrays.queued_prefill_ms
-    if arrays.unpriced:
+    if arrays.unpriced:  # queue_ms of those, elementwise
+        tokens = arrays.queued_prefill_tokens
+        unpriced = (q <= 0) & (tokens > 0)
         q = q.copy()
-        for i in arrays.unpriced:
-            q[i] = queue_ms(pool[i], config)
-    recompute_ms = pricer.terms(NO_HIT, None, False)[1]
-    if best is None:  # no pull: it costs infinitely much, so it is never strictly faster
-        on_node, same, other, always_pull = None, (math.inf, math.inf), (math.inf, math.inf), False
-    else:
-        code = arrays.node_code.get(best.node_id) if best.node_id else None
+        q[unpriced] = config.prefill_cost.t_prefill_ms_many(tokens[unpriced], 0)
+    groups = grouped_hits(snapshot)
+    runs = groups.runs
+    ready = None if prefill is pool else bytes([v.ready for v in pool])
+    on_node = None
+    if best is not None and best.node_id:
+        code = arrays.node_code.get(best.node_id)
         on_node = arrays.on_node[code] if code is not None else None
-        same = pricer.terms(NO_HIT, best, bool(best.node_id))[:2]
-        other = pricer.terms(NO_HIT, best, False)[:2]
-    # (position, T, pulled) of the instances that are not ready, and of the ready ones with a hit
-    overrides = [] if prefill is pool else [(i, math.inf, True) for i, v in enumerate(pool) if not v.ready]
-    skip = {i for i, _, _ in overrides}
-    for instance_id, hit in snapshot.prefix_hits.items():
-        i = arrays.position.get(instance_id)
-        if i is not None and hit.num_blocks and i not in skip:
-            total_ms, num_pulled = pricer.total(pool[i], source_for_hit(pool[i]))
-            overrides.append((i, total_ms, bool(num_pulled)))
-    overrides.sort()
-    i, best_t, j, local_t = _scan.cheapest(
-        q, on_node, *same, *other, recompute_ms, always_pull,
-        [o[0] for o in overrides], [o[1] for o in overrides], [o[2] for o in overrides])
+    pull_mode = ALWAYS_PULL if always_pull else PULL_IF_FASTER
+    # class 0: no hit (recompute everything, nothing to load); class 1 + r: run r
+    terms = [0.0, pricer.terms(NO_HIT, None, False)[1]]
+    terms += _pull_terms(pricer, NO_HIT, best, on_node) if best is not None else (0.0,) * 4
+    modes = [pull_mode if best is not None else NEVER_PULL]
+    for r, p in enumerate(groups.first_positions(0)):
+        if p < 0:  # a run only decode instances hold
+            terms += (0.0,) * 6
+            modes.append(NEVER_PULL)
+            continue
+        hit, source = runs[r], source_for_hit(pool[p])
+        terms += pricer.terms(hit, None, False)[:2]
+        if source is None:
+            terms += (0.0,) * 4
+            modes.append(NEVER_PULL)
+        else:
+            assert source is best, "a hit pulls from the best source or not at all"
+            terms += _pull_terms(pricer, hit, best, on_node)
+            modes.append(pull_mode)
+    i, best_t, j, local_t = _scan.cheapest(q, on_node, groups.prefill_run_of, ready,
+                                           array("d", terms), bytes(modes))
     assert pool[i].ready, "a ready instance's T is finite, so one of them is the least"
     return pool[i], best_t, (pool[j] if j >= 0 else None), local_t
 

@@ -4,14 +4,18 @@
 (``PrefixHit`` per instance) and the placement count; ``protos.wire.PlacementRequest`` is the
 request. A snapshot is read-only by contract: policies never mutate it. ``ConductorState`` makes them and
 may add fields that only make a policy faster (ready subsets, a pool index, ``PoolArrays`` and
-``LoadArrays``): a snapshot with them decides exactly as one without.
+``LoadArrays``, and ``prefix_hits`` as ``GroupedHits``): a snapshot with them decides exactly as
+one without.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from array import array
+from typing import Iterator, Mapping, Sequence
 
 import msgspec
+
+from conductor import _scan
 
 
 class InstanceView(msgspec.Struct, frozen=True):
@@ -150,6 +154,82 @@ class LoadArrays(msgspec.Struct, frozen=True):
 
     def copy(self) -> "LoadArrays":
         return LoadArrays(self.load.copy(), self.kv_usage_frac.copy(), self.active_blocks.copy())
+
+
+class GroupedHits(Mapping[str, PrefixHit]):
+    """``ClusterSnapshot.prefix_hits`` grouped by run, as ``ConductorState`` makes it from the
+    index: ``runs`` are the distinct leading runs and ``prefill_run_of`` / ``decode_run_of``
+    (int64 buffers aligned with the snapshot's pools: a ``memoryview`` cast to ``q`` or an
+    ``array('q')``) the index in ``runs`` of each instance's run, -1 for no hit. Instances with the same run share every term of the price but
+    the queue (a system prompt on every instance gives the whole fleet one run), so the pool scan
+    prices each run once (``conductor.pricing.cheapest``).
+
+    As a mapping it is exactly the plain one (instance id → ``PrefixHit``, holders only); lookups
+    go through the pool index, and iterating builds the plain dict once."""
+
+    __slots__ = ("_plain", "_pool_index", "_pools", "decode_run_of", "prefill_run_of", "runs")
+
+    def __init__(self, runs: tuple[PrefixHit, ...], prefill_run_of, decode_run_of,
+                 prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
+                 pool_index: Mapping[str, tuple[int, int]]) -> None:
+        self.runs = runs
+        self.prefill_run_of = prefill_run_of
+        self.decode_run_of = decode_run_of
+        self._pools = ((prefill, prefill_run_of), (decode, decode_run_of))
+        self._pool_index = pool_index
+        self._plain: dict[str, PrefixHit] | None = None
+
+    @classmethod
+    def of(cls, hits: Mapping[str, PrefixHit], prefill: Sequence[InstanceView],
+           decode: Sequence[InstanceView],
+           pool_index: Mapping[str, tuple[int, int]] | None = None) -> GroupedHits:
+        """Plain hits grouped (entries of instances in neither pool, or of no blocks, dropped:
+        no policy reads them); ``pool_index`` as ``ClusterSnapshot.pool_index`` (None: built)."""
+        if isinstance(hits, GroupedHits):
+            return hits
+        if pool_index is None:
+            pool_index = {v.instance_id: (0, n) for n, v in enumerate(prefill)}
+            pool_index.update({v.instance_id: (1, n) for n, v in enumerate(decode)})
+        run_of = (array("q", [-1]) * len(prefill), array("q", [-1]) * len(decode))
+        runs: dict[PrefixHit, int] = {}
+        for instance_id, hit in hits.items():
+            where = pool_index.get(instance_id)
+            if where is not None and hit.num_blocks:
+                run_of[where[0]][where[1]] = runs.setdefault(hit, len(runs))
+        return cls(tuple(runs), run_of[0], run_of[1], prefill, decode, pool_index)
+
+    def get(self, instance_id: str, default=None):
+        where = self._pool_index.get(instance_id)
+        if where is None:
+            return default
+        run = self._pools[where[0]][1][where[1]]
+        return self.runs[run] if run >= 0 else default
+
+    def __getitem__(self, instance_id: str) -> PrefixHit:
+        hit = self.get(instance_id)
+        if hit is None:
+            raise KeyError(instance_id)
+        return hit
+
+    def first_positions(self, pool: int) -> list[int]:
+        """Per run, the first position in the prefill (0) or decode (1) pool holding it (-1:
+        none there)."""
+        return _scan.first_positions(self._pools[pool][1], len(self.runs))
+
+    def _as_plain(self) -> dict[str, PrefixHit]:
+        if self._plain is None:
+            self._plain = {views[p].instance_id: self.runs[run]
+                           for views, run_of in self._pools for p, run in enumerate(run_of) if run >= 0}
+        return self._plain
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._as_plain())
+
+    def __len__(self) -> int:
+        return len(self._as_plain())
+
+    def __bool__(self) -> bool:
+        return any(p >= 0 for pool in (0, 1) for p in self.first_positions(pool))
 
 
 class ClusterSnapshot(msgspec.Struct, frozen=True):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -22,7 +23,8 @@ from typing import Callable
 
 import msgspec
 
-from conductor.kv_index import KvIndex
+from conductor import _scan
+from conductor.kv_index import KvIndex, RunGroups
 from conductor.policy import (
     POLICIES,
     ROUTER_STATES,
@@ -36,6 +38,7 @@ from conductor.policy import (
     admit,
     with_prices,
 )
+from conductor.snapshot import GroupedHits
 from protos.wire import Placement, PlacementRequest
 
 log = logging.getLogger(__name__)
@@ -139,6 +142,9 @@ class ConductorState:
         self._pool_index: dict[str, tuple[int, int]] = {}
         """Instance id → (0 prefill / 1 decode, its index in that pool's list); replaced, never
         changed, once a snapshot holds it."""
+        self._bit_where: tuple[object, object] | None = None
+        """Per index bit, its pool (0 prefill, 1 decode, -1 none) and position there, as two
+        int64 arrays (``_grouped``); rebuilt after a membership change."""
         self._inflight_keys: dict[bytes, str] = {}
         """Block key → the in-flight prefill computing it (the first one placed)."""
         self.counters = PlacementCounters()
@@ -178,6 +184,7 @@ class ConductorState:
             self._pools[role] = None
         self._pool_lists.clear()
         self._pool_index = {}  # a new one: snapshots keep the old
+        self._bit_where = None
 
     def set_ready(self, instance_id: str, ready: bool) -> None:
         inst = self._instances[instance_id]
@@ -304,10 +311,11 @@ class ConductorState:
             self._unready[inst.role].add(instance_id)
         self._pools[inst.role] = None
 
-    def snapshot(self, prefix_hits: dict | None = None, private: bool = False) -> ClusterSnapshot:
+    def snapshot(self, prefix_hits: dict | RunGroups | None = None, private: bool = False) -> ClusterSnapshot:
         """The pools now. A snapshot is the caller's to keep: later changes do not reach it.
         ``private`` (``place``, which hands it to a pure policy and drops it before changing
-        anything) skips copying the arrays, which later patches would otherwise reach."""
+        anything) skips copying the arrays, which later patches would otherwise reach.
+        ``prefix_hits`` from ``KvIndex.prefix_run_groups`` become ``GroupedHits``."""
         now = self._clock()
         stale_before = now - QUEUE_REFRESH_S
         # Busy instances' queue term decays with time: refresh the stalest two, so one decision
@@ -337,17 +345,44 @@ class ConductorState:
                 if self._arrays_snapshot.get(role) is None:
                     self._arrays_snapshot[role] = self._arrays[role].copy()
                 arrays[role] = self._arrays_snapshot[role]
+        if isinstance(prefix_hits, RunGroups):
+            prefix_hits = self._grouped(prefix_hits)
         # the pool index is replaced, never changed, once a snapshot holds it
         return ClusterSnapshot(self._pools["prefill"], self._pools["decode"], self.counters.placed,
                                prefix_hits or {}, arrays["prefill"],
                                self._ready_pools["prefill"], self._ready_pools["decode"],
                                arrays["decode"], self._pool_index, self.router_state)
 
+    def _grouped(self, groups: RunGroups) -> GroupedHits:
+        """The index's holders by run as ``GroupedHits`` over the current pools (one C pass,
+        ``conductor._scan.pool_runs``: no Python work per holder)."""
+        if self._bit_where is None:
+            where = [(self.index.bit_of(i), code, n) for i, (code, n) in self._pool_index.items()]
+            size = 1 + max((b for b, _, _ in where if b is not None), default=-1)
+            pool_of, position_of = array("q", [-1]) * size, array("q", [0]) * size
+            for bit, code, n in where:
+                if bit is not None:
+                    pool_of[bit], position_of[bit] = code, n
+            self._bit_where = (pool_of, position_of)
+        prefill, decode = self._pools["prefill"], self._pools["decode"]
+        runs = _scan.pool_runs(groups.bits, groups.run_of, *self._bit_where, len(prefill), len(decode))
+        return GroupedHits(groups.runs, memoryview(runs[0]).cast("q"), memoryview(runs[1]).cast("q"),
+                           prefill, decode, self._pool_index)
+
+    def _prefix_hits(self, keys: tuple[bytes, ...]) -> dict | RunGroups:
+        """What the index holds of ``keys``: grouped by run from a ``KvIndex``, plain from an
+        index that only answers ``prefix_hits`` (the simulator's)."""
+        if not keys:
+            return {}
+        if isinstance(self.index, KvIndex):
+            return self.index.prefix_run_groups(keys)
+        return self.index.prefix_hits(keys)
+
     # ------------------------------------------------------------------ decisions
 
     def place(self, request: PlacementRequest) -> Placement:
         """Choose, price, admit and book one request; ``Overloaded`` or ``NoWorkerReady`` if not."""
-        hits = self.index.prefix_hits(request.block_keys) if request.block_keys else {}
+        hits = self._prefix_hits(request.block_keys)
         if self.router_state is not None:
             self.router_state.maintain(self._clock())
         snapshot = self.snapshot(hits, private=True)
@@ -400,8 +435,9 @@ class ConductorState:
         keys = request.block_keys
         if not keys or not self._inflight_keys:
             return None
-        hits = self.index.prefix_hits(keys)
-        start = max((h.num_blocks for h in hits.values()), default=0)
+        hits = self._prefix_hits(keys)
+        runs = hits.runs if isinstance(hits, RunGroups) else hits.values()
+        start = max((h.num_blocks for h in runs), default=0)
         owner = self._inflight_keys.get(keys[start]) if start < len(keys) else None
         if owner is None:
             return None

@@ -53,3 +53,18 @@ def _baton_option(snapshot: ClusterSnapshot, request: PlacementRequest, config: 
         if pulled.total_ms < local.total_ms:
             return pulled
     return local
+
+
+def reference_choice(name: str, snapshot: ClusterSnapshot, request: PlacementRequest,
+                     config: PolicyConfig) -> PrefillPrice:
+    """The cost-aware choice (``baton`` or ``mooncake``) computed the slow way: every ready
+    prefill instance fully priced, the least in pool order, then Baton's replication margin (the
+    fastest option without a pull wins when within the margin of the least)."""
+    options = (baton_options if name == "baton" else mooncake_options)(snapshot, request, config)
+    chosen = min(options, key=lambda o: o.total_ms)
+    local = [o for o in options if not o.num_pulled_blocks]
+    if name == "baton" and chosen.num_pulled_blocks and local:
+        best_local = min(local, key=lambda o: o.total_ms)
+        if best_local.total_ms <= chosen.total_ms * (1 + config.baton_replication_margin_frac):
+            chosen = best_local
+    return chosen

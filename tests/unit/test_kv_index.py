@@ -190,6 +190,18 @@ def walk_prefix_hits(index: KvIndex, key_list) -> dict[str, PrefixHit]:
     return {i: PrefixHit(t.count("device"), t.count("host"), t.count("disk")) for i, t in runs.items()}
 
 
+def grouped_as_plain(index: KvIndex, key_list) -> dict[str, PrefixHit]:
+    """``prefix_run_groups`` as the plain mapping, checking its shape on the way: bits ascending,
+    each run distinct and used."""
+    groups = index.prefix_run_groups(key_list)
+    bits, run_of = groups.bits.tolist(), groups.run_of.tolist()
+    assert bits == sorted(set(bits)) and len(run_of) == len(bits)
+    assert len(set(groups.runs)) == len(groups.runs) and set(run_of) == set(range(len(groups.runs)))
+    assert all(run.num_blocks for run in groups.runs)
+    assert all(index.bit_of(index._instance_ids[b]) == b for b in bits)
+    return {index._instance_ids[b]: groups.runs[r] for b, r in zip(bits, run_of)}
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_prefix_hits_matches_the_walk_on_random_holdings(data):
@@ -212,6 +224,7 @@ def test_prefix_hits_matches_the_walk_on_random_holdings(data):
             index.apply_store_events(node, [stored(hashes, None, [], medium=medium)])
     length = data.draw(st.integers(0, 12))
     assert index.prefix_hits(prompt_keys[:length]) == walk_prefix_hits(index, prompt_keys[:length])
+    assert grouped_as_plain(index, prompt_keys[:length]) == walk_prefix_hits(index, prompt_keys[:length])
 
 
 def test_entries_with_the_same_holders_share_one_mask_object():
@@ -250,3 +263,26 @@ def test_prefix_hits_matches_the_walk_across_many_instances(data):
             index.apply_store_events(f"node-{node}", [stored([k for k, h in zip(prompt_keys, held) if h],
                                                              None, [], medium=medium)])
     assert index.prefix_hits(prompt_keys) == walk_prefix_hits(index, prompt_keys)
+    assert grouped_as_plain(index, prompt_keys) == walk_prefix_hits(index, prompt_keys)
+
+
+@settings(max_examples=100, deadline=None)
+@given(trunk=st.integers(1, 20), tails=st.lists(st.integers(0, 12), min_size=1, max_size=130),
+       host_from=st.integers(0, 32), cut=st.lists(st.tuples(st.integers(0, 129), st.integers(0, 31)), max_size=6))
+def test_a_trunk_every_instance_holds_groups_into_few_runs(trunk, tails, host_from, cut):
+    """The agent case: one trunk on every instance (long stretches of keys with the same holder
+    masks, which the walk counts once per stretch), private tails on some, the trunk's end also
+    in one node's host tier, a few holes: grouped and plain, both equal the key-by-key walk."""
+    index = KvIndex()
+    for i in range(len(tails)):
+        index.add_instance(f"p{i}", f"node-{i % 8}", MODEL, LAYOUT)
+    prompt_keys = keys(list(range(32 * 4)))
+    for i, tail in enumerate(tails):
+        index.note_device_blocks(f"p{i}", prompt_keys[:trunk + tail])
+    for i, block in cut:
+        if i < len(tails):
+            index.forget_device_blocks(f"p{i}", [prompt_keys[block]])
+    index.apply_store_events("node-0", [stored(prompt_keys[host_from:], None, [], medium="CPU")])
+    expected = walk_prefix_hits(index, prompt_keys)
+    assert index.prefix_hits(prompt_keys) == expected
+    assert grouped_as_plain(index, prompt_keys) == expected
