@@ -17,6 +17,12 @@ them; ``--repeats`` runs each more than once, in ABBA order). In each:
    fast as the cluster takes them). For ``loaded_s`` seconds the decode engine loads their KV
    while it steps the streams. Their inter-token gaps are the loaded ITL.
 
+4. **Busy, the control** (run between 2 and 3): the same clients and request shape, cycling
+   through ``BUSY_POOL`` prompts that stay in the decode engine's own prefix cache, so the
+   decode engine does the same work (long contexts decoding beside the streams) without loading
+   anything. On a CPU, decoding beside 3,000-token contexts slows every step far more than
+   loading them does: ``ratio_vs_busy`` (loaded p99 / busy p99) is the loads' own cost.
+
 A gap is the time between two consecutive streamed deltas of one stream; it belongs to the
 phase both of its ends fall in. Reported per configuration: ITL p50/p99 idle and loaded, their
 ratio (loaded p99 / idle p99), the longest gap, the loads (loaded requests whose decode loaded
@@ -53,6 +59,8 @@ MIN_LOADS_PER_S = 10.0
 TARGET_RATIO = 1.1
 STREAM_PROMPT_TOKENS = 64
 STREAM_MAX_TOKENS = 1024
+BUSY_POOL = 3
+"""Prompts of the control phase: few enough to stay in the decode engine's own prefix cache."""
 
 
 class ItlRun(msgspec.Struct):
@@ -77,6 +85,14 @@ class ItlRun(msgspec.Struct):
     """Tokens the loaded requests generated (LOAD_TOKENS unless one ended on its EOS)."""
     decode_batch_size: float
     """The decode engine's mean number of running sequences, sampled in the loaded phase."""
+    busy_itl_p50_ms: float
+    busy_itl_p99_ms: float
+    ratio_vs_busy: float
+    """loaded_itl_p99_ms / busy_itl_p99_ms: the loads' own cost, the same work done either way."""
+    busy_requests_per_s: float
+    busy_loads: int
+    """Requests of the control phase whose decode loaded from the store (its first round)."""
+    busy_decode_batch_size: float
     too_light: bool
 
 
@@ -112,7 +128,7 @@ def pool_size(config: ClusterConfig, prompt_tokens: int) -> int:
     per_token = (2 * model.num_layers * model.num_kv_heads * model.head_dim
                  * dtype_bytes(effective_dtype(config.engine, model)))
     capacity_tokens = config.engine.kv_cache_gib * (1 << 30) / per_token
-    return int(capacity_tokens // prompt_tokens) + 6
+    return int(capacity_tokens // prompt_tokens) + 6 + BUSY_POOL
 
 
 class _Gaps:
@@ -210,23 +226,32 @@ async def measure(config: ClusterConfig, streams: int, prompts: list[list[int]],
             idle_start = time.perf_counter()
             await asyncio.sleep(idle_s)
             idle_end = time.perf_counter()
-            progress(f"[{label}] idle phase done; {load_clients} clients now send cached "
-                     "prompts")
-            before = await _decode_counters(server)
-            outcomes: list[_LoadOutcome] = []
-            stop_loads, batch = asyncio.Event(), []
-            turn = itertools.count()
-            load_tasks = [asyncio.create_task(_load_forever(stub, prompts, turn, outcomes,
-                                                            stop_loads))
-                          for _ in range(load_clients)]
-            await asyncio.sleep(2.0)  # the loads ramp up
-            loaded_start = time.perf_counter()
-            sampler = asyncio.create_task(_sample_batch(server, batch, stop_loads))
-            await asyncio.sleep(loaded_s)
-            loaded_end = time.perf_counter()
-            after = await _decode_counters(server)
-            stop_loads.set()
-            await asyncio.gather(*load_tasks, sampler, return_exceptions=True)
+
+            async def clients(pool: list[list[int]], seconds: float, name: str):
+                """``load_clients`` clients cycling through ``pool``; what the window saw."""
+                progress(f"[{label}] {name} phase: {load_clients} clients, {len(pool)} prompts")
+                outcomes: list[_LoadOutcome] = []
+                stop, batch, turn = asyncio.Event(), [], itertools.count()
+                tasks = [asyncio.create_task(_load_forever(stub, pool, turn, outcomes, stop))
+                         for _ in range(load_clients)]
+                await asyncio.sleep(3.0)  # the clients ramp up
+                before = await _decode_counters(server)
+                start = time.perf_counter()
+                sampler = asyncio.create_task(_sample_batch(server, batch, stop))
+                await asyncio.sleep(seconds)
+                end = time.perf_counter()
+                after = await _decode_counters(server)
+                stop.set()
+                await asyncio.gather(*tasks, sampler, return_exceptions=True)
+                return (start, end, [o for o in outcomes if start <= o.sent_at < end], batch,
+                        before, after)
+
+            # the control: the same work, its KV in the decode engine's own prefix cache
+            resident = prompts[:BUSY_POOL]
+            busy_start, busy_end, busy_outcomes, busy_batch, _b, _a = await clients(
+                resident, loaded_s, "busy (no loads)")
+            loaded_start, loaded_end, in_window, batch, before, after = await clients(
+                prompts[BUSY_POOL:], loaded_s, "loaded")
             stop_streams.set()
             for task in stream_tasks:
                 task.cancel()
@@ -234,11 +259,13 @@ async def measure(config: ClusterConfig, streams: int, prompts: list[list[int]],
     finally:
         await server.stop()
     idle, loaded = gaps.window(idle_start, idle_end), gaps.window(loaded_start, loaded_end)
-    in_window = [o for o in outcomes if loaded_start <= o.sent_at < loaded_end]
+    busy = gaps.window(busy_start, busy_end)
     loads = [o for o in in_window if o.loaded_tokens >= len(prompts[0]) // 2]
+    busy_loads = [o for o in busy_outcomes if o.loaded_tokens >= len(prompts[0]) // 2]
     seconds = after.load_seconds - before.load_seconds
     gbps = (after.loaded_bytes - before.loaded_bytes) / seconds / 1e9 if seconds > 0 else 0.0
     idle_p99, loaded_p99 = _percentile(idle, 0.99), _percentile(loaded, 0.99)
+    busy_p99 = _percentile(busy, 0.99)
     run = ItlRun(
         async_kv_transfers=config.engine.async_kv_transfers,
         idle_itl_p50_ms=round(_percentile(idle, 0.5), 2), idle_itl_p99_ms=round(idle_p99, 2),
@@ -253,9 +280,15 @@ async def measure(config: ClusterConfig, streams: int, prompts: list[list[int]],
         loaded_tokens_generated_mean=round(statistics.fmean(
             o.completion_tokens for o in in_window), 2) if in_window else 0.0,
         decode_batch_size=round(statistics.fmean(batch), 2) if batch else 0.0,
+        busy_itl_p50_ms=round(_percentile(busy, 0.5), 2), busy_itl_p99_ms=round(busy_p99, 2),
+        ratio_vs_busy=round(loaded_p99 / busy_p99, 3) if busy_p99 else 0.0,
+        busy_requests_per_s=round(len(busy_outcomes) / loaded_s, 2),
+        busy_loads=len(busy_loads),
+        busy_decode_batch_size=round(statistics.fmean(busy_batch), 2) if busy_batch else 0.0,
         too_light=len(loads) / loaded_s < MIN_LOADS_PER_S)
     progress(f"[{label}] ITL p99 idle {run.idle_itl_p99_ms:.1f} ms, loaded "
-             f"{run.loaded_itl_p99_ms:.1f} ms (x{run.ratio:.2f}); {run.loads} loads "
+             f"{run.loaded_itl_p99_ms:.1f} ms (x{run.ratio:.2f}; the same work without loads "
+             f"{run.busy_itl_p99_ms:.1f} ms: x{run.ratio_vs_busy:.2f}); {run.loads} loads "
              f"({run.loads_per_s:.1f}/s, {run.load_gbps:.2f} GB/s), batch "
              f"{run.decode_batch_size:.1f}" + ("; TOO LIGHT" if run.too_light else ""))
     return run
@@ -263,7 +296,9 @@ async def measure(config: ClusterConfig, streams: int, prompts: list[list[int]],
 
 _SUMMARY_KEYS = ("idle_itl_p50_ms", "idle_itl_p99_ms", "loaded_itl_p50_ms", "loaded_itl_p99_ms",
                  "ratio", "loaded_max_gap_ms", "loads", "loads_per_s", "load_gbps",
-                 "loaded_ttft_p50_ms", "decode_batch_size")
+                 "loaded_ttft_p50_ms", "decode_batch_size", "busy_itl_p50_ms",
+                 "busy_itl_p99_ms", "ratio_vs_busy", "busy_requests_per_s",
+                 "busy_decode_batch_size")
 
 
 def summary(runs: list[ItlRun]) -> dict:

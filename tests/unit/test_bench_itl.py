@@ -21,12 +21,13 @@ def test_a_gap_belongs_to_the_phase_both_its_ends_fall_in():
 def test_the_pool_outgrows_the_decode_engines_own_kv_cache():
     config = load_config(None, {"engine.model": "smollm2", "engine.kv_cache_gib": 1.0})
     # SmolLM2 in bf16: 23,040 bytes a token, so 1 GiB holds 46,603 tokens: 15 prompts of 3,000
-    assert pool_size(config, 3000) == 15 + 6
+    assert pool_size(config, 3000) == 15 + 6 + 3  # and the control phase's 3
 
 
 def _run(async_transfers: bool, ratio: float, too_light: bool = False) -> ItlRun:
     return ItlRun(async_transfers, 40.0, 50.0, 42.0, 50.0 * ratio, ratio, 60.0, 70.0, 100, 200,
-                  300, 10.0, 1.5, 200.0, 16.0, 20.0, too_light)
+                  300, 10.0, 1.5, 200.0, 16.0, 20.0, 45.0, 55.0, ratio / 1.1, 9.0, 3, 19.0,
+                  too_light)
 
 
 def test_the_summary_is_the_median_of_each_figure_and_flags_any_light_run():
