@@ -60,6 +60,9 @@ class FleetConfig(BaseModel):
         (), description="EXPERIMENTAL, not what the live conductor does: policies whose rejected "
         "requests are still prefilled, last in the queue of the prefill instance with the "
         "shortest queue, for their KV only (no decode), so the session's next requests hit.")
+    warm_max_busy_frac: float = Field(
+        1.0, ge=0, le=1, description="EXPERIMENTAL: warm (and go on warming) only while at most this "
+        "share of the prefill instances is busy; 1: always.")
     policy_overrides: dict[str, Any] = Field(
         default_factory=dict, description="Other PolicyConfig fields, by name (e.g. short_prefill_tokens).")
 

@@ -308,7 +308,7 @@ class Simulation:
             placement = self.conductor.place(self.workload.placement_requests[i])
         except Overloaded:
             self.rejected[i] = True
-            if self.warm_rejected:
+            if self.warm_rejected and self._room_to_warm():
                 target = min(self.prefill, key=lambda p: (p.current is not None, len(p.queue)))
                 target.enqueue(Job(i, None, None, WARM_PRIORITY, min(WARM_CHUNK_BLOCKS, len(self.keys[i]))),
                                now_ms)
@@ -358,15 +358,15 @@ class Simulation:
         snapshot = ClusterSnapshot((inst.bare_view,), (), 0, prefix_hits)
         cost = price(snapshot, request, self.config, inst.bare_view, source_view)
         cached_tokens = min(cost.num_cached_blocks * self.workload.block_size_tokens, request.num_prompt_tokens)
-        self.num_cached_blocks[i] = cost.num_cached_blocks
-        self.num_pulled_blocks[i] = cost.num_pulled_blocks
-        self.num_computed_tokens[i] = request.num_prompt_tokens - cached_tokens
         prefill_ms = cost.prefill_ms * self.prefill_factor[i]
         transfer_ms = cost.transfer_ms * self.transfer_factor[i]
         if job.decode is None:  # a warming chunk: the request's compute is the sum of its chunks
             self.prefill_ms[i] += prefill_ms
             self.num_computed_tokens[i] += request.num_prompt_tokens - cached_tokens
             return transfer_ms + prefill_ms
+        self.num_cached_blocks[i] = cost.num_cached_blocks
+        self.num_pulled_blocks[i] = cost.num_pulled_blocks
+        self.num_computed_tokens[i] = request.num_prompt_tokens - cached_tokens
         self.prefill_ms[i] = prefill_ms
         self.transfer_ms[i] = transfer_ms
         self.queue_wait_ms[i] = now_ms - self.workload.arrival_ms[i] / self.rate_scale
@@ -383,6 +383,12 @@ class Simulation:
         if self._waiters:
             self._release_held(request_id, now_ms)
 
+    def _room_to_warm(self, finishing: Instance | None = None) -> bool:
+        """Whether at most ``warm_max_busy_frac`` of the prefill pool is busy (``finishing``, the
+        instance whose chunk just ended, counts as idle)."""
+        num_busy = sum(1 for p in self.prefill if p.current is not None and p is not finishing)
+        return num_busy <= self.fleet.warm_max_busy_frac * len(self.prefill)
+
     def job_keys(self, job: Job) -> tuple[bytes, ...]:
         keys = self.keys[job.req]
         return keys if job.num_blocks is None else keys[:job.num_blocks]
@@ -392,7 +398,7 @@ class Simulation:
         rejected request prefilled only to warm the cache)."""
         i, decode_inst = job.req, job.decode
         if decode_inst is None:
-            if job.num_blocks is not None and job.num_blocks < len(self.keys[i]):
+            if job.num_blocks is not None and job.num_blocks < len(self.keys[i]) and self._room_to_warm(prefill_inst):
                 prefill_inst.enqueue(Job(i, None, None, WARM_PRIORITY, min(  # type: ignore[attr-defined]
                     job.num_blocks + WARM_CHUNK_BLOCKS, len(self.keys[i]))), now_ms)
             return

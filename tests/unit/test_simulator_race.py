@@ -157,6 +157,7 @@ def test_warming_a_rejected_prompt_prefills_it_in_chunks_for_the_next_request():
     assert warm.rejected.tolist() == [True, False] and warm.num_cached_blocks[1] == 10
     assert warm.prefill_ms.tolist() == pytest.approx([50.96 + 19.04, 10.8])
     assert summarize(warm).prefill_compute_s == pytest.approx((70.0 + 10.8) / 1000)
+    assert warm.num_computed_tokens.tolist() == [4096 + 904, 80]
 
 
 def test_sglang_reaches_at_least_half_of_least_loadeds_goodput():
@@ -169,3 +170,18 @@ def test_sglang_reaches_at_least_half_of_least_loadeds_goodput():
     goodput = {p: run_policy(w, f, profile, "analytic", p, 1.0, True).result.goodput_rate_scale
                for p in ("least_loaded", "sglang_cache_aware")}
     assert goodput["sglang_cache_aware"] >= 0.5 * goodput["least_loaded"] > 0, goodput
+
+
+@pytest.mark.parametrize("max_busy_frac, warmed", [(0.0, False), (0.5, True)])
+def test_warming_waits_for_room_in_the_prefill_pool(max_busy_frac, warmed):
+    """A keeps p0 busy from 0 to 30 ms; R, rejected at 1 ms, is warmed on p1 only if one busy
+    instance of two is room enough; B, R's follow-up, is admitted only if R was warmed."""
+    w = workload((0.0, 2000, 1, [1, 2, 3, 4]), (1.0, 5000, 1, list(range(10, 20))),
+                 (1000.0, 5200, 1, [*range(10, 20), 99]))
+    f = fleet(num_prefill_instances=2, admission=True, ttft_slo_ms=40.0,
+              warm_rejected_policies=("least_loaded",), warm_max_busy_frac=max_busy_frac)
+    sim = Simulation(w, f, PROFILE, "least_loaded").run()
+    assert sim.rejected.tolist() == [False, True, not warmed]
+    assert sim.num_computed_tokens[1] == (5000 if warmed else 0)
+    if warmed:
+        assert sim.num_cached_blocks[2] == 10
