@@ -1,14 +1,16 @@
 """``baton profile``: measure the real engine and the transfer paths, fit the conductor's cost model.
 
 Prefill: one in-process vLLM engine (the cluster's model and engine config, prefix caching on).
-For each point of a grid of (uncached tokens, cached tokens) it first runs the cached prefix
-(so the engine's prefix cache holds it), then times the prompt prefix + uncached suffix to its
-first token (the median of three prompts). Every point is measured in two rounds with different
-prompts; the fit uses the first round, and the error is reported on the second (held out,
-never fitted).
+For each point (uncached tokens, cached tokens) it first runs the cached prefix (so the engine's
+prefix cache holds it), then times the prompt prefix + uncached suffix to its first token (the
+median of three prompts). The fit uses a grid of points up to 3/4 of the largest prompt; the
+error is reported on points it never saw (``prefill_points``): off the grid in both coordinates
+(interpolation) and longer than any fitted prompt (extrapolation, up to the largest prompt).
 
-Decode: batches of 1..16 concurrent sequences generate 32 tokens each; the mean inter-token time
-per batch size and context is fitted to ``DecodeCostModel``.
+Decode: batches of 1..16 concurrent sequences, each over a context of 64..1,536 tokens (batch
+size and context varied independently, so the model's two terms can be told apart), generate 32
+tokens each; the median inter-token time per point is fitted to ``DecodeCostModel`` on two
+thirds of the points and its error reported on the other third (``decode_points``).
 
 Transfer: Baton's own transfer engine (``bench.kvstore``) moves KV-block batches over the
 same-node shared memory, TCP and disk paths; the measured bandwidths fill ``TransferModel``.
@@ -20,11 +22,14 @@ import asyncio
 import random
 import statistics
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
+
+import numpy as np
 
 from conductor.cost_model import (
     CostProfile,
     DecodeCostModel,
+    DecodeSample,
     LinkCost,
     PrefillCostModel,
     PrefillSample,
@@ -39,7 +44,94 @@ from protos.wire import EngineRequest, SamplingOptions
 
 UNCACHED_GRID = (64, 256, 512, 1024, 2048)
 CACHED_GRID = (0, 512, 1024, 2048)
+"""The fitted prefill grid (points up to ``FIT_LIMIT_FRAC`` of the largest prompt)."""
+OFF_GRID_UNCACHED = (128, 384, 768, 1536)
+OFF_GRID_CACHED = (0, 256, 768, 1536)
+"""Held-out prefill points between the grid's (uncached 0 stays: a cold prompt off the grid)."""
+FIT_LIMIT_FRAC = 0.75
+LONGER_TOTAL_FRACS = (0.875, 1.0)
+LONGER_UNCACHED_FRACS = (1.0, 0.5, 0.125)
+"""Held-out prefill points longer than any fitted one: prompts of these fractions of the
+largest prompt, with these fractions of them uncached."""
 DECODE_BATCHES = (1, 4, 8, 16)
+DECODE_CONTEXTS = (64, 512, 1536)
+"""Context tokens per sequence at the start of a decode point."""
+DECODE_MAX_BATCH_TOKENS = 12_288
+"""Largest batch × context measured (its prefill comes first: a bound on the profile's time)."""
+DECODE_NEW_TOKENS = 32
+
+
+class PrefillPoints(NamedTuple):
+    """(uncached, cached) token points: fitted, and held out off the grid and longer."""
+
+    fit: list[tuple[int, int]]
+    off_grid: list[tuple[int, int]]
+    longer: list[tuple[int, int]]
+
+
+def prefill_points(max_len: int, max_tokens: int, block_size: int) -> PrefillPoints:
+    """The prefill points for prompts of at most ``max_tokens`` (and under the context window
+    ``max_len``): the grid up to ``FIT_LIMIT_FRAC`` of ``max_tokens`` to fit; off-grid points
+    in the same range and points longer than every fitted one to hold out. Cached counts are
+    whole blocks (only full blocks are cached)."""
+    max_tokens = min(max_tokens, max_len - 2)  # a prompt and its first token fit the window
+
+    def fits(u: int, c: int, limit: int) -> bool:
+        return u + c <= limit and u + c + 1 < max_len
+
+    limit = int(max_tokens * FIT_LIMIT_FRAC)
+    fit = [(u, c) for c in CACHED_GRID for u in UNCACHED_GRID if fits(u, c, limit)]
+    off_grid = [(u, c) for c in OFF_GRID_CACHED for u in OFF_GRID_UNCACHED
+                if fits(u, c, limit) and (u, c) not in fit]
+    longest_fit = max((u + c for u, c in fit), default=0)
+    longer = []
+    for total_frac in LONGER_TOTAL_FRACS:
+        total = int(max_tokens * total_frac)
+        for uncached_frac in LONGER_UNCACHED_FRACS:
+            cached = int(total * (1 - uncached_frac)) // block_size * block_size
+            point = (total - cached, cached)
+            if total > longest_fit and fits(*point, max_tokens) and point not in longer:
+                longer.append(point)
+    return PrefillPoints(fit, off_grid, longer)
+
+
+def decode_points(max_len: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(fitted, held out) decode points (batch size, context tokens per sequence): every batch
+    size with every context under ``DECODE_MAX_BATCH_TOKENS`` and the context window; a diagonal
+    third held out (batch index + context index = 1 mod 3), so both sets span both axes."""
+    fit, held_out = [], []
+    for i, batch in enumerate(DECODE_BATCHES):
+        for j, context in enumerate(DECODE_CONTEXTS):
+            if batch * context <= DECODE_MAX_BATCH_TOKENS and context + DECODE_NEW_TOKENS < max_len:
+                (held_out if (i + j) % 3 == 1 else fit).append((batch, context))
+    return fit, held_out
+
+
+def error_pct(errors: list[float]) -> dict[str, float]:
+    """{"median", "p90"} of absolute percentage errors, rounded to 0.01."""
+    return {"median": round(float(np.median(errors)), 2), "p90": round(float(np.percentile(errors, 90)), 2)}
+
+
+def prefill_errors(model: PrefillCostModel, samples: list[PrefillSample]) -> list[float]:
+    return [abs(model.t_prefill_ms(s.uncached_tokens, s.cached_tokens) - s.prefill_ms) / s.prefill_ms * 100
+            for s in samples if s.prefill_ms > 0]
+
+
+def held_out_prefill_error(model: PrefillCostModel, off_grid: list[PrefillSample],
+                           longer: list[PrefillSample]) -> dict[str, float]:
+    """The fitted model's error on the held-out prefills: all of them ("median", "p90"), and
+    each kind apart ("median_off_grid", "p90_off_grid", "median_longer", "p90_longer")."""
+    result = error_pct(prefill_errors(model, off_grid + longer))
+    for name, samples in (("off_grid", off_grid), ("longer", longer)):
+        errors = prefill_errors(model, samples)
+        if errors:
+            result.update({f"{k}_{name}": v for k, v in error_pct(errors).items()})
+    return result
+
+
+def held_out_decode_error(model: DecodeCostModel, samples: list[tuple[int, int, float]]) -> dict[str, float]:
+    """The fitted decode model's error on held-out (num_seqs, context_tokens, step_ms) points."""
+    return error_pct([abs(model.t_step_ms(n, ctx) - ms) / ms * 100 for n, ctx, ms in samples if ms > 0])
 
 
 def _prompt(rng: random.Random, num_tokens: int) -> list[int]:
@@ -55,42 +147,42 @@ async def _first_token_ms(runner: EngineRunner, request_id: str, tokens: list[in
     return (time.perf_counter() - started) * 1000.0, cached
 
 
-async def measure_prefill(runner: EngineRunner, max_len: int, block_size: int, seed: int,
-                          progress: Callable[[str], None], max_tokens: int,
-                          repeats: int = 3) -> list[list[PrefillSample]]:
-    """Two rounds of samples over the grid (the second is held out); points whose prompt
-    exceeds ``max_tokens`` (or the context window) are skipped."""
+async def measure_prefill(runner: EngineRunner, points: PrefillPoints, seed: int,
+                          progress: Callable[[str], None],
+                          repeats: int = 3) -> dict[str, list[PrefillSample]]:
+    """One sample per point of each kind ("fit", "off_grid", "longer"), each prompt new."""
     rng = random.Random(seed)
     await _first_token_ms(runner, "warmup", _prompt(rng, 256))
-    rounds: list[list[PrefillSample]] = [[], []]
-    points = [(u, c) for c in CACHED_GRID for u in UNCACHED_GRID
-              if u + c + 1 < max_len and u + c <= max_tokens]
-    for r in range(2):
-        for n, (uncached, cached) in enumerate(points):
-            progress(f"prefill round {r + 1}/2, point {n + 1}/{len(points)}: "
+    samples: dict[str, list[PrefillSample]] = {}
+    for kind, kind_points in points._asdict().items():
+        samples[kind] = []
+        for n, (uncached, cached) in enumerate(kind_points):
+            progress(f"prefill {kind} point {n + 1}/{len(kind_points)}: "
                      f"{uncached} new over {cached} cached tokens")
             times, found = [], cached
             for k in range(repeats):  # the median of a few, so a noisy neighbour does not decide
                 prefix = _prompt(rng, cached)
                 if cached:
-                    await _first_token_ms(runner, f"prefix-{r}-{n}-{k}", prefix)
-                ms, hit = await _first_token_ms(runner, f"point-{r}-{n}-{k}", prefix + _prompt(rng, uncached))
+                    await _first_token_ms(runner, f"prefix-{kind}-{n}-{k}", prefix)
+                ms, hit = await _first_token_ms(runner, f"point-{kind}-{n}-{k}", prefix + _prompt(rng, uncached))
                 times.append(ms)
                 found = min(found, hit)
-            rounds[r].append(PrefillSample(uncached_tokens=uncached + cached - found,
-                                           cached_tokens=found, prefill_ms=statistics.median(times)))
-    return rounds
+            samples[kind].append(PrefillSample(uncached_tokens=uncached + cached - found,
+                                               cached_tokens=found, prefill_ms=statistics.median(times)))
+    return samples
 
 
-async def measure_decode(runner: EngineRunner, seed: int,
+async def measure_decode(runner: EngineRunner, points: list[tuple[int, int]], seed: int,
                          progress: Callable[[str], None]) -> list[tuple[int, int, float]]:
+    """(num_seqs, context_tokens, step_ms) per (batch size, context per sequence) point: the
+    median inter-token time, over the batch's mean context (start + half the new tokens)."""
     rng = random.Random(seed + 1)
     samples = []
-    for batch in DECODE_BATCHES:
-        progress(f"decode: batch of {batch}")
-        context = 256
-        requests = [EngineRequest(f"dec-{batch}-{i}", tuple(_prompt(rng, context)),
-                                  SamplingOptions(max_tokens=32, temperature=0.0, ignore_eos=True))
+    for n, (batch, context) in enumerate(points):
+        progress(f"decode point {n + 1}/{len(points)}: batch of {batch} over {context} tokens each")
+        requests = [EngineRequest(f"dec-{n}-{i}", tuple(_prompt(rng, context)),
+                                  SamplingOptions(max_tokens=DECODE_NEW_TOKENS, temperature=0.0,
+                                                  ignore_eos=True))
                     for i in range(batch)]
 
         async def one(request: EngineRequest) -> list[float]:
@@ -99,10 +191,8 @@ async def measure_decode(runner: EngineRunner, seed: int,
                 stamps.append(time.perf_counter())
             return [(b - a) * 1000.0 for a, b in zip(stamps[1:], stamps[2:])]  # skip the prefill
 
-        gaps = [g for per in await asyncio.gather(*(one(r) for r in requests)) for g in per]
-        gaps.sort()
-        step_ms = gaps[len(gaps) // 2]
-        samples.append((batch, batch * (context + 16), step_ms))
+        gaps = sorted(g for per in await asyncio.gather(*(one(r) for r in requests)) for g in per)
+        samples.append((batch, batch * (context + DECODE_NEW_TOKENS // 2), gaps[len(gaps) // 2]))
     return samples
 
 
@@ -131,19 +221,25 @@ def profile(engine: EngineConfig, model: PreparedModel, block_size: int, seed: i
     runner = EngineRunner(build_engine_args(engine, model, "plain", "profile", None))
     try:
         max_len = min(engine.max_model_len_tokens or model.max_model_len, model.max_model_len)
-        fit_round, held_out = asyncio.run(
-            measure_prefill(runner, max_len, block_size, seed, progress, max_tokens))
-        decode_samples = asyncio.run(measure_decode(runner, seed, progress))
+        prefill_samples = asyncio.run(measure_prefill(
+            runner, prefill_points(max_len, max_tokens, block_size), seed, progress))
+        decode_fit, decode_held_out = decode_points(max_len)
+        decode_samples = asyncio.run(measure_decode(runner, decode_fit + decode_held_out, seed, progress))
     finally:
         runner.shutdown()
-    prefill = PrefillCostModel.fit(fit_round)
-    median, p90 = prefill.prediction_error_pct(held_out)
+    prefill = PrefillCostModel.fit(prefill_samples["fit"])
+    prefill_error = held_out_prefill_error(prefill, prefill_samples["off_grid"], prefill_samples["longer"])
+    decode = DecodeCostModel.fit(decode_samples[:len(decode_fit)])
+    decode_error = held_out_decode_error(decode, decode_samples[len(decode_fit):])
     dtype = effective_dtype(engine, model)
     per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype_bytes(dtype))
     transfer = measure_transfer(per_token * block_size, progress) if with_transfer else TransferModel()
     return CostProfile(
         model=model.name, device=f"{engine.device} ({dtype})", block_size_tokens=block_size,
-        kv_bytes_per_token=per_token, prefill=prefill, decode=DecodeCostModel.fit(decode_samples),
-        transfer=transfer, prefill_error_pct={"median": round(median, 2), "p90": round(p90, 2)},
-        samples=fit_round + held_out,
+        kv_bytes_per_token=per_token, prefill=prefill, decode=decode,
+        transfer=transfer, prefill_error_pct=prefill_error, decode_error_pct=decode_error,
+        samples=[s for kind in ("fit", "off_grid", "longer") for s in prefill_samples[kind]],
+        num_fitted_samples=len(prefill_samples["fit"]),
+        decode_samples=[DecodeSample(num_seqs=n, context_tokens=c, step_ms=ms) for n, c, ms in decode_samples],
+        num_fitted_decode_samples=len(decode_fit),
     )

@@ -213,11 +213,18 @@ def profile(
     p = result.prefill
     print(f"prefill ms = {p.intercept_ms:.2f} + {p.per_token_ms:.4f}*u + {p.per_token_sq_ms:.2e}*u^2 "
           f"+ {p.per_token_cached_ms:.2e}*u*c")
-    print(f"held-out prediction error: median {result.prefill_error_pct['median']:.1f}%, "
-          f"p90 {result.prefill_error_pct['p90']:.1f}% ({len(result.samples) // 2} prefills)")
+    e = result.prefill_error_pct
+    print(f"held-out prefill error: median {e['median']:.1f}%, p90 {e['p90']:.1f}% "
+          f"({len(result.samples) - result.num_fitted_samples} prefills never fitted: off the grid "
+          f"median {e.get('median_off_grid', float('nan')):.1f}%, longer than any fitted "
+          f"median {e.get('median_longer', float('nan')):.1f}%)")
     d = result.decode
     print(f"decode step ms = {d.step_ms_base:.2f} + {d.step_ms_per_seq:.3f}*seqs + "
           f"{d.step_ms_per_kv_token:.2e}*context_tokens")
+    if result.decode_error_pct:
+        print(f"held-out decode error: median {result.decode_error_pct['median']:.1f}%, "
+              f"p90 {result.decode_error_pct['p90']:.1f}% "
+              f"({len(result.decode_samples) - result.num_fitted_decode_samples} points never fitted)")
     t = result.transfer
     print(f"transfer GB/s: same_node {t.same_node.bytes_per_s / 1e9:.2f}, remote_host "
           f"{t.remote_host.bytes_per_s / 1e9:.2f}, remote_disk {t.remote_disk.bytes_per_s / 1e9:.2f}")

@@ -144,6 +144,17 @@ class TransferModel(BaseModel):
         return link.setup_ms + num_bytes / link.bytes_per_s * 1000.0
 
 
+class DecodeSample(BaseModel):
+    """One measured decode point: the median step of a batch of ``num_seqs`` over
+    ``context_tokens`` in all."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_seqs: int = Field(ge=1, description="Sequences in the running batch.")
+    context_tokens: int = Field(ge=0, description="KV tokens the batch attends over (tokens).")
+    step_ms: float = Field(ge=0, description="Measured inter-token time (ms).")
+
+
 class DecodeCostModel(BaseModel):
     """Predicted time of one decode step of a continuous batch (the inter-token time, TBT).
 
@@ -192,6 +203,17 @@ class CostProfile(BaseModel):
     transfer: TransferModel
     prefill_error_pct: dict[str, float] = Field(
         default_factory=dict,
-        description="Prediction error on held-out prefills: 'median' and 'p90' absolute %.",
+        description="Prediction error on held-out prefills: 'median' and 'p90' absolute %, and the "
+        "same for the off-grid and the longer points apart ('median_off_grid', 'p90_longer', ...).",
     )
     samples: list[PrefillSample] = Field(default_factory=list, description="The measured prefills.")
+    num_fitted_samples: int = Field(
+        0, ge=0, description="How many of ``samples``, from the first, the prefill model was fitted "
+        "on; the rest are the held-out points ``prefill_error_pct`` is measured on.")
+    decode_error_pct: dict[str, float] = Field(
+        default_factory=dict,
+        description="Prediction error on held-out decode points: 'median' and 'p90' absolute %.",
+    )
+    decode_samples: list[DecodeSample] = Field(default_factory=list, description="The measured decode points.")
+    num_fitted_decode_samples: int = Field(
+        0, ge=0, description="How many of ``decode_samples``, from the first, the decode model was fitted on.")
