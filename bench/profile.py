@@ -56,7 +56,7 @@ largest prompt, with these fractions of them uncached."""
 DECODE_BATCHES = (1, 4, 8, 16)
 DECODE_CONTEXTS = (64, 512, 1536)
 """Context tokens per sequence at the start of a decode point."""
-DECODE_MAX_BATCH_TOKENS = 12_288
+DECODE_MAX_BATCH_TOKENS = 8_192
 """Largest batch × context measured (its prefill comes first: a bound on the profile's time)."""
 DECODE_NEW_TOKENS = 32
 
