@@ -253,6 +253,36 @@ class StoreRow(msgspec.Struct, frozen=True):
     disk write errors, corrupt blocks, promotions, demotions, pulls."""
 
 
+class PoolDecision(msgspec.Struct, frozen=True):
+    """One decision of the autoscaling planner (``conductor.planner.plan``) for one pool."""
+
+    pool: str
+    """prefill | decode."""
+    action: str
+    """up | down | hold."""
+    size_before: int
+    """Instances in the pool that are not leaving (starting or ready) when it decided."""
+    size_after: int
+    """The size it asks for (``size_before`` when it holds)."""
+    reason: str
+    """The rule that fired, with its numbers (``TTFT 3400.0 ms > 1.00 x 3000.0 ms``)."""
+    at_s: float = 0.0
+    """Wall-clock time of the decision (Unix seconds)."""
+
+
+class AutoscaleStatus(msgspec.Struct, frozen=True):
+    """The planner as ``baton status`` shows it."""
+
+    enabled: bool
+    """Whether the loop applies its decisions (off: it still decides and reports)."""
+    last: list[PoolDecision]
+    """The latest decision for each pool, prefill first."""
+    changes: list[PoolDecision]
+    """The decisions that changed a pool (up or down), oldest first, the last 50."""
+    decisions_total: dict[str, int]
+    """``pool/action`` → decisions made since the conductor started."""
+
+
 class PoolStatus(msgspec.Struct, frozen=True):
     policy: str
     pool_sizes: dict[str, dict[str, int]]
@@ -262,6 +292,9 @@ class PoolStatus(msgspec.Struct, frozen=True):
     counters: object
     """``conductor.state.PlacementCounters``."""
     recent_events: list[str]
+    autoscale: AutoscaleStatus | None = None
+    """The autoscaling planner's last decisions; None on a cluster that cannot resize itself
+    (``baton serve``)."""
 
 
 class FrontAddresses(msgspec.Struct, frozen=True):
