@@ -18,6 +18,7 @@ import ray
 import zmq
 import zmq.asyncio
 
+from conductor.calibration import CostCalibration, PredictionError
 from conductor.config import ConductorConfig
 from conductor.kv_feed import KvEventFeed
 from conductor.kv_index import StreamGap
@@ -77,7 +78,9 @@ class Conductor:
         logging.basicConfig(level=logging.INFO)
         self._config = config
         self._namespace = namespace
-        self.state = ConductorState(config.policy, policy_config)
+        calibration = (CostCalibration(policy_config.prefill_cost, policy_config.decode_cost)
+                       if config.calibrate_cost_model else None)
+        self.state = ConductorState(config.policy, policy_config, calibration=calibration)
         self._last_stats: dict = {}
         self._store_actors: dict[str, str] = {}
         self._soft_pins: dict[str, list[bytes]] = {}  # operator-pinned prefix name → block keys
@@ -275,9 +278,19 @@ class Conductor:
             log.info("coalescing: prefill %s did not finish within %.0f ms; placing without it",
                      owner, self._config.coalesce_max_wait_ms)
 
-    async def prefill_done(self, request_id: str, num_cached_tokens: int | None) -> None:
-        """The router reports a finished (or failed: None) prefill."""
-        self.state.prefill_done(request_id, num_cached_tokens)
+    async def cost_model_error(self) -> dict[str, PredictionError | None]:
+        """The calibrated models' errors ("prefill", "decode") on requests each was not fitted on
+        (None: not calibrating, or nothing measured yet): what ``baton status`` is to show."""
+        calibration = self.state.calibration
+        if calibration is None:
+            return {"prefill": None, "decode": None}
+        return {"prefill": calibration.prefill_error(), "decode": calibration.decode_error()}
+
+    async def prefill_done(self, request_id: str, num_cached_tokens: int | None,
+                           prefill_ms: float | None = None) -> None:
+        """The router reports a finished (or failed: None) prefill, and how long it took
+        (``PrefillResult.prefill_ms``; None: not measured) for the cost model's calibration."""
+        self.state.prefill_done(request_id, num_cached_tokens, prefill_ms)
         event = self._prefill_events.pop(request_id, None)
         if event is not None:
             event.set()

@@ -25,6 +25,10 @@ class ConductorConfig(BaseModel):
         PolicyConfig(), description="Policy knobs and the TTFT/TBT SLOs (conductor.policy.PolicyConfig); "
         "block size, KV bytes per token and the cost models are set from the model and the profile."
     )
+    calibrate_cost_model: bool = Field(
+        False, description="Refit the prefill cost model online from the prefill times the router "
+        "reports (conductor.calibration), starting from the profile's fit or the placeholders."
+    )
     coalesce: bool = Field(
         True, description="Requests sharing a prefix that is being prefilled right now wait for it "
         "instead of computing it again."

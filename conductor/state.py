@@ -24,6 +24,7 @@ from typing import Callable
 import msgspec
 
 from conductor import _scan
+from conductor.calibration import CostCalibration
 from conductor.kv_index import KvIndex, RunGroups
 from conductor.policy import (
     POLICIES,
@@ -60,6 +61,7 @@ class _Prefill:
     block_keys: tuple[bytes, ...]
     expected_cached_blocks: int
     started_s: float
+    num_prompt_tokens: int = 0
 
 
 @dataclass
@@ -117,7 +119,8 @@ class ConductorState:
     """Pools + in-flight books + KV index → placements. Single-threaded by contract."""
 
     def __init__(self, policy: str, config: PolicyConfig, index: KvIndex | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 calibration: CostCalibration | None = None) -> None:
         self._policy_name = policy
         self._policy = POLICIES[policy]
         self.config = config
@@ -152,6 +155,9 @@ class ConductorState:
         self.router_state = make_router_state(config) if make_router_state is not None else None
         """What the policy learns from its own choices (``ROUTER_STATES``), or None."""
         self._loads_seen: dict[str, tuple[int, float]] = {}
+        self.calibration = calibration
+        """Refits the prefill model from measured prefills (``prefill_done``'s ``prefill_ms``),
+        or None: the configured model stays."""
 
     # ------------------------------------------------------------------ membership and load
 
@@ -414,6 +420,7 @@ class ConductorState:
             request.request_id, placement.prefill_instance,
             placement.transfer_ms + placement.prefill_ms, request.num_prompt_tokens - cached_tokens,
             request.block_keys, placement.expected_cached_blocks, self._clock(),
+            request.num_prompt_tokens,
         )
         self._instances[placement.prefill_instance].add_prefill(prefill, bs)
         self._busy[placement.prefill_instance] = None
@@ -448,14 +455,21 @@ class ConductorState:
             run += 1
         return owner if run >= min_blocks else None
 
-    def prefill_done(self, request_id: str, num_cached_tokens: int | None) -> None:
+    def prefill_done(self, request_id: str, num_cached_tokens: int | None,
+                     prefill_ms: float | None = None) -> None:
         """The prefill of ``request_id`` finished (``num_cached_tokens`` as the engine reported)
         or failed (None). Its blocks now sit in the instance's device cache; where the index
         promised more cached blocks than the engine found, the index was stale for that
-        instance and loses those entries."""
+        instance and loses those entries. ``prefill_ms``, the time the prefill took, feeds the
+        calibration when there is one (a refit replaces the priced prefill model)."""
         prefill = self._prefills.pop(request_id, None)
         if prefill is None:
             return
+        if (self.calibration is not None and prefill_ms is not None and num_cached_tokens is not None
+                and prefill.num_prompt_tokens):
+            cached = min(num_cached_tokens, prefill.num_prompt_tokens)
+            if self.calibration.observe_prefill(prefill.num_prompt_tokens - cached, cached, prefill_ms):
+                self.config = self.config.model_copy(update={"prefill_cost": self.calibration.prefill})
         inst = self._instances.get(prefill.instance_id)
         if inst is not None:
             inst.pop_prefill(request_id, self.config.block_size_tokens)

@@ -1,0 +1,99 @@
+"""The self-calibrating cost model: the prefill and decode-step models refitted from the timings
+the engines report, with the error they make on measurements they were not fitted on.
+
+``CostCalibration`` starts from given models (``baton profile``'s fit, or the placeholders: then
+the first refit, after ``min_samples`` measurements, is the warm-up). Each measurement is first
+predicted with the current model and its absolute percentage error recorded, and only then added
+to the window the next refit uses, so every reported error is on a request the model had not
+seen. Every ``refit_every`` measurements the model is refitted on the last ``window`` of them; a
+window the fit cannot use (too few, or no spread in cached tokens) keeps the current model.
+
+Pure mechanism, no I/O: the conductor's state feeds it and reads the models back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+import numpy as np
+
+from conductor.cost_model import DecodeCostModel, PrefillCostModel, PrefillSample
+
+
+class PredictionError(msgspec.Struct, frozen=True):
+    """Absolute percentage errors of predictions made before fitting on what they predicted."""
+
+    median_pct: float
+    p90_pct: float
+    num_predictions: int
+    """How many predictions the figures are over (the last ``error_window`` at most)."""
+
+
+def _summary(errors: deque) -> PredictionError | None:
+    if not errors:
+        return None
+    values = np.fromiter(errors, dtype=np.float64, count=len(errors))
+    return PredictionError(round(float(np.median(values)), 2), round(float(np.percentile(values, 90)), 2),
+                           len(values))
+
+
+class CostCalibration:
+    """Online refits of ``PrefillCostModel`` and ``DecodeCostModel`` (see the module)."""
+
+    def __init__(self, prefill: PrefillCostModel, decode: DecodeCostModel, window: int = 256,
+                 min_samples: int = 8, refit_every: int = 8, error_window: int = 256) -> None:
+        assert window >= min_samples >= 4 and refit_every >= 1 and error_window >= 1
+        self.prefill, self.decode = prefill, decode
+        self._window, self._min_samples, self._refit_every = window, min_samples, refit_every
+        self._prefills: deque[PrefillSample] = deque(maxlen=window)
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._prefill_errors: deque[float] = deque(maxlen=error_window)
+        self._step_errors: deque[float] = deque(maxlen=error_window)
+        self._since_prefill_fit = self._since_step_fit = 0
+        self.num_prefill_refits = self.num_decode_refits = 0
+
+    def observe_prefill(self, uncached_tokens: int, cached_tokens: int, prefill_ms: float) -> bool:
+        """One measured prefill; True when it refitted the prefill model."""
+        if prefill_ms <= 0 or uncached_tokens < 0 or cached_tokens < 0:
+            return False
+        predicted = self.prefill.t_prefill_ms(uncached_tokens, cached_tokens)
+        self._prefill_errors.append(abs(predicted - prefill_ms) / prefill_ms * 100.0)
+        self._prefills.append(PrefillSample(uncached_tokens=uncached_tokens, cached_tokens=cached_tokens,
+                                            prefill_ms=prefill_ms))
+        self._since_prefill_fit += 1
+        if len(self._prefills) < self._min_samples or self._since_prefill_fit < self._refit_every:
+            return False
+        self._since_prefill_fit = 0
+        try:
+            self.prefill = PrefillCostModel.fit(self._prefills)
+        except ValueError:  # no spread to fit on yet: keep predicting with what we have
+            return False
+        self.num_prefill_refits += 1
+        return True
+
+    def observe_decode_step(self, num_seqs: int, context_tokens: int, step_ms: float) -> bool:
+        """One measured decode step (or a request's mean inter-token time over its batch);
+        True when it refitted the decode model."""
+        if step_ms <= 0 or num_seqs < 1 or context_tokens < 0:
+            return False
+        predicted = self.decode.t_step_ms(num_seqs, context_tokens)
+        self._step_errors.append(abs(predicted - step_ms) / step_ms * 100.0)
+        self._steps.append((num_seqs, context_tokens, step_ms))
+        self._since_step_fit += 1
+        if len(self._steps) < self._min_samples or self._since_step_fit < self._refit_every:
+            return False
+        self._since_step_fit = 0
+        if len({n for n, _, _ in self._steps}) < 2 or len({c for _, c, _ in self._steps}) < 2:
+            return False  # one batch size or one context only: the terms cannot be told apart
+        self.decode = DecodeCostModel.fit(self._steps)
+        self.num_decode_refits += 1
+        return True
+
+    def prefill_error(self) -> PredictionError | None:
+        """The prefill model's error on the last measurements, each predicted before it was fitted."""
+        return _summary(self._prefill_errors)
+
+    def decode_error(self) -> PredictionError | None:
+        """The decode model's error, the same way."""
+        return _summary(self._step_errors)

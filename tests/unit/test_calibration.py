@@ -1,0 +1,97 @@
+"""The self-calibrating cost model: refits from measured timings, errors on unseen requests."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conductor.calibration import CostCalibration
+from conductor.cost_model import DecodeCostModel, PrefillCostModel
+from conductor.policy import PolicyConfig
+from conductor.state import ConductorState
+from kvstore.keys import KeyExtras, block_keys
+from protos.wire import PlacementRequest
+
+MACHINE = PrefillCostModel(intercept_ms=40.0, per_token_ms=1.9, per_token_sq_ms=9e-4,
+                           per_token_cached_ms=2e-3)
+STEPS = DecodeCostModel(step_ms_base=90.0, step_ms_per_seq=4.0, step_ms_per_kv_token=0.015)
+
+
+def agent_prefills(n: int, seed: int = 0, noise: float = 0.0):
+    rng = random.Random(seed)
+    for _ in range(n):
+        uncached, cached = rng.randrange(16, 2048), rng.choice([0, 512, 1024, 1536, 3072])
+        yield uncached, cached, MACHINE.t_prefill_ms(uncached, cached) * (1 + rng.uniform(-noise, noise))
+
+
+def test_from_the_placeholders_the_warm_up_refit_finds_the_machine():
+    calibration = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=8, refit_every=8)
+    measurements = list(agent_prefills(64))
+    for m in measurements[:7]:
+        assert not calibration.observe_prefill(*m)  # the warm-up: placeholders until 8
+    assert calibration.observe_prefill(*measurements[7])
+    assert calibration.prefill.per_token_ms == pytest.approx(MACHINE.per_token_ms, rel=1e-6)
+    first_errors = calibration.prefill_error()
+    assert first_errors.num_predictions == 8 and first_errors.median_pct > 20  # the placeholders' error
+    fresh = CostCalibration(calibration.prefill, DecodeCostModel())
+    for m in measurements[8:]:
+        fresh.observe_prefill(*m)
+    # predicted before fitted on, by a model fitted on other requests: exact here
+    assert fresh.prefill_error().p90_pct == pytest.approx(0.0, abs=1e-6)
+    assert fresh.prefill_error().num_predictions == 56
+
+
+def test_errors_are_measured_before_the_request_is_fitted_on():
+    calibration = CostCalibration(MACHINE, DecodeCostModel(), min_samples=4, refit_every=1)
+    calibration.observe_prefill(100, 0, MACHINE.t_prefill_ms(100, 0) * 2)  # predicted: half of it
+    assert calibration.prefill_error().median_pct == pytest.approx(50.0)
+
+
+def test_noisy_measurements_keep_the_error_within_the_noise():
+    calibration = CostCalibration(PrefillCostModel(), DecodeCostModel())
+    for m in agent_prefills(400, seed=1, noise=0.1):
+        calibration.observe_prefill(*m)
+    recent = CostCalibration(calibration.prefill, DecodeCostModel(), refit_every=10**9)
+    for m in agent_prefills(200, seed=2, noise=0.1):
+        recent.observe_prefill(*m)
+    error = recent.prefill_error()
+    assert error.median_pct < 6.0 and error.p90_pct < 11.0  # ±10% noise: |e| has median 5%, p90 9%
+
+
+def test_a_window_without_spread_keeps_the_current_model():
+    calibration = CostCalibration(MACHINE, DecodeCostModel(), min_samples=4, refit_every=4)
+    for _ in range(8):
+        assert not calibration.observe_prefill(128, 0, 300.0)  # one point: nothing to fit
+    assert calibration.prefill is MACHINE and calibration.num_prefill_refits == 0
+
+
+def test_decode_steps_refit_once_batch_and_context_both_vary():
+    calibration = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=6, refit_every=6)
+    for seqs in (1, 4, 16):
+        for context in (500, 8000):
+            calibration.observe_decode_step(seqs, context, STEPS.t_step_ms(seqs, context))
+    assert calibration.num_decode_refits == 1
+    assert calibration.decode.step_ms_per_seq == pytest.approx(STEPS.step_ms_per_seq, rel=1e-6)
+    assert calibration.decode_error().num_predictions == 6
+
+
+def test_the_state_prices_with_the_refitted_model_after_reported_prefills():
+    extras = KeyExtras("m", "", "", "L")
+    calibration = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=8, refit_every=8)
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=16, short_prefill_tokens=0),
+                           calibration=calibration)
+    for instance_id, role in (("p0", "prefill"), ("d0", "decode")):
+        state.register(instance_id, role, "n0", "m", "L")
+        state.set_ready(instance_id, True)
+    for i, (uncached, cached, _) in enumerate(agent_prefills(8)):
+        tokens = list(range(i * 10_000, i * 10_000 + uncached + cached))
+        state.place(PlacementRequest(f"r{i}", len(tokens), tuple(block_keys(tokens, 16, extras)), 8))
+        # the engine found ``cached`` tokens (another instance's, say) and took the machine's time
+        state.prefill_done(f"r{i}", cached, MACHINE.t_prefill_ms(uncached, cached))
+        state.finished(f"r{i}")
+    assert calibration.num_prefill_refits == 1 and state.config.prefill_cost is calibration.prefill
+    assert calibration.prefill.per_token_ms == pytest.approx(MACHINE.per_token_ms, rel=1e-6)
+    tokens = list(range(900_000, 901_000))
+    placement = state.place(PlacementRequest("next", 1000, tuple(block_keys(tokens, 16, extras)), 8))
+    assert placement.prefill_ms == calibration.prefill.t_prefill_ms(1000, 0)
