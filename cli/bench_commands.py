@@ -297,3 +297,47 @@ def bench_soak(
                  **parse_overrides(set_)}
     _live("soak", None, overrides, lambda cfg, progress: run_soak(
         cfg, duration, sessions, sample_every, json_path, seed, progress), json_path)
+
+
+@bench_app.command("peers")
+def bench_peers(
+    out_dir: Path = typer.Option(Path("bench-out/peers"), "--out", help="Folder for peers.json, "
+                                 "peers.md, peers.png and records.jsonl."),
+    runs: int = typer.Option(3, help="Runs of every stack, interleaved (1: a quick look)."),
+    stacks: str = typer.Option("smg-cache_aware,smg-round_robin,baton-1p1d,baton-0p2d",
+                               help="Comma-separated stacks, in run 1's order."),
+    workloads: str = typer.Option("private_prefix,agent_fleet", help="Comma-separated workloads."),
+    agents: int = typer.Option(4, help="Agents per workload."),
+    steps: int = typer.Option(4, help="Steps per agent."),
+    prefix_words: int = typer.Option(1_500, help="private_prefix: words (~tokens) of each "
+                                     "agent's private prefix."),
+    step_words: int = typer.Option(100, help="private_prefix: words each step appends."),
+    system_words: int = typer.Option(600, help="agent_fleet: prose words of the shared system "
+                                     "prompt (the tool definitions come on top)."),
+    fanout_width: int = typer.Option(3, help="agent_fleet: parallel sub-requests of the fan-out "
+                                     "step (step 3)."),
+    max_tokens: int = typer.Option(32, help="Tokens each request generates (ignore_eos)."),
+    model: str = typer.Option("smollm2", help="'smollm2' or 'tiny' (a smoke test)."),
+    seed: int = typer.Option(0, help="Seed of every prompt and think time."),
+) -> None:
+    """LIVE, several minutes of both cores: SMG (cache_aware, round_robin) over two co-located
+    vLLM servers against `baton serve --prefill 1 --decode 1` and `--prefill 0 --decode 2`,
+    each started fresh per run on the same cores, model and engine arguments, on the same seeded
+    agent workloads. Reports `vllm bench serve` metrics, hit ratio against the workload's
+    ceiling and fan-out TTFT, medians over runs, and Baton's ratios against the better SMG."""
+    from bench.peers import PeersOptions, run_peers
+    from bench.peers_workloads import AgentFleetOptions, PrivatePrefixOptions
+    from protos.errors import BatonError
+
+    options = PeersOptions(
+        runs=runs, stacks=tuple(stacks.split(",")), workloads=tuple(workloads.split(",")),
+        private=PrivatePrefixOptions(num_agents=agents, num_steps=steps, prefix_words=prefix_words,
+                                     step_words=step_words, max_tokens=max_tokens, seed=seed),
+        fleet=AgentFleetOptions(num_agents=agents, num_steps=steps, system_words=system_words,
+                                fanout_width=fanout_width, max_tokens=max_tokens, seed=seed),
+        model=model)
+    try:
+        run_peers(options, out_dir, echo=lambda m: err.print(m, highlight=False))
+    except BatonError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc

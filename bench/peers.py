@@ -1,0 +1,281 @@
+"""``baton bench peers``: Baton against what a user would pick instead, on the same cores.
+
+Starts the stacks of ``bench.peers_stacks`` one after another on this machine (SMG
+``cache_aware`` and ``round_robin`` over two co-located vLLM servers, ``baton serve --prefill
+1 --decode 1``, ``baton serve --prefill 0 --decode 2``), runs the same seeded workloads of
+``bench.peers_workloads`` against each over the OpenAI API, and repeats: run r starts the stacks
+in an order rotated by r (interleaved, so drift on a shared box hits every stack alike), each
+stack fresh (cold caches) in every run. Decides on medians over runs, with min and max shown;
+the ratios are Baton's medians over the better SMG policy's (by median TTFT mean) per workload.
+
+Writes ``peers.json`` (every run's report, the medians, the ratios), ``peers.md`` (the table),
+``peers.png`` (when matplotlib is installed) and ``records.jsonl`` (every request, with Baton's
+placement and reason) to ``out_dir``. Not run in CI: it needs several minutes of both cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import msgspec
+import numpy as np
+
+from bench.peers_client import run_workload, send_one, summarise
+from bench.peers_stacks import DEFAULT_STACKS, PeersError, Stack, StackSpec
+from bench.peers_workloads import (AgentFleetOptions, PeerRequest, PrivatePrefixOptions, Workload,
+                                   agent_fleet_workload, ceiling_hit_ratio, private_prefix_workload)
+
+WORKLOADS = ("private_prefix", "agent_fleet")
+
+DECIDING_METRICS = (
+    "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+    "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
+    "mean_itl_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms",
+    "mean_e2el_ms", "median_e2el_ms", "p90_e2el_ms", "p99_e2el_ms",
+    "request_throughput", "output_throughput", "total_token_throughput", "duration",
+    "hit_ratio", "hit_ratio_vs_ceiling", "completed", "failed",
+)
+RATIO_METRICS = ("mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "mean_e2el_ms",
+                 "output_throughput", "hit_ratio")
+
+
+class PeersOptions(msgspec.Struct, frozen=True):
+    runs: int = 3
+    stacks: tuple[str, ...] = tuple(s.name for s in DEFAULT_STACKS)
+    workloads: tuple[str, ...] = WORKLOADS
+    private: PrivatePrefixOptions = PrivatePrefixOptions()
+    fleet: AgentFleetOptions = AgentFleetOptions()
+    model: str = "smollm2"
+    block_tokens: int = 128
+    """The engines' KV block (vLLM-CPU: 128), for the ceiling."""
+    start_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    base_port: int = 8100
+
+
+def build_workloads(options: PeersOptions) -> dict[str, Workload]:
+    makers = {"private_prefix": lambda: private_prefix_workload(options.private),
+              "agent_fleet": lambda: agent_fleet_workload(options.fleet)}
+    unknown = set(options.workloads) - set(makers)
+    if unknown:
+        raise PeersError(f"unknown workload(s) {sorted(unknown)}; choose from {', '.join(makers)}")
+    return {name: makers[name]() for name in options.workloads}
+
+
+def stack_specs(names: Sequence[str]) -> list[StackSpec]:
+    by_name = {s.name: s for s in DEFAULT_STACKS}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise PeersError(f"unknown stack(s) {unknown}; choose from {', '.join(by_name)}")
+    return [by_name[n] for n in names]
+
+
+def run_order(names: Sequence[str], run: int) -> list[str]:
+    """Run ``run``'s stack order: the list rotated by ``run``."""
+    k = run % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
+def median_table(reports: Sequence[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per metric: the median over runs, and min and max (the spread)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for key in DECIDING_METRICS:
+        values = [r[key] for r in reports if r.get(key) is not None]
+        out[key] = ({"median": float(np.median(values)), "min": float(min(values)),
+                     "max": float(max(values))} if values else
+                    {"median": None, "min": None, "max": None})
+    return out
+
+
+def ratios_vs_best_smg(medians: dict[str, dict[str, dict]]) -> dict[str, Any]:
+    """For one workload's ``{stack: median_table}``: the better SMG policy (least median TTFT
+    mean) and every stack's ratio of medians against it (TTFT, TPOT, E2EL: < 1 is better;
+    throughput and hit ratio: > 1 is better)."""
+    smg = {n: m for n, m in medians.items() if n.startswith("smg-")
+           and m["mean_ttft_ms"]["median"] is not None}
+    if not smg:
+        return {"best_smg": None, "ratios": {}}
+    best = min(smg, key=lambda n: smg[n]["mean_ttft_ms"]["median"])
+    ratios = {}
+    for name, table in medians.items():
+        ratios[name] = {}
+        for key in RATIO_METRICS:
+            ours, theirs = table[key]["median"], smg[best][key]["median"]
+            ratios[name][key] = ours / theirs if ours is not None and theirs else None
+    return {"best_smg": best, "ratios": ratios}
+
+
+async def _warm(stack: Stack, timeout_s: float) -> None:
+    """One short request per engine, so no stack's first measured request pays a first step."""
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        for i, url in enumerate(stack.warm_urls()):
+            request = PeerRequest(f"warm-{i}", -1, 0, f"Warm up {i}: hello there.", 4)
+            await send_one(client, url + "/v1/completions", stack.model.name, request, timeout_s)
+
+
+def run_peers(options: PeersOptions, out_dir: Path,
+              echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every run, every stack, every workload; writes the outputs; returns the report."""
+    from transformers import AutoTokenizer
+
+    from engine.models import prepare_model
+
+    if options.runs < 1:
+        raise PeersError("--runs must be at least 1")
+    specs = stack_specs(options.stacks)
+    workloads = build_workloads(options)
+    model = prepare_model(options.model, progress=echo)
+    tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+    ceilings = {name: ceiling_hit_ratio(w.requests(), lambda t: tokenizer(t)["input_ids"],
+                                        options.block_tokens)
+                for name, w in workloads.items()}
+    for name, ceiling in ceilings.items():
+        echo(f"{name}: {len(workloads[name].requests())} requests, {ceiling.prompt_tokens} prompt "
+             f"tokens, ceiling hit ratio {ceiling.hit_ratio:.3f}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records_path = out_dir / "records.jsonl"
+    records_path.write_text("")
+    runs: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
+    by_name = {s.name: s for s in specs}
+    for run in range(options.runs):
+        for name in run_order([s.name for s in specs], run):
+            echo(f"run {run + 1}/{options.runs}: starting {name}")
+            try:
+                runs += _run_stack(by_name[name], run, model, workloads, ceilings, options,
+                                   out_dir, records_path, echo)
+            except PeersError as e:
+                echo(f"  {name} skipped in run {run + 1}: {e}")
+                failures.append({"run": run, "stack": name, "error": str(e)})
+    report = aggregate(runs, options, ceilings)
+    report["stack_failures"] = failures
+    write_outputs(report, out_dir, echo)
+    return report
+
+
+def _run_stack(spec: StackSpec, run: int, model, workloads: dict[str, Workload], ceilings,
+               options: PeersOptions, out_dir: Path, records_path: Path,
+               echo: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Start one stack fresh, warm it, run every workload on it, stop it."""
+    reports = []
+    with Stack(spec, model, out_dir / "logs", options.start_timeout_s, options.base_port) as stack:
+        echo(f"  {spec.name} answering after {stack.start_s:.1f} s")
+        asyncio.run(_warm(stack, options.request_timeout_s))
+        for wname, workload in workloads.items():
+            t0 = time.time()
+            records, duration_s = asyncio.run(run_workload(
+                stack.base_url, model.name, workload, options.request_timeout_s))
+            report = summarise(records, duration_s, ceilings[wname].hit_ratio)
+            reports.append({"run": run, "stack": spec.name, "workload": wname,
+                            "started_unix": t0, "stack_start_s": stack.start_s, **report})
+            with records_path.open("a") as f:
+                for r in records:
+                    f.write(json.dumps({"run": run, "stack": spec.name, "workload": wname,
+                                        **msgspec.structs.asdict(r)}) + "\n")
+            echo(f"  {wname}: TTFT mean {report['mean_ttft_ms']:.0f} ms p90 "
+                 f"{report['p90_ttft_ms']:.0f} ms, TPOT {report['mean_tpot_ms']:.0f} ms, "
+                 f"hit {report['hit_ratio']:.3f}, {report['completed']} ok, "
+                 f"{report['failed']} failed {report['first_error'][:120]}")
+    return reports
+
+
+def aggregate(runs: Sequence[dict[str, Any]], options: PeersOptions, ceilings) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for wname in options.workloads:
+        medians = {s: median_table([r for r in runs if r["stack"] == s and r["workload"] == wname])
+                   for s in options.stacks}
+        fanouts = {s: [r["fanout"] for r in runs if r["stack"] == s and r["workload"] == wname
+                       and r.get("fanout")] for s in options.stacks}
+        summary[wname] = {
+            "ceiling_hit_ratio": ceilings[wname].hit_ratio,
+            "ceiling_prompt_tokens": ceilings[wname].prompt_tokens,
+            "medians": medians,
+            "fanout_mean_ttft_ms": {s: float(np.median([f["mean_ttft_ms"] for f in v]))
+                                    for s, v in fanouts.items() if v},
+            **ratios_vs_best_smg(medians),
+        }
+    return {"options": msgspec.to_builtins(options), "runs": list(runs), "summary": summary}
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = []
+    runs = report["options"]["runs"]
+    for wname, s in report["summary"].items():
+        lines += [f"### {wname} (ceiling hit ratio {s['ceiling_hit_ratio']:.3f}; medians of "
+                  f"{runs} run(s), [min-max]; ratios vs {s['best_smg']})", "",
+                  "| stack | TTFT mean ms | TTFT p90 ms | TPOT mean ms | E2EL mean ms | output tok/s "
+                  "| hit ratio (vs ceiling) | fan-out TTFT mean ms | TTFT mean x | TTFT p90 x "
+                  "| throughput x |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for stack, m in s["medians"].items():
+            def cell(key: str, digits: int = 0) -> str:
+                v = m[key]
+                if runs > 1 and v["median"] is not None:
+                    return f"{_fmt(v['median'], digits)} [{_fmt(v['min'], digits)}-{_fmt(v['max'], digits)}]"
+                return _fmt(v["median"], digits)
+            r = s["ratios"].get(stack, {})
+            lines.append(" | ".join([
+                f"| {stack}", cell("mean_ttft_ms"), cell("p90_ttft_ms"), cell("mean_tpot_ms"),
+                cell("mean_e2el_ms"), cell("output_throughput", 1),
+                f"{_fmt(m['hit_ratio']['median'], 3)} ({_fmt(m['hit_ratio_vs_ceiling']['median'], 2)})",
+                _fmt(s["fanout_mean_ttft_ms"].get(stack)),
+                _fmt(r.get("mean_ttft_ms"), 2), _fmt(r.get("p90_ttft_ms"), 2),
+                _fmt(r.get("output_throughput"), 2)]) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """TTFT mean and p90 per stack and workload (bars: medians; whiskers: min-max). False when
+    matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    summary = report["summary"]
+    fig, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4), squeeze=False)
+    for ax, (wname, s) in zip(axes[0], summary.items()):
+        stacks = list(s["medians"])
+        for k, key in enumerate(("mean_ttft_ms", "p90_ttft_ms")):
+            med = [s["medians"][st][key]["median"] or 0 for st in stacks]
+            lo = [m - (s["medians"][st][key]["min"] or 0) for m, st in zip(med, stacks)]
+            hi = [(s["medians"][st][key]["max"] or 0) - m for m, st in zip(med, stacks)]
+            ax.bar([i + 0.4 * k for i in range(len(stacks))], med, 0.4, yerr=[lo, hi],
+                   label=key.replace("_ms", " (ms)"), capsize=3)
+        ax.set_xticks([i + 0.2 for i in range(len(stacks))], stacks, rotation=20)
+        ax.set_title(wname)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(report: dict[str, Any], out_dir: Path, echo: Callable[[str], None]) -> None:
+    (out_dir / "peers.json").write_text(json.dumps(report, indent=1) + "\n")
+    table = markdown(report)
+    (out_dir / "peers.md").write_text(table + "\n")
+    echo(table)
+    for wname, s in report["summary"].items():
+        for stack in (n for n in s["ratios"] if n.startswith("baton-")):
+            r = s["ratios"][stack]
+            echo(f"{wname}: {stack} vs {s['best_smg']}: TTFT mean x{_fmt(r['mean_ttft_ms'], 2)}, "
+                 f"p90 x{_fmt(r['p90_ttft_ms'], 2)}, TPOT x{_fmt(r['mean_tpot_ms'], 2)}, "
+                 f"throughput x{_fmt(r['output_throughput'], 2)}, hit x{_fmt(r['hit_ratio'], 2)}")
+    if plot(report, out_dir / "peers.png"):
+        echo(f"wrote {out_dir}/peers.json, peers.md, peers.png, records.jsonl")
+    else:
+        echo(f"wrote {out_dir}/peers.json, peers.md, records.jsonl (no plot: matplotlib is not "
+             "installed)")

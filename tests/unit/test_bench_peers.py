@@ -1,0 +1,151 @@
+"""``baton bench peers``' workload generators, ceiling and metrics (no engines: the live
+benchmark runs outside CI)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.peers import median_table, ratios_vs_best_smg, run_order
+from bench.peers_client import PeerRecord, fanout_stats, reason_kind, summarise
+from bench.peers_workloads import (AgentFleetOptions, PeerRequest, PrivatePrefixOptions,
+                                   agent_fleet_workload, ceiling_hit_ratio, private_prefix_workload,
+                                   system_prompt)
+
+
+def words(text: str) -> list[int]:
+    """A whitespace 'tokenizer': one id per word (the word's position in first-seen order would
+    do as well; its hash is enough and stable within a process)."""
+    return [hash(w) for w in text.split()]
+
+
+def test_private_prefix_is_deterministic_and_shaped():
+    options = PrivatePrefixOptions(num_agents=3, num_steps=4, prefix_words=200, step_words=20)
+    a, b = private_prefix_workload(options), private_prefix_workload(options)
+    assert [r.prompt for r in a.requests()] == [r.prompt for r in b.requests()]
+    other = private_prefix_workload(PrivatePrefixOptions(num_agents=3, num_steps=4, prefix_words=200,
+                                                         step_words=20, seed=1))
+    assert [r.prompt for r in other.requests()] != [r.prompt for r in a.requests()]
+    requests = a.requests()
+    assert len(requests) == 12 and all(r.release_s == 0.0 for r in requests)
+    for agent in range(3):
+        steps = sorted((r for r in requests if r.agent == agent), key=lambda r: r.step)
+        # Each step's prompt extends the previous step's context (its prompt less the cue).
+        for earlier, later in zip(steps, steps[1:]):
+            context = earlier.prompt.removesuffix("\nNext action:")
+            assert later.prompt.startswith(context)
+            assert len(later.prompt.split()) - len(earlier.prompt.split()) == 3 + 20  # "Step N observation:" and its words
+    first_words = {r.prompt.split()[:10].__str__() for r in requests if r.step == 0}
+    assert len(first_words) == 3  # private: no agent shares another's prefix
+
+
+def test_agent_fleet_shares_the_trunk_and_fans_out():
+    options = AgentFleetOptions(num_agents=3, num_steps=4, fanout_step=2, fanout_width=3,
+                                system_words=100, think_s_min=0.5, think_s_max=1.5,
+                                arrival_gap_s=2.0)
+    workload = agent_fleet_workload(options)
+    requests = workload.requests()
+    assert len(requests) == 3 * (3 + 3)
+    trunk = system_prompt(options)
+    assert '"name": "search_code"' in trunk
+    assert all(r.prompt.startswith(trunk) for r in requests)
+    siblings = [r for r in requests if r.fanout_index >= 0]
+    assert sorted((r.agent, r.fanout_index) for r in siblings) == [
+        (a, k) for a in range(3) for k in range(3)]
+    for agent in range(3):
+        group = [r for r in siblings if r.agent == agent]
+        assert len({r.release_s for r in group}) == 1 and len({r.prompt for r in group}) == 3
+        script = workload.agents[agent]
+        assert script.start_s == 2.0 * agent
+        assert script.steps[0].think_s == 0.0
+        assert all(0.5 <= s.think_s <= 1.5 for s in script.steps[1:])
+        releases = [s.requests[0].release_s for s in script.steps]
+        assert releases == sorted(releases) and releases[0] == 2.0 * agent
+    assert [r.prompt for r in agent_fleet_workload(options).requests()] == [r.prompt for r in requests]
+
+
+def req(agent: int, step: int, prompt: str, release_s: float = 0.0, fanout: int = -1) -> PeerRequest:
+    return PeerRequest(f"a{agent}s{step}f{fanout}", agent, step, prompt, 8, fanout, release_s)
+
+
+def test_ceiling_counts_whole_blocks_and_keeps_the_last_token():
+    a = " ".join(f"w{i}" for i in range(10))
+    requests = [
+        req(0, 0, a),                          # cold: 10 tokens, 0 reusable
+        req(0, 1, a + " x1 x2"),               # 10 shared -> 8 in blocks of 4
+        req(1, 0, a, release_s=1.0),           # whole prompt shared: at most 9 -> 8
+        req(2, 0, "w0 w1 w2 other", release_s=0.0),  # same release, other agent: nothing
+    ]
+    ceiling = ceiling_hit_ratio(requests, words, block_tokens=4)
+    assert ceiling.prompt_tokens == 10 + 12 + 10 + 4
+    assert ceiling.reusable_tokens == 0 + 8 + 8 + 0
+    assert ceiling.hit_ratio == pytest.approx(16 / 36)
+    assert ceiling_hit_ratio(requests, words, block_tokens=1).reusable_tokens == 0 + 10 + 9 + 0
+
+
+def test_ceiling_of_the_private_prefix_workload_is_its_agents_own_history():
+    options = PrivatePrefixOptions(num_agents=2, num_steps=3, prefix_words=50, step_words=10)
+    ceiling = ceiling_hit_ratio(private_prefix_workload(options).requests(), words, block_tokens=1)
+    # Prompt of step s: "Agent N notebook." (3) + 50 + s+1 x ("Step k observation:" 3 + 10) + cue 2
+    lengths = [3 + 50 + 13 * (s + 1) + 2 for s in range(3)]
+    reusable = [0] + [3 + 50 + 13 * s for s in range(1, 3)]
+    assert ceiling.prompt_tokens == 2 * sum(lengths)
+    assert ceiling.reusable_tokens == 2 * sum(reusable)
+
+
+def record(request_id: str, sent: float, deltas: list[float], prompt: int, cached: int,
+           agent: int = 0, step: int = 0, fanout: int = -1, **kw) -> PeerRecord:
+    return PeerRecord(request_id, agent, step, fanout, sent, deltas, prompt, cached, len(deltas), **kw)
+
+
+def test_summarise_uses_vllm_names_and_the_ceiling():
+    records = [
+        record("a", 0.0, [0.5, 0.6, 0.7], 100, 0),
+        record("b", 1.0, [1.2, 1.3, 1.4], 100, 80, step=1, fanout=0),
+        record("c", 1.0, [1.4, 1.5, 1.6], 100, 80, step=1, fanout=1),
+        record("d", 2.0, [], 100, 0, error="HTTP 500: boom"),
+    ]
+    report = summarise(records, duration_s=2.0, ceiling_hit_ratio=0.8)
+    assert report["completed"] == 3 and report["failed"] == 1
+    assert report["mean_ttft_ms"] == pytest.approx((500 + 200 + 400) / 3)
+    assert report["mean_tpot_ms"] == pytest.approx(100)
+    assert report["p90_ttft_ms"] > report["median_ttft_ms"]
+    assert report["output_throughput"] == pytest.approx(9 / 2.0)
+    assert report["hit_ratio"] == pytest.approx(160 / 300)
+    assert report["hit_ratio_vs_ceiling"] == pytest.approx(160 / 300 / 0.8)
+    assert report["reports_cached_tokens"] is True
+    assert report["fanout"] == {"num_siblings": 2, "mean_ttft_ms": pytest.approx(300),
+                                "p90_ttft_ms": pytest.approx(380), "max_ttft_ms": pytest.approx(400),
+                                "mean_spread_ms": pytest.approx(200)}
+    assert report["first_error"] == "HTTP 500: boom"
+
+
+def test_a_stack_without_cached_tokens_has_no_ratio_vs_ceiling():
+    report = summarise([record("a", 0.0, [0.1, 0.2], 10, -1)], 1.0, 0.5)
+    assert report["reports_cached_tokens"] is False and report["hit_ratio_vs_ceiling"] is None
+    assert fanout_stats([]) is None
+
+
+def test_reason_kind_drops_the_numbers():
+    assert reason_kind("colocated: no prefill pool; p0 T=12.5ms; d1 running 3") == \
+        "colocated: no prefill pool"
+    assert reason_kind("colocated: uncached suffix 17 tokens < short_prefill_tokens 256; x") == \
+        "colocated: uncached suffix N tokens < short_prefill_tokens N"
+
+
+def test_medians_ratios_and_interleaving():
+    assert run_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert run_order(["a", "b", "c"], 4) == ["b", "c", "a"]
+
+    def rep(ttft: float, thr: float) -> dict:
+        base = {k: 1.0 for k in ("p90_ttft_ms", "mean_tpot_ms", "mean_e2el_ms", "hit_ratio")}
+        return {**base, "mean_ttft_ms": ttft, "output_throughput": thr}
+
+    medians = {"smg-cache_aware": median_table([rep(100, 10), rep(300, 10), rep(200, 10)]),
+               "smg-round_robin": median_table([rep(250, 8)]),
+               "baton-1p1d": median_table([rep(100, 20), rep(150, 20), rep(900, 20)])}
+    assert medians["smg-cache_aware"]["mean_ttft_ms"] == {"median": 200, "min": 100, "max": 300}
+    assert medians["baton-1p1d"]["hit_ratio_vs_ceiling"]["median"] is None
+    result = ratios_vs_best_smg(medians)
+    assert result["best_smg"] == "smg-cache_aware"
+    assert result["ratios"]["baton-1p1d"]["mean_ttft_ms"] == pytest.approx(0.75)
+    assert result["ratios"]["baton-1p1d"]["output_throughput"] == pytest.approx(2.0)
