@@ -1,5 +1,5 @@
 """The ``baton`` verbs that operate a Baton deployed on a Ray cluster: ``up``, ``down``, ``status``,
-``scale``, ``drain``, ``pin`` and ``unpin``.
+``scale``, ``drain``, ``pin``, ``unpin`` and ``autoscale``.
 
 Contract: ``cli.main`` registers these functions as typer commands. A verb reaches the cluster
 through Ray (``--address``, ``--name``, ``--namespace``) or, where it takes ``--endpoint``,
@@ -246,8 +246,52 @@ def status(
     c = pools.counters
     out.print(f"placements: {c.placed} placed, {c.rejected} rejected early, {c.coalesced} coalesced, "
               f"{c.colocated} colocated, {c.pulled} pulled, {c.index_corrections} index corrections")
+    for line in autoscale_lines(pools.autoscale):
+        out.print(line, highlight=False)
     for line in pools.recent_events[-5:]:
         out.print(f"[dim]{line}[/dim]")
+
+
+def autoscale_lines(autoscale) -> list[str]:
+    """The planner's state for ``baton status``: on or off, each pool's last decision and why,
+    the last changes it made."""
+    import time
+
+    if autoscale is None:
+        return []
+    state = "on" if autoscale.enabled else "off (decides, does not apply)"
+    lines = [f"autoscale: {state}"]
+    for d in autoscale.last:
+        lines.append(f"  {d.pool}: {d.action} {d.size_before} -> {d.size_after}: {d.reason}")
+    for d in autoscale.changes[-3:]:
+        at = time.strftime("%H:%M:%S", time.localtime(d.at_s)) if d.at_s else "-"
+        lines.append(f"  changed {at} {d.pool} {d.size_before} -> {d.size_after}: {d.reason}")
+    return lines
+
+
+def autoscale(
+    state: str = typer.Argument(..., metavar="on|off", help="on: apply the planner's decisions; "
+                                "off: only make and show them (pools keep their size)."),
+    address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+) -> None:
+    """Turn the autoscaling planner's loop on or off, live (config `autoscale`). Off is the
+    incident switch: no pool changes by itself until it is on again; `baton scale` still works.
+    Changes already under way (a worker starting, a drain) finish."""
+    from cluster.deployment import set_autoscale
+
+    if state not in ("on", "off"):
+        err.print(f"[red]error:[/red] '{state}': give on or off")
+        raise typer.Exit(EXIT_CONFIG)
+    _connected(address, namespace)
+    try:
+        applied = set_autoscale(name, namespace, state == "on")
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    if not applied:
+        err.print("[red]error:[/red] this cluster runs no planner (started before it existed, or "
+                  "by `baton serve`): `baton down` and `baton up` again to get one")
+        raise typer.Exit(EXIT_FAILED)
+    print(f"autoscale {state}" + ("" if state == "on" else ": the pools keep their size"))
 
 
 def scale(

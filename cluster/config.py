@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from conductor.config import ConductorConfig
+from conductor.planner import PlannerConfig
 from conductor.policy import SERVES_WITHOUT_PREFILL_POOL
 from engine.config import EngineConfig
 from gateway.config import AuthConfig, EngineGrpcConfig, GatewayConfig, HttpConfig
@@ -81,6 +82,7 @@ class ClusterConfig(BaseModel):
     auth: AuthConfig = AuthConfig()
     engine_grpc: EngineGrpcConfig = EngineGrpcConfig()
     conductor: ConductorConfig = ConductorConfig()
+    autoscale: PlannerConfig = PlannerConfig()
     redis: RedisConfig = RedisConfig()
     ray: RayConfig = RayConfig()
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 
+from cluster.autoscale import Autoscaler, sample_pools
 from cluster.pools import LaunchSpec, PoolManager
 from conductor.conductor import Conductor
 from conductor.config import ConductorConfig
+from conductor.planner import PlannerConfig
 from conductor.policy import PolicyConfig
 from protos.wire import DrainResult, InstanceRow, PoolSizes, PoolStatus, ScaleResult
 
@@ -25,10 +27,31 @@ class ClusterConductor(Conductor):
                  events_host: str = "127.0.0.1") -> None:
         super().__init__(config, namespace, policy_config, events_host)
         self.pools = PoolManager(self.state, namespace)
+        self.autoscaler: Autoscaler | None = None
 
     async def set_launch_spec(self, spec: LaunchSpec) -> None:
         """How to start workers (``baton up``); without it the pools cannot be resized."""
         self.pools.spec = spec
+
+    async def start_autoscaler(self, config: PlannerConfig) -> None:
+        """Run the autoscaling loop (``cluster.autoscale``) with ``config`` (``baton up``, after
+        the initial scale); it applies decisions only when ``config.enabled``. Starting it
+        again replaces its config."""
+        if self.autoscaler is None:
+            self.autoscaler = Autoscaler(
+                config, self.pools, lambda at_s: sample_pools(self.state, self._last_stats,
+                                                              self.pools, at_s))
+            self.autoscaler.start()
+        else:
+            self.autoscaler.config = config
+
+    async def set_autoscale(self, enabled: bool) -> bool:
+        """Apply the planner's decisions or stop applying them, live (``baton autoscale``).
+        Returns False when this cluster runs no planner."""
+        if self.autoscaler is None:
+            return False
+        self.autoscaler.set_enabled(enabled)
+        return True
 
     async def scale(self, sizes: PoolSizes, timeout_s: float,
                     reason: str = "operator request") -> list[ScaleResult]:
@@ -67,5 +90,6 @@ class ClusterConductor(Conductor):
                 stats.recent_ttft_ms if stats else None, stats.recent_itl_ms if stats else None,
                 stats.kv_load_seconds if stats else 0.0))
         return PoolStatus(self._config.policy, sizes, rows, await self._store_rows(),
-                          self.state.counters, self.pools.log[-20:])
+                          self.state.counters, self.pools.log[-20:],
+                          self.autoscaler.status() if self.autoscaler is not None else None)
 

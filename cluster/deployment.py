@@ -150,6 +150,7 @@ def up(cfg: ClusterConfig, progress: Callable[[str], None], timeout_s: float) ->
         scale_results = ray.get(conductor.scale.remote(
             PoolSizes(prefill=cfg.prefill.num_instances, decode=cfg.decode.num_instances),
             timeout_s, UP_SCALE_REASON))
+        ray.get(conductor.start_autoscaler.remote(cfg.autoscale))
     return UpResult(already_up, addresses, scale_results)
 
 
@@ -174,6 +175,11 @@ def scale(name: str, namespace: str, sizes: PoolSizes, timeout_s: float) -> list
 
 def drain(name: str, namespace: str, instance_id: str, timeout_s: float):
     return ray.get(_conductor(name, namespace).drain.remote(instance_id, timeout_s))
+
+
+def set_autoscale(name: str, namespace: str, enabled: bool) -> bool:
+    """Apply the planner's decisions, or stop (``baton autoscale on|off``); False: no planner."""
+    return ray.get(_conductor(name, namespace).set_autoscale.remote(enabled))
 
 
 def pin(name: str, namespace: str, pin_name: str, text: str, cache_salt: str):

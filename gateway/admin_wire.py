@@ -12,9 +12,11 @@ import msgspec
 from conductor.state import PlacementCounters
 from protos.baton.v1 import admin_pb2 as apb
 from protos.wire import (
+    AutoscaleStatus,
     DrainResult,
     FrontAddresses,
     InstanceRow,
+    PoolDecision,
     PoolStatus,
     ScaleResult,
     SoftPin,
@@ -61,7 +63,18 @@ def status_to_pb(view: StatusView) -> apb.StatusResponse:
             fronts.grpc_port = view.fronts.grpc_port
         if view.fronts.http_port is not None:
             fronts.http_port = view.fronts.http_port
+    if pools.autoscale is not None:
+        a = pools.autoscale
+        reply.autoscale.enabled = a.enabled
+        reply.autoscale.last.extend(apb.PoolDecision(**msgspec.structs.asdict(d)) for d in a.last)
+        reply.autoscale.changes.extend(
+            apb.PoolDecision(**msgspec.structs.asdict(d)) for d in a.changes)
+        reply.autoscale.decisions_total.update(a.decisions_total)
     return reply
+
+
+def _decision(m: apb.PoolDecision) -> PoolDecision:
+    return PoolDecision(m.pool, m.action, m.size_before, m.size_after, m.reason, m.at_s)
 
 
 def _optional(message, field: str):
@@ -85,7 +98,11 @@ def status_from_pb(reply: apb.StatusResponse) -> StatusView:
         policy=reply.policy,
         pool_sizes={pool: dict(p.instances_by_phase) for pool, p in reply.pool_sizes.items()},
         instances=instances, stores=stores, counters=counters,
-        recent_events=list(reply.recent_events))
+        recent_events=list(reply.recent_events),
+        autoscale=AutoscaleStatus(
+            reply.autoscale.enabled, [_decision(d) for d in reply.autoscale.last],
+            [_decision(d) for d in reply.autoscale.changes], dict(reply.autoscale.decisions_total))
+        if reply.HasField("autoscale") else None)
     fronts = None
     if reply.HasField("fronts"):
         f = reply.fronts

@@ -12,7 +12,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cluster_name", "policy", "pool_sizes", "instances", "stores", "placement_counters", "placements_by_prefill_instance", "recent_events", "fronts")
+    __slots__ = ("cluster_name", "policy", "pool_sizes", "instances", "stores", "placement_counters", "placements_by_prefill_instance", "recent_events", "fronts", "autoscale")
     class PoolSizesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class StatusResponse(_message.Message):
     PLACEMENTS_BY_PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     RECENT_EVENTS_FIELD_NUMBER: _ClassVar[int]
     FRONTS_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
     cluster_name: str
     policy: str
     pool_sizes: _containers.MessageMap[str, PhaseCounts]
@@ -52,7 +53,43 @@ class StatusResponse(_message.Message):
     placements_by_prefill_instance: _containers.ScalarMap[str, int]
     recent_events: _containers.RepeatedScalarFieldContainer[str]
     fronts: Fronts
-    def __init__(self, cluster_name: _Optional[str] = ..., policy: _Optional[str] = ..., pool_sizes: _Optional[_Mapping[str, PhaseCounts]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., placement_counters: _Optional[_Mapping[str, int]] = ..., placements_by_prefill_instance: _Optional[_Mapping[str, int]] = ..., recent_events: _Optional[_Iterable[str]] = ..., fronts: _Optional[_Union[Fronts, _Mapping]] = ...) -> None: ...
+    autoscale: AutoscaleStatus
+    def __init__(self, cluster_name: _Optional[str] = ..., policy: _Optional[str] = ..., pool_sizes: _Optional[_Mapping[str, PhaseCounts]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., placement_counters: _Optional[_Mapping[str, int]] = ..., placements_by_prefill_instance: _Optional[_Mapping[str, int]] = ..., recent_events: _Optional[_Iterable[str]] = ..., fronts: _Optional[_Union[Fronts, _Mapping]] = ..., autoscale: _Optional[_Union[AutoscaleStatus, _Mapping]] = ...) -> None: ...
+
+class AutoscaleStatus(_message.Message):
+    __slots__ = ("enabled", "last", "changes", "decisions_total")
+    class DecisionsTotalEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    last: _containers.RepeatedCompositeFieldContainer[PoolDecision]
+    changes: _containers.RepeatedCompositeFieldContainer[PoolDecision]
+    decisions_total: _containers.ScalarMap[str, int]
+    def __init__(self, enabled: _Optional[bool] = ..., last: _Optional[_Iterable[_Union[PoolDecision, _Mapping]]] = ..., changes: _Optional[_Iterable[_Union[PoolDecision, _Mapping]]] = ..., decisions_total: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class PoolDecision(_message.Message):
+    __slots__ = ("pool", "action", "size_before", "size_after", "reason", "at_s")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    action: str
+    size_before: int
+    size_after: int
+    reason: str
+    at_s: float
+    def __init__(self, pool: _Optional[str] = ..., action: _Optional[str] = ..., size_before: _Optional[int] = ..., size_after: _Optional[int] = ..., reason: _Optional[str] = ..., at_s: _Optional[float] = ...) -> None: ...
 
 class PhaseCounts(_message.Message):
     __slots__ = ("instances_by_phase",)
