@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -128,6 +130,8 @@ def run_peers(options: PeersOptions, out_dir: Path,
 
     if options.runs < 1:
         raise PeersError("--runs must be at least 1")
+    # SIGTERM (a `timeout` around the run) unwinds the stacks' context managers: no orphans.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     specs = stack_specs(options.stacks)
     workloads = build_workloads(options)
     model = prepare_model(options.model, progress=echo)
