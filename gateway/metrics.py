@@ -65,6 +65,14 @@ PLACEMENTS = Counter("baton_placement_decisions",
                      "Placements made, by policy and kind of decision.", ["policy", "reason"])
 REJECTIONS = Counter("baton_early_rejections",
                      "Requests rejected before any prefill work, by cause.", ["reason"])
+AUTOSCALE_DECISIONS = Counter(
+    "baton_autoscale_decisions",
+    "Decisions of the autoscaling planner, by pool and action (up, down, hold); from the "
+    "conductor's counts, so a conductor restart starts them again.", ["pool", "action"])
+AUTOSCALE_TARGET = Gauge("baton_autoscale_target_instances",
+                         "The pool size the planner's latest decision asks for.", ["pool"])
+AUTOSCALE_ENABLED = Gauge("baton_autoscale_enabled",
+                          "1 when the planner's decisions are applied, 0 when it only decides.")
 REQUESTS_FINISHED = Counter("baton_request_success",
                             "Requests that streamed to their end, by finish reason.",
                             ["finished_reason"])
@@ -165,6 +173,7 @@ def set_pool_gauges(status) -> None:
         REQUESTS_WAITING.labels(pool).set(sum(r.num_waiting_reqs for r in rows))
         for phase in ("starting", "ready", "draining", "not_ready"):
             POOL_INSTANCES.labels(pool, phase).set(status.pool_sizes.get(pool, {}).get(phase, 0))
+    _set_autoscale(status.autoscale)
     for store in status.stores:
         STORE_BLOCKS.labels(store.node_id, "host").set(store.host_used_blocks)
         STORE_BLOCKS.labels(store.node_id, "disk").set(store.disk_used_blocks)
@@ -173,6 +182,25 @@ def set_pool_gauges(status) -> None:
         for event, count in store.counters.as_dict().items():
             if event not in ("disk_blocks", "soft_pinned_blocks"):
                 STORE_EVENTS.labels(store.node_id, event).set(count)
+
+
+_decisions_seen: dict[str, int] = {}
+
+
+def _set_autoscale(autoscale) -> None:
+    """The planner's decision counts (grown since the last poll) and latest targets."""
+    if autoscale is None:
+        return
+    AUTOSCALE_ENABLED.set(1 if autoscale.enabled else 0)
+    for key, total in autoscale.decisions_total.items():
+        seen = _decisions_seen.get(key, 0)
+        grown = total - seen if total >= seen else total  # fewer: the conductor restarted
+        _decisions_seen[key] = total
+        if grown > 0:
+            pool, action = key.split("/", 1)
+            AUTOSCALE_DECISIONS.labels(pool, action).inc(grown)
+    for decision in autoscale.last:
+        AUTOSCALE_TARGET.labels(decision.pool).set(decision.size_after)
 
 
 class PoolGaugePoller:

@@ -198,3 +198,24 @@ def msgspec_replace(struct, **changes):
     import msgspec
 
     return msgspec.structs.replace(struct, **changes)
+
+
+def test_the_planners_decisions_become_prometheus_series():
+    from prometheus_client import REGISTRY
+
+    from conductor.state import PlacementCounters
+    from gateway.metrics import set_pool_gauges
+
+    def value(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = value("baton_autoscale_decisions_total", pool="prefill", action="up")
+    status = AutoscaleStatus(True, [PoolDecision("prefill", "up", 1, 2, "r"),
+                                    PoolDecision("decode", "hold", 3, 3, "r")], [],
+                             {"prefill/up": 2, "decode/hold": 5})
+    set_pool_gauges(PoolStatus("baton", {}, [], [], PlacementCounters(), [], status))
+    set_pool_gauges(PoolStatus("baton", {}, [], [], PlacementCounters(), [], msgspec_replace(
+        status, enabled=False, decisions_total={"prefill/up": 3, "decode/hold": 5})))
+    assert value("baton_autoscale_decisions_total", pool="prefill", action="up") == before + 3
+    assert value("baton_autoscale_target_instances", pool="decode") == 3.0
+    assert value("baton_autoscale_enabled") == 0.0
