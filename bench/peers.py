@@ -20,16 +20,25 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from bench.peers_client import run_workload, send_one, summarise
 from bench.peers_stacks import DEFAULT_STACKS, PeersError, Stack, StackSpec
-from bench.peers_workloads import (AgentFleetOptions, PeerRequest, PrivatePrefixOptions, Workload,
-                                   agent_fleet_workload, ceiling_hit_ratio, private_prefix_workload)
+from bench.peers_workloads import (
+    AgentFleetOptions,
+    PeerRequest,
+    PrivatePrefixOptions,
+    Workload,
+    agent_fleet_workload,
+    ceiling_hit_ratio,
+    private_prefix_workload,
+)
 
 WORKLOADS = ("private_prefix", "agent_fleet")
 
@@ -211,22 +220,25 @@ def _fmt(value: float | None, digits: int = 0) -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}"
 
 
+def _cell(medians: dict[str, dict], runs: int, key: str, digits: int = 0) -> str:
+    v = medians[key]
+    if runs > 1 and v["median"] is not None:
+        return f"{_fmt(v['median'], digits)} [{_fmt(v['min'], digits)}-{_fmt(v['max'], digits)}]"
+    return _fmt(v["median"], digits)
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = []
     runs = report["options"]["runs"]
     for wname, s in report["summary"].items():
-        lines += [f"### {wname} (ceiling hit ratio {s['ceiling_hit_ratio']:.3f}; medians of "
-                  f"{runs} run(s), [min-max]; ratios vs {s['best_smg']})", "",
-                  "| stack | TTFT mean ms | TTFT p90 ms | TPOT mean ms | E2EL mean ms | output tok/s "
-                  "| hit ratio (vs ceiling) | fan-out TTFT mean ms | TTFT mean x | TTFT p90 x "
-                  "| throughput x |",
+        lines += [(f"### {wname} (ceiling hit ratio {s['ceiling_hit_ratio']:.3f}; medians of "
+                   f"{runs} run(s), [min-max]; ratios vs {s['best_smg']})"), "",
+                  ("| stack | TTFT mean ms | TTFT p90 ms | TPOT mean ms | E2EL mean ms "
+                   "| output tok/s | hit ratio (vs ceiling) | fan-out TTFT mean ms | TTFT mean x "
+                   "| TTFT p90 x | throughput x |"),
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for stack, m in s["medians"].items():
-            def cell(key: str, digits: int = 0) -> str:
-                v = m[key]
-                if runs > 1 and v["median"] is not None:
-                    return f"{_fmt(v['median'], digits)} [{_fmt(v['min'], digits)}-{_fmt(v['max'], digits)}]"
-                return _fmt(v["median"], digits)
+            cell = partial(_cell, m, runs)
             r = s["ratios"].get(stack, {})
             lines.append(" | ".join([
                 f"| {stack}", cell("mean_ttft_ms"), cell("p90_ttft_ms"), cell("mean_tpot_ms"),

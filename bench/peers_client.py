@@ -17,7 +17,8 @@ import json
 import re
 import time
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import httpx
 import msgspec

@@ -23,8 +23,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import httpx
 import msgspec
@@ -122,10 +122,9 @@ class Stack:
 
     def _spawn(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{self.spec.name}-{label}.log", "ab")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
-        log.close()
+        with open(self.log_dir / f"{self.spec.name}-{label}.log", "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env={**os.environ, **(env or {})})
         self.procs.append((label, proc))
 
     def _wait_ready(self, url: str, deadline: float, what: str) -> None:
@@ -147,7 +146,7 @@ class Stack:
                                  f"{self.start_timeout_s:.0f} s; see the logs in {self.log_dir}")
             time.sleep(1.0)
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         launched = time.monotonic()
         deadline = launched + self.start_timeout_s
         try:

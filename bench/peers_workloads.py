@@ -25,22 +25,11 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
-WORDS = (
-    "account action agent answer array batch buffer build cache call case change check client "
-    "code column config context copy count cursor data date debug delta design detail device "
-    "diff disk document draft edge entry error event field file filter format frame function "
-    "graph group handle header history index input issue item job key label layer length limit "
-    "line list load local log loop match memory merge message method model module name network "
-    "node number object offset option order output owner packet page parse patch path pattern "
-    "plan point policy pool port query queue range rate record region report request result "
-    "retry route row rule sample schema scope score search section server session shape signal "
-    "size slice source space stage state status step store stream string table target task test "
-    "thread time token total trace tree type update user value version view window worker zone"
-).split()
+WORDS = ["account", "action", "agent", "answer", "array", "batch", "buffer", "build", "cache", "call", "case", "change", "check", "client", "code", "column", "config", "context", "copy", "count", "cursor", "data", "date", "debug", "delta", "design", "detail", "device", "diff", "disk", "document", "draft", "edge", "entry", "error", "event", "field", "file", "filter", "format", "frame", "function", "graph", "group", "handle", "header", "history", "index", "input", "issue", "item", "job", "key", "label", "layer", "length", "limit", "line", "list", "load", "local", "log", "loop", "match", "memory", "merge", "message", "method", "model", "module", "name", "network", "node", "number", "object", "offset", "option", "order", "output", "owner", "packet", "page", "parse", "patch", "path", "pattern", "plan", "point", "policy", "pool", "port", "query", "queue", "range", "rate", "record", "region", "report", "request", "result", "retry", "route", "row", "rule", "sample", "schema", "scope", "score", "search", "section", "server", "session", "shape", "signal", "size", "slice", "source", "space", "stage", "state", "status", "step", "store", "stream", "string", "table", "target", "task", "test", "thread", "time", "token", "total", "trace", "tree", "type", "update", "user", "value", "version", "view", "window", "worker", "zone"]
 """Common English words: about one SmolLM2 token each after a space."""
 
 TOOLS = (

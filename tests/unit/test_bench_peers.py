@@ -7,9 +7,15 @@ import pytest
 
 from bench.peers import median_table, ratios_vs_best_smg, run_order
 from bench.peers_client import PeerRecord, fanout_stats, reason_kind, summarise
-from bench.peers_workloads import (AgentFleetOptions, PeerRequest, PrivatePrefixOptions,
-                                   agent_fleet_workload, ceiling_hit_ratio, private_prefix_workload,
-                                   system_prompt)
+from bench.peers_workloads import (
+    AgentFleetOptions,
+    PeerRequest,
+    PrivatePrefixOptions,
+    agent_fleet_workload,
+    ceiling_hit_ratio,
+    private_prefix_workload,
+    system_prompt,
+)
 
 
 def words(text: str) -> list[int]:
