@@ -183,9 +183,11 @@ class Stack:
             if not port_free(port):
                 raise PeersError(f"port {port} is taken (baton serve's default, which this "
                                  "benchmark keeps); stop what holds it")
-        self._spawn("serve", [sys.executable, "-m", "cli.main", "serve",
-                              "--prefill", str(self.spec.num_prefill),
-                              "--decode", str(self.spec.num_decode)])
+        argv = [sys.executable, "-m", "cli.main", "serve", "--prefill", str(self.spec.num_prefill),
+                "--decode", str(self.spec.num_decode)]
+        if self.model.name != EngineConfig().model:  # a smoke test's model; none for the default
+            argv += ["--model", self.model.name]
+        self._spawn("serve", argv)
         self.base_url = f"http://127.0.0.1:{BATON_HTTP_PORT}"
         self._wait_ready(self.base_url, deadline, "baton serve")
 
