@@ -19,7 +19,7 @@ import logging
 import statistics
 import time
 from collections import Counter, deque
-from typing import Callable
+from collections.abc import Callable
 
 from cluster.pools import PoolManager
 from conductor.planner import POOLS, ClusterSample, PlannerConfig, PoolSample, plan

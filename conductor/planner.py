@@ -29,8 +29,8 @@ so a pool that just grew does not shrink straight back.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from statistics import fmean
-from typing import Mapping, Sequence
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -47,7 +47,7 @@ class PoolLimits(BaseModel):
     max_instances: int = Field(4, ge=1, description="Most instances the planner asks for.")
 
     @model_validator(mode="after")
-    def _ordered(self) -> "PoolLimits":
+    def _ordered(self) -> PoolLimits:
         if self.max_instances < self.min_instances:
             raise ValueError(f"max_instances {self.max_instances} < min_instances "
                              f"{self.min_instances}")
@@ -92,7 +92,7 @@ class PlannerConfig(BaseModel):
                                    "take to finish its requests (s); it stays draining after.")
 
     @model_validator(mode="after")
-    def _band(self) -> "PlannerConfig":
+    def _band(self) -> PlannerConfig:
         if self.scale_down_frac >= self.scale_up_frac:
             raise ValueError(f"scale_down_frac {self.scale_down_frac} must be below "
                              f"scale_up_frac {self.scale_up_frac} (the hysteresis band)")

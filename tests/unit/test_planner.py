@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from conductor.planner import ClusterSample, PlannerConfig, PoolLimits, PoolSample, plan, plan_pool
+from conductor.planner import (
+    ClusterSample,
+    PlannerConfig,
+    PoolLimits,
+    PoolSample,
+    plan,
+    plan_pool,
+)
 from protos.wire import PoolDecision
 
 CONFIG = PlannerConfig(
