@@ -231,8 +231,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = []
     runs = report["options"]["runs"]
     for wname, s in report["summary"].items():
+        spread = ", [min-max]" if runs > 1 else ""
         lines += [(f"### {wname} (ceiling hit ratio {s['ceiling_hit_ratio']:.3f}; medians of "
-                   f"{runs} run(s), [min-max]; ratios vs {s['best_smg']})"), "",
+                   f"{runs} run(s){spread}; ratios vs {s['best_smg']})"), "",
                   ("| stack | TTFT mean ms | TTFT p90 ms | TPOT mean ms | E2EL mean ms "
                    "| output tok/s | hit ratio (vs ceiling) | fan-out TTFT mean ms | TTFT mean x "
                    "| TTFT p90 x | throughput x |"),

@@ -15,9 +15,10 @@ Two workloads, as issue 16 describes them:
   parallel sub-requests that share the agent's whole context.
 
 The ceiling (``ceiling_hit_ratio``) is what an infinite prefix cache shared by every engine
-could reuse: for each request the longest token prefix it shares with any request released
-before it (or with an earlier step of its own agent), less the last prompt token (an engine
-always computes it), floored to whole KV blocks.
+could reuse: for each request the longest token prefix it shares with any request before it
+in release order (ties: agent, step, sibling; so a fan-out's later siblings reuse the part of
+the context the first one computed), less the last prompt token (an engine always computes it),
+floored to whole KV blocks.
 """
 
 from __future__ import annotations
@@ -216,21 +217,17 @@ def ceiling_hit_ratio(requests: Sequence[PeerRequest], tokenize: Callable[[str],
                       block_tokens: int = 128) -> Ceiling:
     """The most prompt tokens any cache could reuse (see the module docstring).
 
-    A request may reuse a request released strictly before it, or an earlier step of its own
-    agent (released at the same time when think times are 0). ``block_tokens`` is the engines'
-    KV block (vLLM-CPU: 128): hits are whole blocks, and the last prompt token is never one.
+    A request may reuse any request before it in release order (ties broken by agent, step,
+    sibling): an upper bound, as if computing a prefix once served every later request that
+    shares it. ``block_tokens`` is the engines' KV block (vLLM-CPU: 128): hits are whole
+    blocks, and the last prompt token is never one.
     """
     assert block_tokens >= 1
     ordered = sorted(requests, key=lambda r: (r.release_s, r.agent, r.step, r.fanout_index))
     token_lists = [tokenize(r.prompt) for r in ordered]
     prompt_tokens = reusable = 0
-    for i, (request, tokens) in enumerate(zip(ordered, token_lists)):
-        best = 0
-        for j in range(i):
-            earlier = ordered[j]
-            if earlier.release_s < request.release_s or (
-                    earlier.agent == request.agent and earlier.step < request.step):
-                best = max(best, common_prefix_len(tokens, token_lists[j]))
+    for i, tokens in enumerate(token_lists):
+        best = max((common_prefix_len(tokens, token_lists[j]) for j in range(i)), default=0)
         prompt_tokens += len(tokens)
         reusable += min(best, len(tokens) - 1) // block_tokens * block_tokens
     return Ceiling(prompt_tokens, reusable)

@@ -79,13 +79,16 @@ def test_ceiling_counts_whole_blocks_and_keeps_the_last_token():
         req(0, 0, a),                          # cold: 10 tokens, 0 reusable
         req(0, 1, a + " x1 x2"),               # 10 shared -> 8 in blocks of 4
         req(1, 0, a, release_s=1.0),           # whole prompt shared: at most 9 -> 8
-        req(2, 0, "w0 w1 w2 other", release_s=0.0),  # same release, other agent: nothing
+        req(2, 0, "w0 w1 w2 other", release_s=0.0),  # 3 shared with agent 0: under a block
+        req(3, 1, a + " y", release_s=2.0, fanout=0),
+        req(3, 1, a + " z", release_s=2.0, fanout=1),  # its sibling computed the same 10
     ]
     ceiling = ceiling_hit_ratio(requests, words, block_tokens=4)
-    assert ceiling.prompt_tokens == 10 + 12 + 10 + 4
-    assert ceiling.reusable_tokens == 0 + 8 + 8 + 0
-    assert ceiling.hit_ratio == pytest.approx(16 / 36)
-    assert ceiling_hit_ratio(requests, words, block_tokens=1).reusable_tokens == 0 + 10 + 9 + 0
+    assert ceiling.prompt_tokens == 10 + 12 + 10 + 4 + 11 + 11
+    assert ceiling.reusable_tokens == 0 + 8 + 8 + 0 + 8 + 8
+    assert ceiling.hit_ratio == pytest.approx(32 / 58)
+    assert ceiling_hit_ratio(requests, words, block_tokens=1).reusable_tokens == \
+        0 + 10 + 9 + 3 + 10 + 10
 
 
 def test_ceiling_of_the_private_prefix_workload_is_its_agents_own_history():
@@ -95,7 +98,8 @@ def test_ceiling_of_the_private_prefix_workload_is_its_agents_own_history():
     lengths = [3 + 50 + 13 * (s + 1) + 2 for s in range(3)]
     reusable = [0] + [3 + 50 + 13 * s for s in range(1, 3)]
     assert ceiling.prompt_tokens == 2 * sum(lengths)
-    assert ceiling.reusable_tokens == 2 * sum(reusable)
+    # ... and agent 1's first step shares the word "Agent" with agent 0's prompts.
+    assert ceiling.reusable_tokens == 2 * sum(reusable) + 1
 
 
 def record(request_id: str, sent: float, deltas: list[float], prompt: int, cached: int,
