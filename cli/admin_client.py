@@ -19,6 +19,7 @@ import grpc
 from cluster.deployment import NotUp
 from gateway.admin_wire import (
     StatusView,
+    autoscale_from_pb,
     drain_from_pb,
     scale_from_pb,
     soft_pin_from_pb,
@@ -102,6 +103,9 @@ class AdminClient:
 
     def unpin(self, pin_name: str) -> SoftPin:
         return soft_pin_from_pb(self._call("Unpin", apb.UnpinRequest(name=pin_name)))
+
+    def set_autoscale(self, enabled: bool):
+        return autoscale_from_pb(self._call("SetAutoscale", apb.SetAutoscaleRequest(enabled=enabled)))
 
     def _call(self, rpc: str, request, timeout_s: float = QUICK_CALL_TIMEOUT_S):
         return asyncio.run(self._acall(rpc, request, timeout_s))

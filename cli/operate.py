@@ -273,25 +273,22 @@ def autoscale(
     state: str = typer.Argument(..., metavar="on|off", help="on: apply the planner's decisions; "
                                 "off: only make and show them (pools keep their size)."),
     address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+    endpoint: Optional[str] = _ENDPOINT, admin_key_file: Optional[Path] = _ADMIN_KEY_FILE,
+    tls_ca: Optional[Path] = _ADMIN_TLS_CA,
 ) -> None:
     """Turn the autoscaling planner's loop on or off, live (config `autoscale`). Off is the
     incident switch: no pool changes by itself until it is on again; `baton scale` still works.
     Changes already under way (a worker starting, a drain) finish."""
-    from cluster.deployment import set_autoscale
-
     if state not in ("on", "off"):
         err.print(f"[red]error:[/red] '{state}': give on or off")
         raise typer.Exit(EXIT_CONFIG)
-    _connected(address, namespace)
+    operator = _operator(address, name, namespace, endpoint, admin_key_file, tls_ca)
     try:
-        applied = set_autoscale(name, namespace, state == "on")
+        result = operator.set_autoscale(state == "on")
     except Exception as exc:  # noqa: BLE001
         _fail(exc)
-    if not applied:
-        err.print("[red]error:[/red] this cluster runs no planner (started before it existed, or "
-                  "by `baton serve`): `baton down` and `baton up` again to get one")
-        raise typer.Exit(EXIT_FAILED)
-    print(f"autoscale {state}" + ("" if state == "on" else ": the pools keep their size"))
+    for line in autoscale_lines(result):
+        print(line)
 
 
 def scale(

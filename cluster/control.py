@@ -16,7 +16,15 @@ from conductor.conductor import Conductor
 from conductor.config import ConductorConfig
 from conductor.planner import PlannerConfig
 from conductor.policy import PolicyConfig
-from protos.wire import DrainResult, InstanceRow, PoolSizes, PoolStatus, ScaleResult
+from protos.errors import ScaleRefused
+from protos.wire import (
+    AutoscaleStatus,
+    DrainResult,
+    InstanceRow,
+    PoolSizes,
+    PoolStatus,
+    ScaleResult,
+)
 
 
 class ClusterConductor(Conductor):
@@ -45,13 +53,14 @@ class ClusterConductor(Conductor):
         else:
             self.autoscaler.config = config
 
-    async def set_autoscale(self, enabled: bool) -> bool:
-        """Apply the planner's decisions or stop applying them, live (``baton autoscale``).
-        Returns False when this cluster runs no planner."""
+    async def set_autoscale(self, enabled: bool) -> AutoscaleStatus:
+        """Apply the planner's decisions or stop applying them, live (``baton autoscale``);
+        ``ScaleRefused`` when this cluster runs no planner."""
         if self.autoscaler is None:
-            return False
+            raise ScaleRefused("this cluster runs no autoscaling planner (`baton serve`, or a "
+                               "`baton up` older than it): `baton down`, then `baton up`")
         self.autoscaler.set_enabled(enabled)
-        return True
+        return self.autoscaler.status()
 
     async def scale(self, sizes: PoolSizes, timeout_s: float,
                     reason: str = "operator request") -> list[ScaleResult]:

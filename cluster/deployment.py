@@ -177,8 +177,8 @@ def drain(name: str, namespace: str, instance_id: str, timeout_s: float):
     return ray.get(_conductor(name, namespace).drain.remote(instance_id, timeout_s))
 
 
-def set_autoscale(name: str, namespace: str, enabled: bool) -> bool:
-    """Apply the planner's decisions, or stop (``baton autoscale on|off``); False: no planner."""
+def set_autoscale(name: str, namespace: str, enabled: bool):
+    """Apply the planner's decisions, or stop (``baton autoscale on|off``)."""
     return ray.get(_conductor(name, namespace).set_autoscale.remote(enabled))
 
 
@@ -221,6 +221,9 @@ class RayOperator:
 
     def unpin(self, pin_name: str):
         return unpin(self.name, self.namespace, pin_name)
+
+    def set_autoscale(self, enabled: bool):
+        return set_autoscale(self.name, self.namespace, enabled)
 
 
 def down(name: str, namespace: str, progress: Callable[[str], None]) -> list[str]:

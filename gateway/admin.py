@@ -1,9 +1,10 @@
 """``baton.v1.Admin``: the operator verbs on the gateway's port, behind an admin key.
 
-``baton status``, ``scale``, ``drain``, ``pin`` and ``unpin`` reach the conductor through Ray,
-so Ray access is admin access. This service offers the same verbs over gRPC to whoever holds an
-admin key: each RPC calls the conductor actor method ``cluster.deployment`` calls
-(``pool_status``, ``scale``, ``drain``, ``pin_prefix``, ``unpin_prefix``); the gateway adds only
+``baton status``, ``scale``, ``drain``, ``pin``, ``unpin`` and ``autoscale`` reach the conductor
+through Ray, so Ray access is admin access. This service offers the same verbs over gRPC to
+whoever holds an admin key: each RPC calls the conductor actor method ``cluster.deployment``
+calls (``pool_status``, ``scale``, ``drain``, ``pin_prefix``, ``unpin_prefix``,
+``set_autoscale``); the gateway adds only
 the key check, tokenizing a text prefix as the fronts do, and the wire (``gateway.admin_wire``).
 
 Keys come as ``authorization: Bearer <admin key>`` metadata. With no admin key configured every
@@ -23,6 +24,7 @@ import grpc
 
 from gateway.admin_wire import (
     StatusView,
+    autoscale_to_pb,
     drain_to_pb,
     scale_to_pb,
     soft_pin_to_pb,
@@ -55,6 +57,7 @@ _RPCS = {
     "Drain": (apb.DrainRequest, apb.DrainResponse),
     "Pin": (apb.PinRequest, apb.SoftPin),
     "Unpin": (apb.UnpinRequest, apb.SoftPin),
+    "SetAutoscale": (apb.SetAutoscaleRequest, apb.AutoscaleStatus),
 }
 
 
@@ -145,6 +148,13 @@ class AdminServicer:
     async def Unpin(self, request: apb.UnpinRequest, context) -> apb.SoftPin:
         await self._authorize(request, context, "Unpin")
         return soft_pin_to_pb(await self._conductor_call(context, "unpin_prefix", request.name))
+
+    async def SetAutoscale(self, request: apb.SetAutoscaleRequest, context) -> apb.AutoscaleStatus:
+        await self._authorize(request, context, "SetAutoscale")
+        log.warning("autoscale %s by the Admin API from %s", "on" if request.enabled else "off",
+                    context.peer())
+        return autoscale_to_pb(await self._conductor_call(context, "set_autoscale",
+                                                          request.enabled))
 
 
 async def _timeout_s(value: float, context: grpc.aio.ServicerContext) -> float:

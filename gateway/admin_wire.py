@@ -64,13 +64,20 @@ def status_to_pb(view: StatusView) -> apb.StatusResponse:
         if view.fronts.http_port is not None:
             fronts.http_port = view.fronts.http_port
     if pools.autoscale is not None:
-        a = pools.autoscale
-        reply.autoscale.enabled = a.enabled
-        reply.autoscale.last.extend(apb.PoolDecision(**msgspec.structs.asdict(d)) for d in a.last)
-        reply.autoscale.changes.extend(
-            apb.PoolDecision(**msgspec.structs.asdict(d)) for d in a.changes)
-        reply.autoscale.decisions_total.update(a.decisions_total)
+        reply.autoscale.CopyFrom(autoscale_to_pb(pools.autoscale))
     return reply
+
+
+def autoscale_to_pb(a: AutoscaleStatus) -> apb.AutoscaleStatus:
+    return apb.AutoscaleStatus(
+        enabled=a.enabled, last=[apb.PoolDecision(**msgspec.structs.asdict(d)) for d in a.last],
+        changes=[apb.PoolDecision(**msgspec.structs.asdict(d)) for d in a.changes],
+        decisions_total=a.decisions_total)
+
+
+def autoscale_from_pb(m: apb.AutoscaleStatus) -> AutoscaleStatus:
+    return AutoscaleStatus(m.enabled, [_decision(d) for d in m.last],
+                           [_decision(d) for d in m.changes], dict(m.decisions_total))
 
 
 def _decision(m: apb.PoolDecision) -> PoolDecision:
@@ -99,10 +106,7 @@ def status_from_pb(reply: apb.StatusResponse) -> StatusView:
         pool_sizes={pool: dict(p.instances_by_phase) for pool, p in reply.pool_sizes.items()},
         instances=instances, stores=stores, counters=counters,
         recent_events=list(reply.recent_events),
-        autoscale=AutoscaleStatus(
-            reply.autoscale.enabled, [_decision(d) for d in reply.autoscale.last],
-            [_decision(d) for d in reply.autoscale.changes], dict(reply.autoscale.decisions_total))
-        if reply.HasField("autoscale") else None)
+        autoscale=autoscale_from_pb(reply.autoscale) if reply.HasField("autoscale") else None)
     fronts = None
     if reply.HasField("fronts"):
         f = reply.fronts

@@ -110,6 +110,7 @@ EVERY_RPC = {
     "Drain": apb.DrainRequest(instance_id="t-decode-0"),
     "Pin": apb.PinRequest(name="system", text=PREFIX_TEXT),
     "Unpin": apb.UnpinRequest(name="system"),
+    "SetAutoscale": apb.SetAutoscaleRequest(enabled=False),
 }
 BAD_CREDENTIALS = {
     "no key": None,
@@ -390,3 +391,27 @@ async def test_cli_operates_through_the_admin_service(gateway, conductor, tmp_pa
     assert API_KEY not in codes["wrong key"][0].output
     assert "no admin key: pass --admin-key-file FILE or set $BATON_ADMIN_KEY" in codes["no key"][0].stderr
     assert "no Baton gateway answers at 127.0.0.1:1" in codes["unreachable"][0].stderr
+
+
+async def test_set_autoscale_turns_the_planner_off_and_on_without_ray(stub, conductor):
+    from conductor.planner import PlannerConfig
+    from gateway.admin_wire import autoscale_from_pb
+
+    error = await _error(stub.SetAutoscale(apb.SetAutoscaleRequest(enabled=False), timeout=5,
+                                           metadata=_auth()))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION  # no planner: `baton serve`
+    assert error.details().startswith("this cluster runs no autoscaling planner")
+    await conductor.target.start_autoscaler(PlannerConfig(enabled=True, interval_s=3600))
+    try:
+        reply = await stub.SetAutoscale(apb.SetAutoscaleRequest(enabled=False), timeout=5,
+                                        metadata=_auth())
+        assert autoscale_from_pb(reply).enabled is False
+        assert conductor.target.autoscaler.config.enabled is False
+        status = status_from_pb(await stub.Status(apb.StatusRequest(), timeout=5,
+                                                  metadata=_auth()))
+        assert status.pools.autoscale.enabled is False and status.pools.autoscale.last == []
+        reply = await stub.SetAutoscale(apb.SetAutoscaleRequest(enabled=True), timeout=5,
+                                        metadata=_auth())
+        assert reply.enabled and conductor.target.autoscaler.config.enabled
+    finally:
+        conductor.target.autoscaler.stop()

@@ -59,6 +59,11 @@ class AdminStub:
                 request_serializer=baton_dot_v1_dot_admin__pb2.UnpinRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_admin__pb2.SoftPin.FromString,
                 _registered_method=True)
+        self.SetAutoscale = channel.unary_unary(
+                '/baton.v1.Admin/SetAutoscale',
+                request_serializer=baton_dot_v1_dot_admin__pb2.SetAutoscaleRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_admin__pb2.AutoscaleStatus.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -99,6 +104,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetAutoscale(self, request, context):
+        """Applies the autoscaling planner's decisions, or stops applying them (`baton autoscale
+        on|off`). FAILED_PRECONDITION on a cluster that runs no planner.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +139,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Unpin,
                     request_deserializer=baton_dot_v1_dot_admin__pb2.UnpinRequest.FromString,
                     response_serializer=baton_dot_v1_dot_admin__pb2.SoftPin.SerializeToString,
+            ),
+            'SetAutoscale': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetAutoscale,
+                    request_deserializer=baton_dot_v1_dot_admin__pb2.SetAutoscaleRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_admin__pb2.AutoscaleStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +281,33 @@ class Admin:
             '/baton.v1.Admin/Unpin',
             baton_dot_v1_dot_admin__pb2.UnpinRequest.SerializeToString,
             baton_dot_v1_dot_admin__pb2.SoftPin.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetAutoscale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Admin/SetAutoscale',
+            baton_dot_v1_dot_admin__pb2.SetAutoscaleRequest.SerializeToString,
+            baton_dot_v1_dot_admin__pb2.AutoscaleStatus.FromString,
             options,
             channel_credentials,
             insecure,
