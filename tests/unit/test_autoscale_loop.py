@@ -100,6 +100,41 @@ async def test_one_change_per_pool_at_a_time_and_the_cool_down_starts_when_it_fi
     assert [c[:2] for c in pools.calls] == [("prefill", 2), ("decode", 2), ("prefill", 3)]
 
 
+async def test_scale_down_is_a_drain_and_nothing_else_happens_to_the_pool_until_it_left():
+    pools, clock = FakePools(), Clock()
+    pools.sizes["decode"] = 2
+    pools.release = asyncio.Event()  # the drain: requests still running on the leaving instance
+    draining = {"decode": 0}
+
+    async def drain_then_leave(role, size, timeout_s, reason):
+        draining[role] = pools.sizes[role] - size
+        pools.sizes[role] = size
+        pools.calls.append((role, size, reason))
+        await pools.release.wait()
+        draining[role] = 0
+        return ScaleResult(role, size + 1, size, [], [f"c-{role}-1"], [], [])
+
+    pools.scale = drain_then_leave
+
+    def sample(at_s):
+        return ClusterSample(at_s, PoolSample(1),
+                             PoolSample(pools.sizes["decode"], num_draining=draining["decode"]))
+
+    scaler = Autoscaler(CONFIG, pools, sample, clock)
+    await run_steps(scaler, clock, 2)  # idle: decode 2 -> 1 at t=2
+    assert pools.calls == [("decode", 1, "autoscale: peak over 1 instances: ITL ms 0.00 < 20.00, "
+                                      "KV use 0.00 < 0.30")]
+    await run_steps(scaler, clock, 8)
+    assert scaler.status().last[1].reason == "change under way: 0 starting, 1 draining"
+    pools.release.set()
+    await scaler.wait_applied()
+    await run_steps(scaler, clock, 1)  # the cool-down runs from when the drain finished (t=10)
+    assert scaler.status().last[1].reason == "cool-down: 4 s of 5 s left"
+    await run_steps(scaler, clock, 6)
+    assert scaler.status().last[1].reason == "at min_instances 1"
+    assert len(pools.calls) == 1
+
+
 async def test_disabled_it_decides_and_shows_but_applies_nothing_until_enabled():
     pools, clock = FakePools(), Clock()
     scaler = Autoscaler(CONFIG.model_copy(update={"enabled": False}), pools,
