@@ -122,8 +122,8 @@ async def test_scale_down_is_a_drain_and_nothing_else_happens_to_the_pool_until_
 
     scaler = Autoscaler(CONFIG, pools, sample, clock)
     await run_steps(scaler, clock, 2)  # idle: decode 2 -> 1 at t=2
-    assert pools.calls == [("decode", 1, "autoscale: peak over 1 instances: ITL ms 0.00 < 20.00, "
-                                      "KV use 0.00 < 0.30")]
+    why = "autoscale: peak over 1 instances: ITL ms 0.00 < 20.00, KV use 0.00 < 0.30"
+    assert pools.calls == [("decode", 1, why)]
     await run_steps(scaler, clock, 8)
     assert scaler.status().last[1].reason == "change under way: 0 starting, 1 draining"
     pools.release.set()
