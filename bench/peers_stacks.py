@@ -69,13 +69,21 @@ DEFAULT_STACKS = (
 )
 
 
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
+def port_free(port: int, wait_s: float = 30.0) -> bool:
+    """Whether ``port`` can be bound (as servers bind, with SO_REUSEADDR: a previous stack's
+    sockets in TIME_WAIT do not count), waiting up to ``wait_s`` for a stopped server's."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                pass
+        if time.monotonic() > deadline:
             return False
-    return True
+        time.sleep(1.0)
 
 
 def omp_binds(num_engines: int) -> list[str]:
