@@ -89,6 +89,10 @@ class RunGroups(msgspec.Struct, frozen=True):
     run_of: memoryview
 
 
+NO_RUNS = RunGroups((), memoryview(b"").cast("q"), memoryview(b"").cast("q"))
+"""The groups of a prompt no instance holds."""
+
+
 class StreamGap(msgspec.Struct, frozen=True):
     """Events were lost on a stream: ``expected_seq`` was due, ``got_seq`` arrived."""
 
@@ -375,7 +379,9 @@ class KvIndex:
         walk (``prefix_groups`` in C) hands back the distinct runs and two int64 arrays."""
         runs, bits, run_of = prefix_groups(keys, self._device, self._host, self._disk,
                                            self._members_of_mask, self._instances_on)
-        return RunGroups(tuple(PrefixHit(*run) for run in runs), memoryview(bits).cast("q"),
+        if not runs:
+            return NO_RUNS
+        return RunGroups(tuple([PrefixHit(*run) for run in runs]), memoryview(bits).cast("q"),
                          memoryview(run_of).cast("q"))
 
     def bit_of(self, instance_id: str) -> int | None:

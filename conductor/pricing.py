@@ -188,6 +188,13 @@ def best_hit_source(snapshot: ClusterSnapshot, include_decode: bool) -> Instance
     pools = [(snapshot.prefill, groups.prefill_run_of, 0)]
     if include_decode:
         pools.append((snapshot.decode, groups.decode_run_of, 1))
+    if len(runs) == 1:  # the common case (one holder, or a trunk every instance holds)
+        for views, _, pool in pools:
+            p = groups.first_positions(pool)[0]
+            if p >= 0:
+                if views[p].ready:
+                    return views[p]
+                break  # not ready: the walk below finds the next holder in order
     keys = [(run.num_blocks, run.num_blocks_device) for run in runs]
     for key in sorted(set(keys), reverse=True):
         level = [r for r, k in enumerate(keys) if k == key]

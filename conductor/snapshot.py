@@ -167,7 +167,7 @@ class GroupedHits(Mapping[str, PrefixHit]):
     As a mapping it is exactly the plain one (instance id → ``PrefixHit``, holders only); lookups
     go through the pool index, and iterating builds the plain dict once."""
 
-    __slots__ = ("_plain", "_pool_index", "_pools", "decode_run_of", "prefill_run_of", "runs")
+    __slots__ = ("_first", "_plain", "_pool_index", "_pools", "decode_run_of", "prefill_run_of", "runs")
 
     def __init__(self, runs: tuple[PrefixHit, ...], prefill_run_of, decode_run_of,
                  prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
@@ -178,6 +178,7 @@ class GroupedHits(Mapping[str, PrefixHit]):
         self._pools = ((prefill, prefill_run_of), (decode, decode_run_of))
         self._pool_index = pool_index
         self._plain: dict[str, PrefixHit] | None = None
+        self._first: list[list[int] | None] = [None, None]
 
     @classmethod
     def of(cls, hits: Mapping[str, PrefixHit], prefill: Sequence[InstanceView],
@@ -214,7 +215,10 @@ class GroupedHits(Mapping[str, PrefixHit]):
     def first_positions(self, pool: int) -> list[int]:
         """Per run, the first position in the prefill (0) or decode (1) pool holding it (-1:
         none there)."""
-        return _scan.first_positions(self._pools[pool][1], len(self.runs))
+        first = self._first[pool]
+        if first is None:
+            first = self._first[pool] = _scan.first_positions(self._pools[pool][1], len(self.runs))
+        return first
 
     def _as_plain(self) -> dict[str, PrefixHit]:
         if self._plain is None:

@@ -145,9 +145,10 @@ class ConductorState:
         self._pool_index: dict[str, tuple[int, int]] = {}
         """Instance id → (0 prefill / 1 decode, its index in that pool's list); replaced, never
         changed, once a snapshot holds it."""
-        self._bit_where: tuple[object, object] | None = None
+        self._bit_where: tuple[array, array, tuple[memoryview, memoryview]] | None = None
         """Per index bit, its pool (0 prefill, 1 decode, -1 none) and position there, as two
-        int64 arrays (``_grouped``); rebuilt after a membership change."""
+        int64 arrays, and each pool's all-miss run array (``_grouped``); rebuilt after a
+        membership change."""
         self._inflight_keys: dict[bytes, str] = {}
         """Block key → the in-flight prefill computing it (the first one placed)."""
         self.counters = PlacementCounters()
@@ -355,7 +356,7 @@ class ConductorState:
             prefix_hits = self._grouped(prefix_hits)
         # the pool index is replaced, never changed, once a snapshot holds it
         return ClusterSnapshot(self._pools["prefill"], self._pools["decode"], self.counters.placed,
-                               prefix_hits or {}, arrays["prefill"],
+                               prefix_hits if prefix_hits is not None else {}, arrays["prefill"],
                                self._ready_pools["prefill"], self._ready_pools["decode"],
                                arrays["decode"], self._pool_index, self.router_state)
 
@@ -369,9 +370,14 @@ class ConductorState:
             for bit, code, n in where:
                 if bit is not None:
                     pool_of[bit], position_of[bit] = code, n
-            self._bit_where = (pool_of, position_of)
+            no_runs = tuple(memoryview(array("q", [-1]) * len(self._pools[role])).toreadonly()
+                            for role in ("prefill", "decode"))
+            self._bit_where = (pool_of, position_of, no_runs)
         prefill, decode = self._pools["prefill"], self._pools["decode"]
-        runs = _scan.pool_runs(groups.bits, groups.run_of, *self._bit_where, len(prefill), len(decode))
+        pool_of, position_of, no_runs = self._bit_where
+        if not groups.runs:  # no holder: the pools' shared all-miss arrays (read-only)
+            return GroupedHits((), no_runs[0], no_runs[1], prefill, decode, self._pool_index)
+        runs = _scan.pool_runs(groups.bits, groups.run_of, pool_of, position_of, len(prefill), len(decode))
         return GroupedHits(groups.runs, memoryview(runs[0]).cast("q"), memoryview(runs[1]).cast("q"),
                            prefill, decode, self._pool_index)
 

@@ -154,3 +154,20 @@ def test_the_elementwise_prefill_price_is_the_scalar_one_bit_for_bit(coefficient
                              per_token_sq_ms=coefficients[2], per_token_cached_ms=coefficients[3])
     many = model.t_prefill_ms_many(np.asarray(tokens, dtype=np.int64), cached)
     assert many.tolist() == [model.t_prefill_ms(u, cached) for u in tokens]
+
+
+def test_the_best_source_is_the_first_ready_holder_prefill_pool_first():
+    """One run held by p0 (not ready), p1 and d0: p1, the first ready holder in pool order."""
+    from conductor.policy import InstanceView, PrefixHit
+    from conductor.pricing import best_hit_source
+
+    prefill = (InstanceView("p0", ready=False), InstanceView("p1"), InstanceView("p2"))
+    decode = (InstanceView("d0"),)
+    hits = {"p0": PrefixHit(4), "p1": PrefixHit(4), "d0": PrefixHit(4), "p2": PrefixHit(2)}
+    for prefix_hits in (hits, GroupedHits.of(hits, prefill, decode)):
+        snapshot = ClusterSnapshot(prefill, decode, 0, prefix_hits)
+        assert best_hit_source(snapshot, include_decode=True).instance_id == "p1"
+    only_decode = {"p0": PrefixHit(4), "d0": PrefixHit(4)}
+    snapshot = ClusterSnapshot(prefill, decode, 0, GroupedHits.of(only_decode, prefill, decode))
+    assert best_hit_source(snapshot, include_decode=True).instance_id == "d0"
+    assert best_hit_source(snapshot, include_decode=False) is None
