@@ -160,7 +160,8 @@ def _signals(pool: str, samples: Sequence[PoolSample], config: PlannerConfig,
         return [_Signal("TTFT ms", agg(s.predicted_ttft_ms for s in samples) * spread,
                         up * ttft, down * ttft),
                 _Signal("queued prefills/instance",
-                        agg(s.queued_per_instance for s in samples) * spread, up * queue, down * queue)]
+                        agg(s.queued_per_instance for s in samples) * spread,
+                        up * queue, down * queue)]
     itl = config.itl_target_ms
     return [_Signal("ITL ms", agg(s.itl_ms for s in samples) * spread, up * itl, down * itl),
             _Signal("KV use", agg(s.kv_usage_frac for s in samples) * spread,
@@ -215,7 +216,8 @@ def plan_pool(pool: str, window: Sequence[ClusterSample], last_change_s: float |
         return hold(f"within band: peak {high[0].name} over {size - 1} instances "
                     f"{high[0].value:.2f} >= {high[0].down_line:.2f}")
     described = ", ".join(f"{sig.name} {sig.value:.2f} < {sig.down_line:.2f}" for sig in projected)
-    return PoolDecision(pool, "down", size, size - 1, f"peak over {size - 1} instances: {described}")
+    return PoolDecision(pool, "down", size, size - 1,
+                        f"peak over {size - 1} instances: {described}")
 
 
 def plan(window: Sequence[ClusterSample], last_change_s: Mapping[str, float], now_s: float,

@@ -80,7 +80,8 @@ async def test_the_loop_applies_up_then_cools_down_then_holds_at_max():
     assert scaler.status().last[0].reason == "at max_instances 2: mean TTFT ms 3000.00 > 1000.00"
     # the cool-down ran from t=2 (the change finished at once) to t=7
     assert [d.reason for d in scaler.status().changes] == ["mean TTFT ms 3000.00 > 1000.00"]
-    assert scaler.status().decisions_total == {"prefill/hold": 9, "prefill/up": 1, "decode/hold": 10}
+    assert scaler.status().decisions_total == {
+        "prefill/hold": 9, "prefill/up": 1, "decode/hold": 10}
 
 
 async def test_one_change_per_pool_at_a_time_and_the_cool_down_starts_when_it_finished():

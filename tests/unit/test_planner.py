@@ -31,7 +31,8 @@ def decode(itl_ms: float = 0.0, kv: float = 0.0, ready: int = 1, **kw) -> PoolSa
     return PoolSample(num_ready=ready, itl_ms=itl_ms, kv_usage_frac=kv, **kw)
 
 
-def window(pools: list[tuple[PoolSample, PoolSample]], start_s: float = 100.0) -> list[ClusterSample]:
+def window(pools: list[tuple[PoolSample, PoolSample]],
+           start_s: float = 100.0) -> list[ClusterSample]:
     """One sample a second from ``start_s`` on."""
     return [ClusterSample(start_s + i, p, d) for i, (p, d) in enumerate(pools)]
 
@@ -67,7 +68,8 @@ def test_hysteresis_band_holds():
         "prefill", "hold", 2, 2, "within band: peak TTFT ms over 1 instances 600.00 >= 400.00")
     # one sample inside the band keeps a calm window from shrinking
     calm = [(prefill(ttft_ms=100, ready=2), decode())] * 4
-    assert decide("prefill", window(calm + [(prefill(ttft_ms=250, ready=2), decode())])).action == "hold"
+    bump = [(prefill(ttft_ms=250, ready=2), decode())]
+    assert decide("prefill", window(calm + bump)).action == "hold"
     assert decide("prefill", window(calm)) == PoolDecision(
         "prefill", "down", 2, 1,
         "peak over 1 instances: TTFT ms 200.00 < 400.00, queued prefills/instance 0.00 < 1.60")
@@ -84,8 +86,10 @@ def test_cool_down_holds_then_only_fresh_samples_count():
     samples = window([(prefill(ttft_ms=3000, ready=2), decode())] * 30)  # t = 100 .. 129
     assert decide("prefill", samples[:15], last_change_s=100.0) == PoolDecision(
         "prefill", "hold", 2, 2, "cool-down: 6 s of 20 s left")
-    # cool-down over at 120; the samples after the change at 120 are the evidence
-    assert decide("prefill", samples[:22], last_change_s=120.0).reason == "cool-down: 19 s of 20 s left"
+    # a change at t=120 cools the pool until 140; one at t=102 cooled it until 122, and the
+    # samples after the change (within window_s) are the evidence
+    cooling = decide("prefill", samples[:22], last_change_s=120.0)
+    assert cooling.reason == "cool-down: 19 s of 20 s left"
     fresh = decide("prefill", samples[:23], last_change_s=102.0)
     assert fresh == PoolDecision("prefill", "up", 2, 3, "mean TTFT ms 3000.00 > 1000.00")
     # the window forgets what is older than window_s
