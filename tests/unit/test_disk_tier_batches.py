@@ -1,0 +1,161 @@
+"""DiskTier's page-aligned slots for large blocks and ``put_many``: the same answers and bytes as
+a loop of ``put``, one sync per durable batch, a failed write or sync leaving nothing indexed."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from kvstore import disk_tier
+from kvstore.disk_format import (
+    HEADER_BYTES,
+    PAGE_BYTES,
+    payload_offset_for,
+    slot_bytes_for,
+)
+from kvstore.disk_tier import DiskTier
+from kvstore.keys import BlockKey
+
+LARGE_BLOCK_BYTES = 16 * PAGE_BYTES  # a KV-sized block: slots padded to whole pages
+
+
+def k(i: int) -> BlockKey:
+    return BlockKey(i.to_bytes(16, "little"))
+
+
+def block(i: int, size: int = LARGE_BLOCK_BYTES) -> bytes:
+    return bytes([i % 251]) * size
+
+
+def test_large_blocks_get_page_aligned_slots_small_ones_stay_packed():
+    assert slot_bytes_for(LARGE_BLOCK_BYTES) == 17 * PAGE_BYTES
+    assert payload_offset_for(LARGE_BLOCK_BYTES) == PAGE_BYTES
+    assert slot_bytes_for(368_640) == 91 * PAGE_BYTES  # one SmolLM2 block: a header page + 90
+    assert slot_bytes_for(368_640 - 100) == 91 * PAGE_BYTES  # the last page padded
+    assert slot_bytes_for(64) == HEADER_BYTES + 64 and payload_offset_for(64) == HEADER_BYTES
+    assert slot_bytes_for(4096) == HEADER_BYTES + 4096  # alignment would nearly double it
+
+
+@pytest.mark.parametrize("block_bytes", [LARGE_BLOCK_BYTES, 90 * PAGE_BYTES - 100])
+def test_a_large_block_is_a_header_page_and_its_payload_pages(tmp_path, block_bytes):
+    slot_bytes = slot_bytes_for(block_bytes)
+    assert slot_bytes == PAGE_BYTES * (1 + -(-block_bytes // PAGE_BYTES))
+    tier = DiskTier(tmp_path, 4 * slot_bytes, block_bytes)
+    assert tier.num_slots == 4
+    assert tier.put(k(1), None, block(1, block_bytes))
+    assert tier.put(k(2), k(1), block(2, block_bytes))
+    path, offset = tier.block_location(k(2))
+    assert offset == slot_bytes
+    raw = path.read_bytes()[offset:offset + tier.slot_bytes]
+    assert raw[HEADER_BYTES:PAGE_BYTES] == bytes(PAGE_BYTES - HEADER_BYTES)
+    assert raw[PAGE_BYTES:PAGE_BYTES + block_bytes] == block(2, block_bytes)
+    assert raw[PAGE_BYTES + block_bytes:] == bytes(tier.slot_bytes - PAGE_BYTES - block_bytes)
+    assert tier.get(k(2)) == block(2, block_bytes)
+    tier.check_invariants()
+    tier.close()
+    restarted = DiskTier(tmp_path, 4 * slot_bytes, block_bytes)
+    assert sorted(restarted.keys()) == sorted([k(1), k(2)])
+    assert restarted.get(k(1)) == block(1, block_bytes)
+
+
+def test_a_flipped_payload_byte_of_an_aligned_slot_is_a_miss(tmp_path):
+    tier = DiskTier(tmp_path, 4 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
+    tier.put(k(1), None, block(1))
+    path, offset = tier.block_location(k(1))
+    with open(path, "r+b") as f:
+        f.seek(offset + PAGE_BYTES + 5)
+        f.write(b"\xff")
+    assert tier.get(k(1)) is None and tier.stats().corrupt_blocks == 1
+    tier.check_invariants()
+
+
+def test_a_dropped_block_loses_its_header_page(tmp_path):
+    tier = DiskTier(tmp_path, 4 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
+    tier.put(k(1), None, block(1))
+    path, offset = tier.block_location(k(1))
+    assert tier.remove(k(1))
+    raw = path.read_bytes()[offset:offset + tier.slot_bytes]
+    assert raw[:PAGE_BYTES] == bytes(PAGE_BYTES) and raw[PAGE_BYTES:PAGE_BYTES + 8] == block(1)[:8]
+    tier.check_invariants()
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_put_many_answers_like_a_loop_of_put(tmp_path, fsync):
+    batch = DiskTier(tmp_path / "batch", 3 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES, fsync=fsync)
+    loop = DiskTier(tmp_path / "loop", 3 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES, fsync=fsync)
+    for tier in (batch, loop):
+        tier.put(k(0), None, block(0))
+    # present already, new, a duplicate within the batch, new, new (evicts the LRU leaf)
+    blocks = [(k(0), None, block(0)), (k(1), k(0), block(1)), (k(1), k(0), block(1)),
+              (k(2), k(1), block(2)), (k(3), k(2), block(3))]
+    assert batch.put_many(blocks) == [loop.put(*b) for b in blocks]
+    assert sorted(batch.keys()) == sorted(loop.keys())
+    for key in batch.keys():
+        assert batch.get(key) == loop.get(key)
+    batch.check_invariants()
+    assert batch.stats().evictions == loop.stats().evictions
+
+
+def test_a_durable_batch_syncs_once(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES, fsync=True)
+    syncs = []
+    real = os.fdatasync
+    monkeypatch.setattr(disk_tier.os, "fdatasync", lambda fd: (syncs.append(fd), real(fd)))
+    assert tier.put_many([(k(i), None, block(i)) for i in range(5)]) == [True] * 5
+    assert len(syncs) == 1
+    assert tier.put(k(9), None, block(9)) and len(syncs) == 2  # put alone still syncs itself
+
+
+def test_a_failed_sync_drops_the_whole_batch(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES, fsync=True)
+    tier.put(k(0), None, block(0))
+
+    def failing(fd):
+        raise OSError(errno.EIO, "sync failed")
+
+    monkeypatch.setattr(disk_tier.os, "fdatasync", failing)
+    assert tier.put_many([(k(0), None, block(0)), (k(1), k(0), block(1)),
+                          (k(2), k(1), block(2))]) == [True, False, False]
+    assert sorted(tier.keys()) == [k(0)] and tier.stats().write_errors == 2
+    tier.check_invariants()
+
+
+def test_a_failed_write_in_a_batch_frees_its_slot_and_keeps_the_others(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
+    real = os.pwritev
+    calls = []
+
+    def flaky(fd, buffers, offset):  # the first write into the second slot fails
+        if tier.slot_bytes <= offset < 2 * tier.slot_bytes and not calls:
+            calls.append(offset)
+            raise OSError(errno.ENOSPC, "no space")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(disk_tier.os, "pwritev", flaky)
+    assert tier.put_many([(k(i), None, block(i)) for i in range(3)]) == [True, False, True]
+    assert sorted(tier.keys()) == [k(0), k(2)] and tier.stats().write_errors == 1
+    assert tier.get(k(2)) == block(2)
+    tier.check_invariants()
+
+
+def test_a_short_write_resumes_mid_buffer(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 4 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
+    real = os.pwritev
+
+    def short(fd, buffers, offset):  # at most 1,000 bytes a call: every boundary is crossed
+        out, left = [], 1000
+        for b in buffers:
+            if left <= 0:
+                break
+            out.append(memoryview(b)[:left])
+            left -= len(out[-1])
+        return real(fd, out, offset)
+
+    monkeypatch.setattr(disk_tier.os, "pwritev", short)
+    assert tier.put_many([(k(1), None, block(1))]) == [True]
+    assert tier.put(k(2), None, block(2))
+    monkeypatch.setattr(disk_tier.os, "pwritev", real)
+    assert tier.get(k(1)) == block(1) and tier.get(k(2)) == block(2)
+    tier.check_invariants()
