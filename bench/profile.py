@@ -12,8 +12,9 @@ size and context varied independently, so the model's two terms can be told apar
 tokens each; the median inter-token time per point is fitted to ``DecodeCostModel`` on two
 thirds of the points and its error reported on the other third (``decode_points``).
 
-Transfer: Baton's own transfer engine (``bench.kvstore``) moves KV-block batches over the
-same-node shared memory, TCP and disk paths; the measured bandwidths fill ``TransferModel``.
+Transfer: Baton's own transfer engine (``bench.kvstore``'s fair measurements: fresh processes,
+disk reads with the page cache dropped) moves KV-block batches over the same-node shared memory,
+TCP and disk paths; the measured bandwidths fill ``TransferModel``.
 """
 
 from __future__ import annotations
@@ -199,9 +200,9 @@ async def measure_decode(runner: EngineRunner, points: list[tuple[int, int]], se
 def measure_transfer(block_bytes: int, progress: Callable[[str], None]) -> TransferModel:
     from bench.kvstore import run_benchmark
 
-    progress("transfer: shared memory, TCP and disk paths")
+    progress("transfer: shared memory, TCP and disk (page cache dropped), fresh processes")
     results = {r.path: r for r in run_benchmark(block_bytes=block_bytes, num_blocks=32, rounds=3,
-                                                paths=("shm", "tcp", "disk"))}
+                                                paths=("shm", "tcp", "disk-read"), runs=3)}
     defaults = TransferModel()
 
     def link(path: str, default: LinkCost) -> LinkCost:
