@@ -41,7 +41,7 @@ import torch
 
 DEFAULT_STAGING_BLOCKS = 64
 # On CPU, per-block copy_ calls beat gather-then-scatter for blocks at least this large (one copy
-# instead of two); below it the Python loop's overhead wins out (bench.kvcopy, on 2 cores: 98 KiB
+# instead of two); below it the Python loop's overhead wins out (measured on 2 cores: 96 KiB
 # layer blocks 8.9 vs 6.7 GB/s, 12 KiB blocks 2.7 vs 6.4 GB/s).
 CPU_PER_BLOCK_MIN_BYTES = 64 * 1024
 
