@@ -195,7 +195,9 @@ class Stack:
                 "--decode", str(self.spec.num_decode)]
         if self.model.name != EngineConfig().model:  # a smoke test's model; none for the default
             argv += ["--model", self.model.name]
-        self._spawn("serve", argv)
+        # Unset, ray.init() joins any Ray cluster this machine runs (someone's tests) and
+        # `baton serve` then fails; "local" starts its own, as a user's first `baton serve` does.
+        self._spawn("serve", argv, {"RAY_ADDRESS": os.environ.get("RAY_ADDRESS", "local")})
         self.base_url = f"http://127.0.0.1:{BATON_HTTP_PORT}"
         self._wait_ready(self.base_url, deadline, "baton serve")
 
