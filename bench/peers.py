@@ -66,6 +66,9 @@ class PeersOptions(msgspec.Struct, frozen=True):
     start_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     base_port: int = 8100
+    vllm_omp_bind: str = "auto"
+    """SMG's vLLM servers' VLLM_CPU_OMP_THREADS_BIND: 'auto' (one core each, as Baton) or a
+    value for all (e.g. 'nobind')."""
 
 
 def build_workloads(options: PeersOptions) -> dict[str, Workload]:
@@ -177,7 +180,8 @@ def _run_stack(spec: StackSpec, run: int, model, workloads: dict[str, Workload],
                echo: Callable[[str], None]) -> list[dict[str, Any]]:
     """Start one stack fresh, warm it, run every workload on it, stop it."""
     reports = []
-    with Stack(spec, model, out_dir / "logs", options.start_timeout_s, options.base_port) as stack:
+    with Stack(spec, model, out_dir / "logs", options.start_timeout_s, options.base_port,
+               options.vllm_omp_bind) as stack:
         echo(f"  {spec.name} answering after {stack.start_s:.1f} s")
         asyncio.run(_warm(stack, options.request_timeout_s))
         for wname, workload in workloads.items():

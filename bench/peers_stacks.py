@@ -120,9 +120,12 @@ class Stack:
     """Started processes of one stack; ``base_url`` is where its OpenAI API answers."""
 
     def __init__(self, spec: StackSpec, model: PreparedModel, log_dir: Path,
-                 start_timeout_s: float = 300.0, base_port: int = 8100) -> None:
+                 start_timeout_s: float = 300.0, base_port: int = 8100,
+                 vllm_omp_bind: str = "auto") -> None:
         self.spec, self.model, self.log_dir = spec, model, log_dir
         self.start_timeout_s, self.base_port = start_timeout_s, base_port
+        self.vllm_omp_bind = vllm_omp_bind
+        """SMG's vLLM servers: 'auto' (one core each, as Baton binds) or one value for all."""
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.base_url = ""
         self.start_s = 0.0
@@ -177,7 +180,9 @@ class Stack:
                 raise PeersError(f"port {port} is taken; stop what holds it or pass another "
                                  "--base-port")
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        for i, (port, bind) in enumerate(zip(ports, omp_binds(len(ports)))):
+        binds = (omp_binds(len(ports)) if self.vllm_omp_bind == "auto"
+                 else [self.vllm_omp_bind] * len(ports))
+        for i, (port, bind) in enumerate(zip(ports, binds)):
             self._spawn(f"vllm{i}", vllm_server_argv(self.model, config, port),
                         engine_env(config, bind))
         for i, url in enumerate(urls):

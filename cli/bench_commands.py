@@ -319,6 +319,9 @@ def bench_peers(
     max_tokens: int = typer.Option(32, help="Tokens each request generates (ignore_eos)."),
     model: str = typer.Option("smollm2", help="'smollm2' or 'tiny' (a smoke test)."),
     seed: int = typer.Option(0, help="Seed of every prompt and think time."),
+    vllm_omp_bind: str = typer.Option("auto", help="SMG's vLLM servers' OpenMP binding: 'auto' "
+                                      "(one core each, as Baton binds its engines) or one value "
+                                      "for all, e.g. 'nobind'."),
 ) -> None:
     """LIVE, several minutes of both cores: SMG (cache_aware, round_robin) over two co-located
     vLLM servers against `baton serve --prefill 1 --decode 1` and `--prefill 0 --decode 2`,
@@ -335,7 +338,7 @@ def bench_peers(
                                      step_words=step_words, max_tokens=max_tokens, seed=seed),
         fleet=AgentFleetOptions(num_agents=agents, num_steps=steps, system_words=system_words,
                                 fanout_width=fanout_width, max_tokens=max_tokens, seed=seed),
-        model=model)
+        model=model, vllm_omp_bind=vllm_omp_bind)
     try:
         run_peers(options, out_dir, echo=lambda m: err.print(m, highlight=False))
     except BatonError as exc:
