@@ -158,7 +158,7 @@ def _config(tmp_path: Path) -> Path:
             "prefill": {"min_instances": 1, "max_instances": 2},
             "decode": {"min_instances": 1, "max_instances": 2},
             # prefill grows on its queue (the TTFT line out of reach), decode on its ITL
-            "ttft_target_ms": 1e9, "max_queued_prefills_per_instance": 1.5,
+            "ttft_target_ms": 60_000.0, "max_queued_prefills_per_instance": 1.5,
             "itl_target_ms": 1.0, "kv_usage_high_frac": 0.99, "kv_usage_low_frac": 0.5,
             "start_timeout_s": 240.0, "drain_timeout_s": 120.0,
         },
@@ -314,6 +314,13 @@ async def test_a_load_ramp_grows_prefill_then_decode_on_new_ray_nodes_then_drain
         mine = [c[1] for c in changes if c[0] == pool]
         assert mine[0] == "up" and mine[-1] == "down" and mine.count("up") == mine.count("down")
     assert any("autoscale: " in line for line in status.recent_events)
+    # Ray's nodes followed: a second prefill node before a second decode node, never more
+    rows = timeline.rows
+    first = {pool: next(r["t_s"] for r in rows if r["nodes"][pool] == 2)
+             for pool in ("prefill", "decode")}
+    assert first["prefill"] < first["decode"]
+    assert max(r["nodes"]["prefill"] for r in rows) == max(r["nodes"]["decode"] for r in rows) == 2
+    assert all(r["failed"] == 0 for r in rows)
     down = subprocess.run([*BATON, "down", "--name", NAME, "--namespace", NAMESPACE], env=env,
                           cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert down.returncode == 0, down.stderr[-2000:]
