@@ -12,8 +12,8 @@ bytes, with no checksums, pins or protocol):
   trip, one copy out of its arena, XXH3 checks, release) vs ``np.copyto`` of the same blocks out
   of a shared-memory file into the same kind of destinations;
 - ``tcp``: the same read over TCP vs a raw server in another process sending the blocks straight
-  from a shared-memory file (``sendfile``, or ``sendall`` of memoryviews), with socket buffers
-  sized to the batch, into per-block destinations with ``recv_into``;
+  from a shared-memory file (``sendfile``, or ``sendall`` of memoryviews), socket buffers left
+  to the kernel's autotuning, into per-block destinations with ``recv_into``;
 - ``ucx``: the same read over UCX vs a raw ucxx server sending the same blocks (one tagged send
   per block, all in flight) into the same destinations;
 - ``disk-write``: ``DiskTier.put`` of fresh blocks vs one ``pwritev`` of the same blocks into a
@@ -164,9 +164,10 @@ def _shm_baseline(m: Measurement) -> list[float]:
 
 
 def _tune(sock: socket.socket, num_bytes: int) -> None:
+    """No delay; buffer sizes left to the kernel's autotuning, which grows them to
+    ``net.ipv4.tcp_[rw]mem``'s maximum (32 MiB here), where an explicit ``SO_RCVBUF`` is capped
+    at ``net.core.rmem_max`` (4 MiB here) and turns autotuning off: setting them measured slower."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):  # capped by net.core.[rw]mem_max
-        sock.setsockopt(socket.SOL_SOCKET, option, min(num_bytes, 64 << 20))
 
 
 def raw_tcp_server(port_file: str, block_bytes: int, num_blocks: int, mode: str) -> None:

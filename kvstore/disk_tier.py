@@ -75,6 +75,8 @@ __all__ = ["HEADER_BYTES", "SLOT_FILE_NAME", "DiskTier", "DiskTierStats", "find_
 
 logger = logging.getLogger(__name__)
 
+_MAX_RUN_BLOCKS = 128  # blocks per pwritev in put_many: 4 buffers each, under IOV_MAX (1024)
+
 
 
 class DiskTierStats(msgspec.Struct, frozen=True):
@@ -204,34 +206,81 @@ class DiskTier:
 
     def put_many(self, blocks: Sequence[tuple[BlockKey, BlockKey | None, Any]]) -> list[bool]:
         """``put`` of each ``(key, parent, payload)`` in order; element ``i`` of the result is
-        ``put``'s answer for block ``i``. With ``fsync=True`` the batch costs one ``fdatasync``,
-        before returning, instead of one per block, and is durable when this returns; if that
-        sync fails, every block this call wrote is dropped again (``write_errors``) and reads
-        False."""
-        if not self.fsync:
-            return [self.put(key, parent, payload) for key, parent, payload in blocks]
-        self.fsync = False  # one sync for the batch, below
+        ``put``'s answer for block ``i``, except that blocks landing in consecutive free slots
+        are written with one ``pwritev`` and fail together if it fails (``write_errors``, one
+        per block). With ``fsync=True`` the batch costs one ``fdatasync``, before returning,
+        instead of one per block; if that sync fails, every block this call wrote is dropped
+        again and reads False. Nothing is visible to a reader before its write returned (the
+        owner serialises calls); a queued block is indexed and pinned, so eviction for the
+        batch's later blocks treats it as a written one and never picks it."""
+        results = [False] * len(blocks)
+        run: list[tuple[int, BlockKey, int, list[memoryview]]] = []  # consecutive slots
+        written: list[tuple[int, BlockKey]] = []
         try:
-            before = set(self._entries)
-            results = [self.put(key, parent, payload) for key, parent, payload in blocks]
+            for i, (key, parent, payload) in enumerate(blocks):
+                assert len(key) == KEY_SIZE_BYTES and (
+                    parent is None or len(parent) == KEY_SIZE_BYTES)
+                view = as_byte_view(payload)
+                if len(view) != self.block_bytes:
+                    raise ValueError(f"a disk block holds {self.block_bytes} bytes, got {len(view)}")
+                if key in self._entries:
+                    results[i] = True
+                    continue
+                if not self._make_room(self.slot_bytes, guard=parent):
+                    self._rejected_puts += 1
+                    continue
+                slot = heapq.heappop(self._free_slots)
+                if run and (slot != run[-1][2] + 1 or len(run) >= _MAX_RUN_BLOCKS):
+                    written += self._write_run(run)
+                buffers = self._slot_buffers(key, parent, view)
+                self._insert(key, parent, slot, self._next_tick())
+                self.pin(key)
+                run.append((i, key, slot, buffers))
         finally:
-            self.fsync = True
-        written = {key for key, _, _ in blocks if key in self._entries and key not in before}
-        if not written:
-            return results
-        try:
-            os.fdatasync(self._fd)
-        except OSError as e:
-            self._write_errors += len(written)
-            logger.warning("disk tier sync of %d blocks failed; dropping them: %s",
-                           len(written), e)
-            for key in written:
-                entry = self._entries.get(key)
-                if entry is not None and key not in self._pins:
-                    self._drop(entry)
-            self._removed_keys = [k for k in self._removed_keys if k not in written]
-            return [ok and key not in written for ok, (key, _, _) in zip(results, blocks)]
+            written += self._write_run(run)
+        for i, _ in written:
+            results[i] = True
+        if self.fsync and written:
+            try:
+                os.fdatasync(self._fd)
+            except OSError as e:
+                self._write_errors += len(written)
+                logger.warning("disk tier sync of %d blocks failed; dropping them: %s",
+                               len(written), e)
+                for i, key in written:
+                    entry = self._entries.get(key)
+                    if entry is not None and key not in self._pins:
+                        self._drop(entry)
+                    results[i] = False
+                unannounced = {key for _, key in written}  # never reported stored
+                self._removed_keys = [k for k in self._removed_keys if k not in unannounced]
         return results
+
+    def _write_run(self, run: list[tuple[int, BlockKey, int, list[memoryview]]]
+                   ) -> list[tuple[int, BlockKey]]:
+        """Write ``put_many``'s queued blocks in consecutive slots with one ``pwritev`` and
+        unpin them; on failure drop them all. Returns (index, key) of the blocks written."""
+        if not run:
+            return []
+        queued, run[:] = list(run), []
+        try:
+            self._pwrite_all([b for *_, buffers in queued for b in buffers],
+                             queued[0][2] * self.slot_bytes)
+            failure = None
+        except OSError as e:
+            failure = e
+        for _, key, _, _ in queued:
+            self.unpin(key)
+        if failure is None:
+            return [(i, key) for i, key, _, _ in queued]
+        self._write_errors += len(queued)
+        hint = " (disk full: free space or lower the disk tier capacity)" if (
+            failure.errno == errno.ENOSPC) else ""
+        logger.warning("disk tier write of %d blocks failed%s: %s", len(queued), hint, failure)
+        for _, key, _, _ in queued:
+            self._drop(self._entries[key])
+            self._removed_keys.pop()  # never announced as stored: no removal to announce
+        return []
 
     def remove(self, key: BlockKey) -> bool:
         """Delete a block; False when it is absent or pinned (a read is in progress)."""
@@ -491,19 +540,21 @@ class DiskTier:
 
     def _write_slot(self, slot: int, key: BlockKey, parent: BlockKey | None,
                     payload: memoryview) -> None:
-        """Header, payload (and, in aligned slots, the zeros around them: whole pages only)
-        with one ``pwritev``. Checksumming the payload in pieces, each just before writing it
-        from the CPU's cache, measured slower here: a ``pwritev`` per piece costs more than the
-        checksum's own pass over memory (XXH3 runs at 13-23 GB/s on a cold 47 MB batch)."""
+        self._pwrite_all(self._slot_buffers(key, parent, payload), slot * self.slot_bytes)
+        if self.fsync:
+            os.fdatasync(self._fd)
+
+    def _slot_buffers(self, key: BlockKey, parent: BlockKey | None,
+                      payload: memoryview) -> list[memoryview]:
+        """The whole slot as buffers for one ``pwritev``: header and payload, and in aligned
+        slots the zeros around them (whole pages only). Checksumming the payload in pieces, each
+        just before writing it from the CPU's cache, measured slower here: a ``pwritev`` per
+        piece costs more than the checksum's own pass (XXH3: 13-23 GB/s on a cold 47 MB batch)."""
         header = memoryview(pack_header(key, parent, payload))
         if self._aligned:
             gap = memoryview(self._cleared_prefix)[HEADER_BYTES:]
-            buffers = [header, gap, payload, memoryview(self._padding)]
-        else:
-            buffers = [header, payload]
-        self._pwrite_all(buffers, slot * self.slot_bytes)
-        if self.fsync:
-            os.fdatasync(self._fd)
+            return [header, gap, payload, memoryview(self._padding)]
+        return [header, payload]
 
     def _pwrite_all(self, buffers: list[memoryview], offset: int) -> None:
         """``pwritev`` of ``buffers`` at ``offset``; a short write (rare) resumes where it

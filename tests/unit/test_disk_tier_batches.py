@@ -122,21 +122,39 @@ def test_a_failed_sync_drops_the_whole_batch(tmp_path, monkeypatch):
     tier.check_invariants()
 
 
-def test_a_failed_write_in_a_batch_frees_its_slot_and_keeps_the_others(tmp_path, monkeypatch):
+def test_a_failed_write_in_a_batch_drops_the_blocks_it_carried(tmp_path, monkeypatch):
     tier = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
+    assert tier.put(k(9), None, block(9))  # slot 0; the batch's run is slots 1-3
     real = os.pwritev
-    calls = []
+    failures = []
 
-    def flaky(fd, buffers, offset):  # the first write into the second slot fails
-        if tier.slot_bytes <= offset < 2 * tier.slot_bytes and not calls:
-            calls.append(offset)
+    def flaky(fd, buffers, offset):  # the batch's one write fails, once
+        if not failures:
+            failures.append(offset)
             raise OSError(errno.ENOSPC, "no space")
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(disk_tier.os, "pwritev", flaky)
-    assert tier.put_many([(k(i), None, block(i)) for i in range(3)]) == [True, False, True]
-    assert sorted(tier.keys()) == [k(0), k(2)] and tier.stats().write_errors == 1
-    assert tier.get(k(2)) == block(2)
+    tier.drain_removed_keys()
+    assert tier.put_many([(k(i), None, block(i)) for i in range(3)]) == [False] * 3
+    assert failures == [tier.slot_bytes] and tier.stats().write_errors == 3
+    assert tier.keys() == [k(9)] and tier.drain_removed_keys() == []  # never announced
+    tier.check_invariants()
+    assert tier.put_many([(k(i), None, block(i)) for i in range(3)]) == [True] * 3
+    assert [tier.get(k(i)) for i in range(3)] == [block(i) for i in range(3)]
+    tier.check_invariants()
+
+
+def test_consecutive_slots_go_in_one_write(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
+    real = os.pwritev
+    offsets = []
+    monkeypatch.setattr(disk_tier.os, "pwritev",
+                        lambda fd, buffers, offset: (offsets.append(offset),
+                                                     real(fd, buffers, offset))[1])
+    assert tier.put_many([(k(i), None, block(i)) for i in range(5)]) == [True] * 5
+    assert offsets == [0]
+    assert [tier.get(k(i)) for i in range(5)] == [block(i) for i in range(5)]
     tier.check_invariants()
 
 
