@@ -37,11 +37,12 @@ class EngineConfig(BaseModel):
     )
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine's batch.")
     async_kv_transfers: bool = Field(
-        True, description="KV loads and saves off the engine's step: a request's KV is copied "
-        "in (and a step's blocks out) on the connector's own threads while the engine steps "
-        "its other sequences, store calls batched per step and never waited for on vLLM's "
-        "scheduler thread. false: the synchronous path (copies and store calls on the step), "
-        "the baseline of `baton bench itl`.")
+        True, description="KV loads and saves off the engine's step: a step's blocks are saved, "
+        "and a request's KV is loaded, on the connector's own threads while the engine steps "
+        "its other sequences (a load cheap enough to cost the running sequences at most 10% of "
+        "a step is copied on the step instead), store calls batched per step and not waited "
+        "for on vLLM's scheduler thread. false: the synchronous path (copies and store calls "
+        "on the step), the baseline of `baton bench itl`.")
     enforce_eager: bool = Field(
         True, description="Skip torch.compile/CUDA graphs: ~3 s start instead of ~70 s on CPU."
     )

@@ -96,10 +96,11 @@ class PendingRuns:
         self._client, self._ref, self.arena_path = client, ref, arena_path
         self._key_lists, self._done = key_lists, done  # to ask a new store on a loss
 
-    def ready(self) -> bool:
+    def ready(self, timeout_s: float = 0.0) -> bool:
+        """Whether the answer is here, waiting at most ``timeout_s`` for it."""
         if self._done is not None:
             return True
-        ready, _ = ray.wait([self._ref], num_returns=1, timeout=0)
+        ready, _ = ray.wait([self._ref], num_returns=1, timeout=timeout_s)
         return bool(ready)
 
     def result(self) -> list[StoreSlots]:

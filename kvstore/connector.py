@@ -124,6 +124,8 @@ class BatonConnector(ConnectorSchedulerHalf, ConnectorWorkerHalf, KVConnectorBas
         self._final_saves: list[SaveSpec] = []
         self._releases: dict[str, list[BlockKey]] = {}
         self._stepping = False
+        self._step_s = 0.05
+        self._last_meta_at = 0.0
         # worker half
         self._layers: list[torch.Tensor] = []
         self._device = torch.device("cpu")

@@ -155,6 +155,9 @@ class LoadSpec:
     unpin_also: list[BlockKey] = field(default_factory=list)
     """Blocks the lookup pinned that are not loaded (cached locally already, or past what the
     engine must compute itself): unpinned with ``keys``, in one call."""
+    on_step: bool = True
+    """Copied on the step, before its forward pass (a load cheap enough, or the synchronous
+    baseline); else asynchronously, reported by ``get_finished`` once landed."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ A mixin of ``BatonConnector``, which sets the attributes declared below in its `
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,19 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvstore.connector")  # one logger for the connector, whichever half logs
+log = logging.getLogger("kvstore.connector")
+
+LOOKUP_WAIT_FRACTION = 0.05
+"""While other sequences step, a new request's lookup answer is waited for at most this
+fraction of a step (capped by ``LOOKUP_WAIT_MAX_S``): normally answered within it (a local
+round trip), it saves the request a whole step; else it is asked again next step."""
+LOOKUP_WAIT_MAX_S = 0.003
+SYNC_LOAD_FRACTION = 0.1
+"""A load whose copy takes at most this fraction of a step is copied on the step (the running
+sequences wait that long, once); a longer one is loaded asynchronously."""
+ASSUMED_COPY_BYTES_PER_S = 2e9
+"""The copy speed assumed until the engine has measured its own."""
+STEP_EWMA = 0.2  # one logger for the connector, whichever half logs
 
 
 def _carried(request: "Request") -> dict[str, Any]:
@@ -84,6 +97,8 @@ class _RequestState:
     """Pinned by the lookup, not loaded: unpinned with the pinned blocks."""
     known_stored: int = 0
     """Leading prompt blocks the store held at the lookup: never saved again."""
+    load_on_step: bool = True
+    """The pinned blocks are copied on the step, before its forward pass (not asynchronously)."""
     has_saves: bool = False
     """A ``SaveSpec`` was handed to the worker half: it reports when the blocks are written."""
 
@@ -111,6 +126,9 @@ class ConnectorSchedulerHalf:
     _releases: dict[str, list[BlockKey]]
     _stepping: bool
     """The last step scheduled work: a wait on the store now would hold running sequences."""
+    _step_s: float
+    """How long the engine's steps take (an exponential average of the last ones), in s."""
+    _last_meta_at: float
 
     def _state(self, request: "Request") -> _RequestState:
         state = self._requests.get(request.request_id)
@@ -187,7 +205,8 @@ class ConnectorSchedulerHalf:
             self._lookups_unsent.append(state)
         self._send_lookups()
         pending = state.lookup_sent
-        if self._stepping and not pending.ready():
+        if self._stepping and not pending.ready(min(LOOKUP_WAIT_FRACTION * self._step_s,
+                                                    LOOKUP_WAIT_MAX_S)):
             return None  # vLLM asks again next step; the others step meanwhile
         answer = pending.result()[state.lookup_index]
         state.lookup_sent = None
@@ -225,7 +244,22 @@ class ConnectorSchedulerHalf:
         state.pinned, state.pinned_slots = state.keys[keep], slots[keep]
         state.pinned_arena = arena_path
         state.first_load_block = first_block
-        return num_external, self._async
+        state.load_on_step = not self._async or self._cheap_on_step(num_blocks)
+        return num_external, not state.load_on_step
+
+    def _cheap_on_step(self, num_blocks: int) -> bool:
+        """Whether copying ``num_blocks`` blocks on the step (before its forward pass) costs the
+        running sequences less than ``SYNC_LOAD_FRACTION`` of a step. Such a load is copied on
+        the step: an asynchronous load costs its own request two steps (copied during one,
+        scheduled on the next). Nothing running: always on the step (it holds no one)."""
+        if not self._stepping:
+            return True
+        copied = self.stats.loaded_bytes
+        speed = copied / self.stats.load_seconds if copied and self.stats.load_seconds else (
+            ASSUMED_COPY_BYTES_PER_S)
+        arena = self._store.arena  # one slot holds one block of every layer
+        nbytes = num_blocks * (arena.slot_bytes if arena is not None else 0)
+        return nbytes / speed <= SYNC_LOAD_FRACTION * self._step_s
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -246,6 +280,7 @@ class ConnectorSchedulerHalf:
                 keys=state.pinned,
                 arena_path=state.pinned_arena,
                 unpin_also=state.unpin_also,
+                on_step=state.load_on_step,
             )
         )
         state.unpin_also = []
@@ -256,6 +291,10 @@ class ConnectorSchedulerHalf:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         self._send_lookups()
         self._send_unpins()
+        now = time.monotonic()
+        if self._stepping and self._last_meta_at:  # the step just ended: how long steps take
+            self._step_s += STEP_EWMA * (now - self._last_meta_at - self._step_s)
+        self._last_meta_at = now
         self._stepping = scheduler_output.total_num_scheduled_tokens > 0
         meta = BatonConnectorMetadata(loads=self._loads_ready, saves=self._final_saves)
         self._loads_ready, self._final_saves = [], []

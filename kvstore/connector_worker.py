@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
@@ -51,6 +51,18 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
 
 log = logging.getLogger("kvstore.connector")  # one logger for the connector, whichever half logs
+
+
+def _inference(work: Callable) -> Callable:
+    """``work`` run under ``torch.inference_mode`` on a transfer thread, as on the engine's: the
+    arena's view may have been made on either (an inference tensor, which may only be written
+    in inference mode)."""
+
+    def run(*args):
+        with torch.inference_mode():
+            return work(*args)
+
+    return run
 
 
 @dataclass
@@ -190,19 +202,15 @@ class ConnectorWorkerHalf:
         self._ensure_layers(forward_context)
         if not meta.loads:
             return
-        if self._async:  # copied while the engine steps; reported by ``get_finished``
-            loads = self._transfers.loading
-            for load in meta.loads:
-                loads[load.request_id] = (self._thread("load").submit(self._copy_in, load), load)
-            return
         released: dict[str, list[BlockKey]] = {}
-        started = time.perf_counter()
         for load in meta.loads:
-            if not self._copy_in(load):  # pinned by a store that was replaced since: recompute
+            if not load.on_step:  # copied while the engine steps; reported by ``get_finished``
+                job = self._thread("load").submit(_inference(self._copy_in), load)
+                self._transfers.loading[load.request_id] = (job, load)
+            elif not self._copy_in(load):  # pinned by a store that was replaced since: recompute
                 self._fail_load(load)
-                continue
-            self._loaded(load, released)
-        self.stats.load_seconds += time.perf_counter() - started
+            else:
+                self._loaded(load, released)
         self._release(released)
 
     def _copy_in(self, load: LoadSpec) -> bool:
@@ -212,8 +220,7 @@ class ConnectorWorkerHalf:
             return False
         started = time.perf_counter()
         self._copier("load").load(arena_layers, load.slots, load.block_ids).wait()
-        if self._async:
-            self.stats.load_seconds += time.perf_counter() - started
+        self.stats.load_seconds += time.perf_counter() - started
         return True
 
     def _loaded(self, load: LoadSpec, released: dict[str, list[BlockKey]]) -> None:
@@ -253,7 +260,7 @@ class ConnectorWorkerHalf:
             self._apply(self._write(meta.saves))
             self._transfers.saving |= requests  # written: reported finished when vLLM is done
             return
-        job = self._thread("save").submit(self._write, meta.saves)
+        job = self._thread("save").submit(_inference(self._write), meta.saves)
         self._ledger.started(job)
         t = self._transfers
         t.saves.append((job, requests))

@@ -132,6 +132,11 @@ def autoscaling_ray():
         ray.shutdown()
         _stop(port)
         os.unlink(f.name)
+        # `ray start` names its cluster the current one: a later `ray.init()` (every other
+        # test's local cluster) would try to join it
+        current = Path("/tmp/ray/ray_current_cluster")
+        if current.exists() and current.read_text().strip() == address:
+            current.unlink()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

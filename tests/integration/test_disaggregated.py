@@ -366,6 +366,7 @@ async def test_the_next_agent_step_loads_the_replys_kv_the_decode_engine_saved(s
     decode = cluster.actor(cluster.decode_ids[0])
     prefill = cluster.actor(cluster.prefill_ids[0])
     prompt = random_prompt(BLOCK + 72, seed=71)  # one full block and a tail
+    saved_before = (await decode.connector_counters.remote()).saved_blocks
     reply: list[int] = []
     step = EngineRequest("agent-step-1", tuple(prompt), SamplingOptions(max_tokens=2 * BLOCK,
                                                                         temperature=0.0))
@@ -378,16 +379,18 @@ async def test_the_next_agent_step_loads_the_replys_kv_the_decode_engine_saved(s
     reply_blocks = (len(prompt) + len(reply) - 1) // BLOCK
     assert reply_blocks == 3
 
-    async def next_step(request_id: str, history: list[int]):
-        deadline = time.monotonic() + 5
-        while True:  # the decode engine's saves are written off its step, then committed
-            result = await prefill.prefill.remote(EngineRequest(
-                request_id, tuple(history + tool_result), SamplingOptions(max_tokens=1)))
-            if result.num_loaded_tokens >= reply_blocks * BLOCK or time.monotonic() > deadline:
-                return result
-            await asyncio.sleep(0.1)
+    # the decode engine computed the prompt itself: it saves its full block and its tail, then,
+    # once the request finished, the two blocks the reply completed (off its step)
+    deadline = time.monotonic() + 10
+    while (await decode.connector_counters.remote()).saved_blocks - saved_before < 4:
+        assert time.monotonic() < deadline, (
+            f"the decode engine saved {(await decode.connector_counters.remote())} since "
+            f"{saved_before}")
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)  # their commit, sent once written
 
-    done = await next_step("agent-step-2", prompt + reply)
+    done = await prefill.prefill.remote(EngineRequest(
+        "agent-step-2", tuple(prompt + reply + tool_result), SamplingOptions(max_tokens=1)))
     assert done.num_loaded_tokens == reply_blocks * BLOCK
     other_reply = random_prompt(len(reply), seed=73)
     control = await prefill.prefill.remote(EngineRequest(

@@ -128,7 +128,7 @@ def test_a_load_is_reported_finished_only_once_its_bytes_are_in_the_engines_bloc
     arena[2] = torch.randn(NUM_LAYERS, *BLOCK_SHAPE)
     arena[4] = torch.randn(NUM_LAYERS, *BLOCK_SHAPE)
     load = LoadSpec("r", block_ids=[5, 1], slots=[2, 4], keys=[b"k2", b"k4"], arena_path=ARENA,
-                    unpin_also=[b"k0"])
+                    unpin_also=[b"k0"], on_step=False)
 
     assert step(connector, BatonConnectorMetadata(loads=[load])) == (None, None)
     time.sleep(0.05)
@@ -149,7 +149,8 @@ def test_a_load_from_an_arena_that_is_gone_is_reported_with_its_blocks_to_recomp
     gate = threading.Event()
     gate.set()
     connector, store = worker_half(gate)
-    load = LoadSpec("r", block_ids=[3, 4], slots=[0, 1], keys=[b"a", b"b"], arena_path="/gone")
+    load = LoadSpec("r", block_ids=[3, 4], slots=[0, 1], keys=[b"a", b"b"], arena_path="/gone",
+                    on_step=False)
 
     first = step(connector, BatonConnectorMetadata(loads=[load]))  # may be found at once
     assert (first if first != (None, None) else until(connector)) == (None, {"r"})
@@ -186,3 +187,44 @@ def test_a_request_with_nothing_to_save_is_never_reported_as_sending():
     gate.set()
     connector, store = worker_half(gate)
     assert step(connector, BatonConnectorMetadata(), finished={"other"}) == (None, None)
+
+
+def test_a_load_cheap_enough_is_copied_on_the_step_before_the_forward_pass():
+    """Copied inside ``start_load_kv`` (vLLM runs it before the forward pass when a step has
+    such a load) and never reported as an asynchronous load."""
+    gate = threading.Event()
+    gate.set()
+    connector, store = worker_half(gate)
+    store.arena.view()[1] = torch.randn(NUM_LAYERS, *BLOCK_SHAPE)
+    load = LoadSpec("r", block_ids=[2], slots=[1], keys=[b"k1"], arena_path=ARENA, on_step=True)
+
+    connector._connector_metadata = BatonConnectorMetadata(loads=[load])
+    connector.start_load_kv(None)
+    for index, layer in enumerate(connector._layers):  # landed before the forward pass
+        assert torch.equal(layer[2], store.arena.view()[1, index])
+    assert store.released == [[b"k1"]]
+    assert connector.get_finished(set()) == (None, None)
+
+
+class _Slots:
+    slot_bytes = 1_000_000
+
+
+def scheduler_half(stepping: bool, step_s: float, loaded_bytes: int = 0,
+                   load_seconds: float = 0.0) -> BatonConnector:
+    connector = object.__new__(BatonConnector)
+    connector._stepping, connector._step_s = stepping, step_s
+    connector.stats = ConnectorStats(loaded_bytes=loaded_bytes, load_seconds=load_seconds)
+    connector._store = type("S", (), {"arena": _Slots()})()
+    return connector
+
+
+def test_a_load_goes_on_the_step_only_when_it_costs_the_running_sequences_little():
+    # nothing running: on the step, whatever its size
+    assert scheduler_half(False, 0.05)._cheap_on_step(10_000)
+    # a measured 1 GB/s and 100 ms steps: up to 10 ms of copying (10 blocks of 1 MB) on the step
+    busy = scheduler_half(True, 0.1, loaded_bytes=10**9, load_seconds=1.0)
+    assert busy._cheap_on_step(10) and not busy._cheap_on_step(11)
+    # before any measurement the assumed speed (2 GB/s) decides
+    assert scheduler_half(True, 0.1)._cheap_on_step(20)
+    assert not scheduler_half(True, 0.1)._cheap_on_step(21)
