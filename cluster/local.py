@@ -174,6 +174,7 @@ class LocalCluster:
         else:
             self.progress("starting a local Ray cluster")
             ray.init(
+                address="local",  # not whatever cluster `ray start` left running on this box
                 namespace=self.namespace,
                 num_cpus=os.cpu_count(),
                 resources={PREFILL_RESOURCE: _POOL_SLOTS, DECODE_RESOURCE: _POOL_SLOTS},
