@@ -109,7 +109,10 @@ def _stop(port: int) -> None:
 
 @pytest.fixture(scope="module")
 def autoscaling_ray():
-    saved = {k: os.environ.get(k) for k in ("BATON_TRANSFER_TOKEN", "RAY_AUTH_MODE")}
+    # (ray.init sets RAY_ADDRESS for this process: restored, or later tests would join a
+    # cluster that is gone)
+    saved = {k: os.environ.get(k) for k in ("BATON_TRANSFER_TOKEN", "RAY_AUTH_MODE",
+                                            "RAY_ADDRESS")}
     os.environ.setdefault("BATON_TRANSFER_TOKEN", "autoscale-test-transfer-secret")
     os.environ["RAY_AUTH_MODE"] = "disabled"  # the CLI subprocesses and the fake nodes agree
     ip = ray.util.get_node_ip_address()
