@@ -15,6 +15,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every test's Ray cluster runs without Ray's token auth, the same for the whole session: the
+# fake autoscaling cluster needs it off, and Ray fixes its auth mode in-process at the first
+# ray.init (a later local cluster with token auth refused this process: "Missing authorization")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest  # noqa: E402
 
