@@ -51,6 +51,25 @@ class PromptBlocks(msgspec.Struct, frozen=True):
     """Of those, the full blocks (the rest, 0 or 1, is the tail)."""
 
 
+class Lease(msgspec.Struct, frozen=True):
+    """Retention a request asks of the KV store for its prompt's leading blocks: a session step
+    (``lease_id`` "s-..."), or a ``cache_control`` breakpoint ("c-..."). The store keeps leased
+    blocks past plain LRU blocks within a tier (below operator soft pins), demotes them host →
+    disk rather than dropping them, and carries the lease along when the blocks are pulled to
+    another node. Naming a lease again replaces its blocks and renews its TTL."""
+
+    lease_id: str
+    """Scoped already: a session's id is hashed with its caller's API key and tenant."""
+    tenant: str
+    """Whose cap the leased bytes count against (the request's cache salt; '' is the public one)."""
+    ttl_s: float
+    """Seconds the lease lives without being named again."""
+    num_tokens: int
+    """The leased prefix: prompt tokens ``[0, num_tokens)``; its whole blocks are leased."""
+    include_output: bool = False
+    """Also the blocks the reply completes (a session's next step extends them)."""
+
+
 class EngineRequest(msgspec.Struct, frozen=True):
     """One tokenized request as the workers see it."""
 
@@ -71,6 +90,16 @@ class EngineRequest(msgspec.Struct, frozen=True):
     store_lookup: bool = True
     """False: the placement expects no block of the prompt to be cached anywhere it can reach,
     so the engine's connector does not ask the store (one round trip less per prefill)."""
+    cache_salt_offset: int = 0
+    """Token offset from which ``cache_salt`` applies to the store's and the index's keys (the
+    blocks wholly before it are keyed unsalted: a public trunk shared across tenants); 0: the
+    whole prompt. vLLM's own prefix cache keeps the whole-prompt salt."""
+    leases: tuple[Lease, ...] = ()
+    """Retention asked for this prompt's blocks (session step, cache breakpoints)."""
+    session_id: str = ""
+    """The scoped session id ("s-..." , '' for none): the conductor's session table key."""
+    expected_next_step_s: float = 0.0
+    """The client's estimate of the seconds until the session's next step; 0: unknown."""
 
 
 class PlacementRequest(msgspec.Struct, frozen=True):
@@ -83,6 +112,10 @@ class PlacementRequest(msgspec.Struct, frozen=True):
     """The prompt's chain-hashed full-block keys, in order (what ``prefix_hits`` was matched on)."""
     max_tokens: int = 0
     """Most tokens the request may generate (sizes its decode KV for admission)."""
+    session_id: str = ""
+    """The scoped session this request is a step of ('' for none)."""
+    expected_next_step_s: float = 0.0
+    """The client's estimate of the seconds until the session's next step; 0: unknown."""
 
 
 class Placement(msgspec.Struct, frozen=True):

@@ -7,6 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id", "tenant", "api_key")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tenant: str
+    api_key: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., api_key: _Optional[str] = ...) -> None: ...
+
+class SessionClosed(_message.Message):
+    __slots__ = ("session_id", "num_steps", "released_blocks")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_steps: int
+    released_blocks: int
+    def __init__(self, session_id: _Optional[str] = ..., num_steps: _Optional[int] = ..., released_blocks: _Optional[int] = ...) -> None: ...
+
 class SetAutoscaleRequest(_message.Message):
     __slots__ = ("enabled",)
     ENABLED_FIELD_NUMBER: _ClassVar[int]

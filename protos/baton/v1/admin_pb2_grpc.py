@@ -64,6 +64,11 @@ class AdminStub:
                 request_serializer=baton_dot_v1_dot_admin__pb2.SetAutoscaleRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_admin__pb2.AutoscaleStatus.FromString,
                 _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/baton.v1.Admin/CloseSession',
+                request_serializer=baton_dot_v1_dot_admin__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_admin__pb2.SessionClosed.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -112,6 +117,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseSession(self, request, context):
+        """Ends an agent session: its leases are released on every store node and its blocks become
+        ordinary LRU blocks. NOT_FOUND when no such session is live.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +157,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.SetAutoscale,
                     request_deserializer=baton_dot_v1_dot_admin__pb2.SetAutoscaleRequest.FromString,
                     response_serializer=baton_dot_v1_dot_admin__pb2.AutoscaleStatus.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=baton_dot_v1_dot_admin__pb2.CloseSessionRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_admin__pb2.SessionClosed.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +326,33 @@ class Admin:
             '/baton.v1.Admin/SetAutoscale',
             baton_dot_v1_dot_admin__pb2.SetAutoscaleRequest.SerializeToString,
             baton_dot_v1_dot_admin__pb2.AutoscaleStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Admin/CloseSession',
+            baton_dot_v1_dot_admin__pb2.CloseSessionRequest.SerializeToString,
+            baton_dot_v1_dot_admin__pb2.SessionClosed.FromString,
             options,
             channel_credentials,
             insecure,
