@@ -15,6 +15,7 @@ from conductor.planner import PlannerConfig
 from conductor.policy import SERVES_WITHOUT_PREFILL_POOL
 from engine.config import EngineConfig
 from gateway.config import AuthConfig, EngineGrpcConfig, GatewayConfig, HttpConfig
+from gateway.sessions import SessionsConfig
 from kvstore.config import KVStoreConfig
 from protos.errors import ConfigError
 
@@ -81,6 +82,7 @@ class ClusterConfig(BaseModel):
     http: HttpConfig = HttpConfig()
     auth: AuthConfig = AuthConfig()
     engine_grpc: EngineGrpcConfig = EngineGrpcConfig()
+    sessions: SessionsConfig = SessionsConfig()
     conductor: ConductorConfig = ConductorConfig()
     autoscale: PlannerConfig = PlannerConfig()
     redis: RedisConfig = RedisConfig()
