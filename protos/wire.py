@@ -535,3 +535,13 @@ class SoftPin(msgspec.Struct, frozen=True):
     num_blocks: int
     num_tokens: int
     present_blocks_by_node: dict[str, int]
+
+
+class SessionEnd(msgspec.Struct, frozen=True):
+    """What closing a session ended (the conductor's answer to ``close_session``)."""
+
+    session_id: str
+    """The scoped id ("s-...")."""
+    num_steps: int
+    released_blocks: int
+    """Leased blocks released on the store nodes (they are ordinary LRU blocks now)."""
