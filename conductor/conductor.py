@@ -23,6 +23,7 @@ from conductor.config import ConductorConfig
 from conductor.kv_feed import KvEventFeed
 from conductor.kv_index import StreamGap
 from conductor.policy import PolicyConfig, PrefixHit
+from conductor.sessions import SessionCounters, SessionView
 from conductor.state import ConductorState, PlacementCounters
 from kvstore.keys import BlockKey
 from protos.errors import InvalidRequest, NoWorkerReady
@@ -33,6 +34,7 @@ from protos.wire import (
     Placement,
     PlacementRequest,
     Registration,
+    SessionEnd,
     SoftPin,
     StoreRow,
 )
@@ -116,7 +118,8 @@ class Conductor:
         if not self._tasks:
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._engine_events()), loop.create_task(self._store_events()),
-                           loop.create_task(self._refresh_forever())]
+                           loop.create_task(self._refresh_forever()),
+                           loop.create_task(self._sessions_forever())]
 
     # ------------------------------------------------------------------ membership
 
@@ -456,6 +459,63 @@ class Conductor:
             sock.close()
 
     # ------------------------------------------------------------------ worker load
+
+    # ------------------------------------------------------------------ agent sessions
+
+    async def close_session(self, session_id: str) -> SessionEnd | None:
+        """End a session (the client's or an operator's call): forget it and release its lease
+        on every store node, so its blocks are ordinary LRU blocks again. None: no live session
+        of that id (its leases, if any were left, are released all the same)."""
+        session = self.state.sessions.close(session_id)
+        released = await self._release_leases(session_id)
+        if session is None:
+            return None
+        return SessionEnd(session_id, session.num_steps, released)
+
+    async def session(self, session_id: str) -> SessionView | None:
+        return self.state.sessions.view(session_id)
+
+    async def session_counters(self) -> SessionCounters:
+        return self.state.sessions.counters
+
+    async def _release_leases(self, lease_id: str) -> int:
+        released = 0
+        for node_id, name in sorted(self._store_actors.items()):
+            try:
+                store = ray.get_actor(name, namespace=self._namespace)
+                released += await asyncio.wait_for(store.release_lease.remote(lease_id), timeout=5)
+            except Exception as exc:  # noqa: BLE001 - a lost node keeps no leases anyway
+                log.warning("could not release lease %s on store node %s: %s", lease_id, node_id, exc)
+        return released
+
+    async def _sessions_forever(self) -> None:
+        """End the sessions whose TTL lapsed (the store nodes expire their leases themselves),
+        and prefetch the blocks of sessions whose next step is due."""
+        while True:
+            await asyncio.sleep(min(self._config.stats_interval_s, 0.25))
+            self.state.sessions.expire()
+            if not self._config.session_prefetch:
+                continue
+            for view in self.state.sessions.due_for_prefetch(self._config.session_prefetch_lead_s):
+                try:
+                    await self._prefetch(view)
+                except Exception as exc:  # noqa: BLE001 - a prefetch only ever saves time
+                    log.info("prefetch of session %s failed: %s", view.session_id, exc)
+
+    async def _prefetch(self, view: SessionView) -> None:
+        """Bring the session's prefix back to host memory on the node of the instance its last
+        step prefilled on (where placement expects its next step): a store ``acquire`` promotes
+        the blocks it finds on disk, and the pins are dropped at once."""
+        keys = [BlockKey(k) for k in self.state.sessions.prefix(view.session_id)]
+        name = self._store_actors.get(self.state.node_of(view.prefill_instance)) if (
+            view.prefill_instance and self.state.role_of(view.prefill_instance)) else None
+        if not keys or name is None:
+            return
+        store = ray.get_actor(name, namespace=self._namespace)
+        slots = await asyncio.wait_for(store.acquire.remote(keys), timeout=5)
+        await asyncio.wait_for(store.release.remote(keys[:len(slots)]), timeout=5)
+        self.state.sessions.counters.prefetches += 1
+        self.state.sessions.counters.prefetched_blocks += len(slots)
 
     async def _refresh_forever(self) -> None:
         while True:

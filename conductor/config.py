@@ -42,6 +42,15 @@ class ConductorConfig(BaseModel):
         "without it (ms)."
     )
 
+    session_prefetch: bool = Field(
+        True, description="Shortly before an agent session's expected next step (the client's "
+        "expected_next_step_s, else its median past pause), bring its blocks back from disk to "
+        "host memory on the node its last step ran on."
+    )
+    session_prefetch_lead_s: float = Field(
+        1.0, ge=0, description="How long before the expected next step the prefetch starts (s)."
+    )
+
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:

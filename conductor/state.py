@@ -39,6 +39,7 @@ from conductor.policy import (
     admit,
     with_prices,
 )
+from conductor.sessions import SessionTable
 from conductor.snapshot import GroupedHits
 from protos.wire import Placement, PlacementRequest
 
@@ -159,6 +160,10 @@ class ConductorState:
         self.calibration = calibration
         """Refits the prefill model from measured prefills (``prefill_done``'s ``prefill_ms``),
         or None: the configured model stays."""
+        self.sessions = SessionTable(clock)
+        """Live agent sessions: each one's last placement, prefix and pauses."""
+        self._session_of: dict[str, str] = {}
+        """Request id → the session it is a step of (requests that name one)."""
 
     # ------------------------------------------------------------------ membership and load
 
@@ -406,6 +411,12 @@ class ConductorState:
             self.counters.rejected += 1
             raise
         self._book(request, placement)
+        if request.session_id:
+            self.sessions.step(request.session_id, request.block_keys, request.session_ttl_s,
+                               request.expected_next_step_s)
+            self.sessions.placed(request.session_id, placement.prefill_instance,
+                                 placement.decode_instance)
+            self._session_of[request.request_id] = request.session_id
         if self.router_state is not None:
             self.router_state.record(request.block_keys, placement.prefill_instance)
         log.debug("placed %s: prefill=%s decode=%s T=transfer %.1f + queue %.1f + prefill %.1f ms; %s",
@@ -504,6 +515,9 @@ class ConductorState:
     def finished(self, request_id: str) -> None:
         """The request is over (streamed to the end, failed, or cancelled)."""
         self.prefill_done(request_id, None)
+        session_id = self._session_of.pop(request_id, None)
+        if session_id is not None:
+            self.sessions.finished(session_id)
         instance_id = self._decodes.pop(request_id, None)
         inst = self._instances.get(instance_id) if instance_id else None
         if inst is not None:

@@ -51,8 +51,10 @@ class DecodeWorker(EngineWorker):
         first_token_ms: float | None = None
         num_tokens = 0
         num_top = request.sampling.num_logprobs
+        generated: list[int] = []
         async for output in self.runner.generate(request):
             completion = output.outputs[0]
+            generated.extend(completion.token_ids)
             logprobs = position_logprobs(completion.token_ids, completion.logprobs, num_top)
             now = time.perf_counter()
             if completion.token_ids:
@@ -66,6 +68,7 @@ class DecodeWorker(EngineWorker):
                     num_tokens > 1) else None
                 self._record_request(len(request.prompt_token_ids), output.num_cached_tokens or 0,
                                      first_token_ms, itl_ms)
+                self.apply_leases(request, generated)
                 yield TokenChunk(
                     token_ids=tuple(completion.token_ids),
                     text=completion.text,

@@ -27,6 +27,7 @@ from protos.wire import (
     PlacementRequest,
     PrefillResult,
     PromptBlocks,
+    SessionEnd,
     TokenChunk,
 )
 
@@ -161,8 +162,13 @@ class LiveRouter:
     def _placement_request(request: EngineRequest) -> PlacementRequest:
         """The request as the conductor prices it: its full-block keys, so the KV index can
         match them."""
+        ttl_s = next((lease.ttl_s for lease in request.leases
+                      if lease.lease_id == request.session_id), 0.0)
         return PlacementRequest(request.request_id, len(request.prompt_token_ids),
-                                full_block_keys(request), request.sampling.max_tokens)
+                                full_block_keys(request), request.sampling.max_tokens,
+                                session_id=request.session_id,
+                                expected_next_step_s=request.expected_next_step_s,
+                                session_ttl_s=ttl_s)
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[RouterEvent]:
         timer = metrics.RequestTimer(time.perf_counter())
@@ -243,6 +249,12 @@ class LiveRouter:
             elif isinstance(error, NoWorkerReady):
                 metrics.REJECTIONS.labels("no_worker_ready").inc()
             raise error from exc
+
+    async def close_session(self, session_id: str) -> SessionEnd | None:
+        """End the scoped session ``session_id`` (``gateway.sessions``): the conductor forgets
+        it and the store nodes release its lease. None: no such live session."""
+        self.calls.count("conductor.close_session")
+        return await self._conductor.close_session.remote(session_id)
 
     def _report_dead(self, instance_id: str, exc: BaseException) -> None:
         self._handles.pop(instance_id, None)

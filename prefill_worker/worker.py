@@ -44,6 +44,7 @@ class PrefillWorker(EngineWorker):
                 num_cached_tokens = output.num_cached_tokens
             last = output
         await self._saves_readable()
+        self.apply_leases(request)
         done = request_transfer(last)  # what the connector did, with the last output
         # asynchronous saves: counted once written (the baseline counts them with the output)
         num_stored_blocks = done.num_stored_blocks + save_ledger(self.instance_id).take_stored(

@@ -116,6 +116,8 @@ class PlacementRequest(msgspec.Struct, frozen=True):
     """The scoped session this request is a step of ('' for none)."""
     expected_next_step_s: float = 0.0
     """The client's estimate of the seconds until the session's next step; 0: unknown."""
+    session_ttl_s: float = 0.0
+    """Seconds the session lives without a step (its lease's TTL); 0: the conductor's default."""
 
 
 class Placement(msgspec.Struct, frozen=True):

@@ -109,6 +109,51 @@ class EngineWorker:
         extras = KeyExtras(model_id=self.model.name, cache_salt=request.cache_salt, kv_layout=layout)
         return prompt_block_keys(request.prompt_token_ids, block_size, extras)
 
+    def _store_actor(self):
+        """This node's store actor (looked up once; None without a store)."""
+        if self._store is None:
+            return None
+        if self._store_handle is None:
+            import ray
+
+            self.calls.count("gcs.get_actor")
+            self._store_handle = ray.get_actor(self._store.store_actor,
+                                               namespace=self._store.namespace)
+        return self._store_handle
+
+    def apply_leases(self, request: EngineRequest, generated: tuple[int, ...] | list[int] = ()
+                     ) -> int:
+        """Ask this node's store to retain the blocks ``request.leases`` name (a session step's
+        prompt and reply, a ``cache_control`` prefix): their whole blocks, leased under each
+        lease's id and TTL. Blocks still being written are leased as they land (the store
+        remembers the keys). Sent without waiting: a lease never delays a reply. Returns the
+        keys named."""
+        if not request.leases or self._store is None:
+            return 0
+        from kvstore.keys import chain_keys
+
+        _, block_size = self.runner.kv_layout()
+        prompt_keys = self.prompt_keys(request)[:len(request.prompt_token_ids) // block_size]
+        named = 0
+        for lease in request.leases:
+            keys = prompt_keys[:min(lease.num_tokens, len(request.prompt_token_ids)) // block_size]
+            if lease.include_output and generated and keys and len(keys) == len(prompt_keys):
+                tokens = (*request.prompt_token_ids, *generated)
+                rest = tokens[len(keys) * block_size:]
+                keys = [*keys, *chain_keys(keys[-1], rest, block_size)]
+            if not keys:
+                continue
+            try:
+                self.calls.count("store.lease", "sent")
+                self._store_actor().lease.remote(lease.lease_id, lease.tenant, keys, lease.ttl_s)
+            except Exception:  # noqa: BLE001 - a lost store keeps no leases: the KV is recomputed
+                self._store_handle = None
+                log.warning("could not lease request %s's blocks (%s)", request.request_id,
+                            lease.lease_id, exc_info=True)
+                continue
+            named += len(keys)
+        return named
+
     async def _pull_remote_kv(self, request: EngineRequest) -> int:
         """Bring the prompt's blocks held on ``request.kv_source_node`` (the first
         ``request.kv_source_blocks`` of them, or all) into this node's store over the transfer
@@ -119,8 +164,6 @@ class EngineWorker:
         source = request.kv_source_node
         if not source or source == self.node_id or self._store is None:
             return 0
-        import ray
-
         from kvstore.node import NO_TRANSFER, TransferPlan
 
         keys = self.prompt_keys(request)
@@ -129,12 +172,8 @@ class EngineWorker:
         if not keys:
             return 0
         try:
-            if self._store_handle is None:
-                self.calls.count("gcs.get_actor")
-                self._store_handle = ray.get_actor(self._store.store_actor,
-                                                   namespace=self._store.namespace)
             self.calls.count("store.execute")
-            result = await self._store_handle.execute.remote(TransferPlan(source, tuple(keys)))
+            result = await self._store_actor().execute.remote(TransferPlan(source, tuple(keys)))
         except Exception:  # noqa: BLE001 - the store actor is gone: recompute
             self._store_handle = None  # look it up again next time: it may have been replaced
             log.warning("pull of request %s's KV from node %s failed", request.request_id, source,

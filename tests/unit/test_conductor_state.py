@@ -246,3 +246,26 @@ def test_a_kept_snapshot_is_not_changed_by_later_decisions_or_membership():
     now = state.snapshot()
     assert now.prefill_arrays.queued_prefill_ms[0] == 128.0 and now.decode_arrays.load[0] == 1
     assert now.pool_index["p2"] == (0, 2)
+
+
+def test_placing_a_session_step_records_its_placement_prefix_and_pause():
+    state, clock = make()
+    step = PlacementRequest("a", len(PROMPT), request("a", PROMPT).block_keys, 8,
+                            session_id="s-x", session_ttl_s=30.0)
+    placed = state.place(step)
+    view = state.sessions.view("s-x")
+    assert (view.num_steps, view.prefill_instance, view.decode_instance, view.num_prefix_blocks,
+            view.ttl_s) == (1, placed.prefill_instance, placed.decode_instance, 8, 30.0)
+    state.finished("a")
+    clock.now += 4.0
+    longer = PROMPT + list(range(9000, 9000 + 2 * BS))
+    state.place(PlacementRequest("b", len(longer), request("b", longer).block_keys, 8,
+                                 session_id="s-x"))
+    assert state.sessions.view("s-x").num_steps == 2
+    assert list(state.sessions._sessions["s-x"].gaps) == [4.0]
+    state.finished("b")
+    assert state.sessions.view("s-x").idle_s == 0.0  # just finished
+    # a request without a session leaves the table alone
+    state.place(request("c", PROMPT))
+    state.finished("c")
+    assert len(state.sessions) == 1 and state.sessions.counters.steps == 2
