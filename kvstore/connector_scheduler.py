@@ -41,7 +41,14 @@ from kvstore.connector_meta import (
     LoadSpec,
     SaveSpec,
 )
-from kvstore.keys import BlockKey, KeyExtras, chain_keys, prompt_block_keys, root_key, unpack_keys
+from kvstore.keys import (
+    BlockKey,
+    KeyExtras,
+    continue_keys,
+    first_salted_block,
+    prompt_block_keys,
+    unpack_keys,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -155,9 +162,16 @@ class ConnectorSchedulerHalf:
                         "(%s); hashing its prompt here", request.request_id, scheme,
                         (self._model_id, self._kv_layout, self._block_size))
         self.stats.hashed_prompts += 1
-        extras = KeyExtras(model_id=self._model_id, cache_salt=request.cache_salt or "",
-                           kv_layout=self._kv_layout)
-        return prompt_block_keys(prompt, self._block_size, extras)
+        return prompt_block_keys(prompt, self._block_size, self._key_extras(request))
+
+    def _key_extras(self, request: "Request") -> KeyExtras:
+        """The store's key scheme for ``request``: this engine's, with the request's salt from
+        the offset it carries (``kvstore.keys``: segmented salts; vLLM's own cache keeps the
+        whole-prompt salt)."""
+        offset = _carried(request).get("cache_salt_offset", 0)
+        return KeyExtras(model_id=self._model_id, cache_salt=request.cache_salt or "",
+                         kv_layout=self._kv_layout,
+                         salt_from_block=first_salted_block(int(offset), self._block_size))
 
     def _unpin_keys(self, keys: list[BlockKey], arena_path: str) -> None:
         """Unpin ``keys``: with asynchronous transfers, together with the step's other unpins
@@ -349,11 +363,9 @@ class ConnectorSchedulerHalf:
         if last <= first or first > len(state.keys):
             return None
         tokens = request.all_token_ids[first * self._block_size: last * self._block_size]
-        parent = state.keys[first - 1] if first > 0 else root_key(KeyExtras(
-            model_id=self._model_id, cache_salt=request.cache_salt or "",
-            kv_layout=self._kv_layout))
-        keys = chain_keys(parent, tokens, self._block_size)
-        parents = [parent, *keys[:-1]]
+        keys = continue_keys(state.keys[:first], tokens, self._block_size,
+                             self._key_extras(request))
+        parents = [state.keys[first - 1] if first > 0 else None, *keys[:-1]]
         granted = self._store.reserve_later(keys, parents) if not self._async else None
         if granted is not None:
             state.reservations.append(granted)
