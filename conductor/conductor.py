@@ -195,18 +195,26 @@ class Conductor:
 
     # ------------------------------------------------------------------ operator pins
 
-    async def pin_prefix(self, name: str, token_ids: list[int], cache_salt: str = "") -> SoftPin:
+    async def pin_prefix(self, name: str, token_ids: list[int], cache_salt: str = "",
+                         cache_salt_offset: int = 0) -> SoftPin:
         """Soft-pin a prompt prefix (a system prompt) on every store node, now and on nodes that
         join later: its blocks are evicted from host memory last. Pinning a name again replaces
-        its prefix."""
-        from kvstore.keys import KeyExtras, block_keys
+        its prefix. The keys are the store's: ``cache_salt`` from token ``cache_salt_offset`` on
+        (segmented salts, ``kvstore.keys``); a public trunk that tenants' requests salt only
+        after it is pinned with no salt."""
+        from kvstore.keys import KeyExtras, block_keys, first_salted_block
 
         scheme = self._key_scheme
         if scheme is None:
             raise NoWorkerReady("no engine has registered yet, so the block keys are unknown; "
                                 "pin once `baton status` shows a ready instance")
+        if not 0 <= cache_salt_offset <= len(token_ids):
+            raise InvalidRequest(f"cache_salt_offset must be from 0 to the prefix's "
+                                 f"{len(token_ids)} tokens, got {cache_salt_offset}")
         keys = block_keys(token_ids, scheme.block_size_tokens,
-                          KeyExtras(scheme.model_id, cache_salt, "", scheme.kv_layout))
+                          KeyExtras(scheme.model_id, cache_salt, "", scheme.kv_layout,
+                                    first_salted_block(cache_salt_offset,
+                                                       scheme.block_size_tokens)))
         if not keys:
             raise InvalidRequest(f"the prefix has {len(token_ids)} tokens, less than one block "
                                  f"({scheme.block_size_tokens}): nothing to pin")

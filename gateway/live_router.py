@@ -18,7 +18,14 @@ from ray.exceptions import RayActorError, RayTaskError
 from conductor.policy import Overloaded
 from gateway import metrics
 from gateway.router import Placed, RouterEvent
-from kvstore.keys import KEY_SIZE_BYTES, KeyExtras, pack_keys, prompt_block_keys, unpack_keys
+from kvstore.keys import (
+    KEY_SIZE_BYTES,
+    KeyExtras,
+    first_salted_block,
+    pack_keys,
+    prompt_block_keys,
+    unpack_keys,
+)
 from protos.errors import BatonError, NoWorkerReady, WorkerFailed
 from protos.wire import (
     CallCounts,
@@ -63,16 +70,20 @@ def continuation(request: EngineRequest, generated: list[int]) -> EngineRequest:
     if blocks is not None:  # the prompt's full blocks keep their keys; the reply's are hashed here
         blocks = prompt_blocks(prompt, request.cache_salt, blocks.model_id, blocks.kv_layout,
                                blocks.block_size_tokens,
-                               unpack_keys(blocks.keys)[:blocks.num_full_blocks])
+                               unpack_keys(blocks.keys)[:blocks.num_full_blocks],
+                               cache_salt_offset=request.cache_salt_offset)
     return msgspec.structs.replace(request, prompt_token_ids=prompt, sampling=sampling,
                                    kv_source_node="", kv_source_blocks=None, blocks=blocks)
 
 
 def prompt_blocks(token_ids: tuple[int, ...], cache_salt: str, model_id: str, kv_layout: str,
-                  block_size_tokens: int, known_full: list[bytes] | tuple = ()) -> PromptBlocks:
+                  block_size_tokens: int, known_full: list[bytes] | tuple = (), *,
+                  cache_salt_offset: int = 0) -> PromptBlocks:
     """The block identity of a prompt under the engines' key scheme: the one place a request's
-    prompt is hashed (``known_full``: keys of its leading full blocks, hashed before)."""
-    extras = KeyExtras(model_id, cache_salt, "", kv_layout)
+    prompt is hashed (``known_full``: keys of its leading full blocks, hashed before). The salt
+    applies from token ``cache_salt_offset`` on (``kvstore.keys``: segmented salts)."""
+    extras = KeyExtras(model_id, cache_salt, "", kv_layout,
+                       first_salted_block(cache_salt_offset, block_size_tokens))
     keys = prompt_block_keys(token_ids, block_size_tokens, extras, known_full)
     return PromptBlocks(model_id, kv_layout, pack_keys(keys), block_size_tokens,
                         len(token_ids) // block_size_tokens)
@@ -156,7 +167,7 @@ class LiveRouter:
             return request
         return msgspec.structs.replace(request, blocks=prompt_blocks(
             request.prompt_token_ids, request.cache_salt, scheme.model_id, scheme.kv_layout,
-            scheme.block_size_tokens))
+            scheme.block_size_tokens, cache_salt_offset=request.cache_salt_offset))
 
     @staticmethod
     def _placement_request(request: EngineRequest) -> PlacementRequest:

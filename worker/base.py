@@ -98,7 +98,13 @@ class EngineWorker:
         """The store keys of ``request``'s prompt blocks, as this engine's connector names them
         (full blocks, then the partial tail): the ones the request carries from the gateway,
         hashed here only when it carries none under this engine's key scheme."""
-        from kvstore.keys import KeyExtras, kv_layout_tag, prompt_block_keys, unpack_keys
+        from kvstore.keys import (
+            KeyExtras,
+            first_salted_block,
+            kv_layout_tag,
+            prompt_block_keys,
+            unpack_keys,
+        )
 
         dtype, block_size = self.runner.kv_layout()
         layout = kv_layout_tag(dtype, block_size)
@@ -106,7 +112,8 @@ class EngineWorker:
         if blocks is not None and (blocks.model_id, blocks.kv_layout, blocks.block_size_tokens) == (
                 self.model.name, layout, block_size):
             return unpack_keys(blocks.keys)
-        extras = KeyExtras(model_id=self.model.name, cache_salt=request.cache_salt, kv_layout=layout)
+        extras = KeyExtras(model_id=self.model.name, cache_salt=request.cache_salt, kv_layout=layout,
+                           salt_from_block=first_salted_block(request.cache_salt_offset, block_size))
         return prompt_block_keys(request.prompt_token_ids, block_size, extras)
 
     def _store_actor(self):
