@@ -15,8 +15,9 @@ Invariants (``check_invariants`` asserts all of them):
 - a WRITING block is pinned exactly once, by its writer, and only READY blocks are acquired;
 - a block is evictable iff it is READY, unpinned and has no present children ("LRU over leaves"):
   a shared ancestor goes only after all of its descendants, so the trunk outlives the twigs;
-- evictable blocks go in order of ``eviction_priority``: blocks soft-pinned by an operator only
-  when no other block is evictable, then least recently used first.
+- evictable blocks go in order of ``eviction_priority``, by class and least recently used first
+  within a class: plain blocks, then leased blocks (a live lease names them:
+  ``kvstore.leases``), then blocks soft-pinned by an operator (soft pins rank above leases).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class BlockInfo(msgspec.Struct, frozen=True):
     last_access_tick: int
     num_children: int
     soft_pinned: bool
+    leased: bool = False
 
 
 class StoreStats(msgspec.Struct, frozen=True):
@@ -80,6 +82,11 @@ class StoreStats(msgspec.Struct, frozen=True):
     acquire_hits_blocks: int
     evicted_blocks: int
     reserve_rejected_blocks: int
+    leased_blocks: int = 0
+    """Blocks a live lease names, now (a level)."""
+    evicted_leased_blocks: int = 0
+    """Leased blocks evicted anyway: nothing plain was evictable (demoted, where a disk tier
+    takes them)."""
 
 
 @dataclass(slots=True)
@@ -92,15 +99,25 @@ class _Block:
     last_access_tick: int
     num_children: int = 0
     soft_pinned: bool = False
+    leased: bool = False
+
+
+PLAIN, LEASED, SOFT_PINNED = 0, 1, 2
+"""Eviction classes, first to go first."""
+
+
+def eviction_class(soft_pinned: bool, leased: bool) -> int:
+    """Soft pins rank above leases, leases above plain LRU blocks (shared with the disk tier)."""
+    return SOFT_PINNED if soft_pinned else LEASED if leased else PLAIN
 
 
 def eviction_priority(block: _Block) -> tuple[int, int]:
-    """The eviction policy: smallest goes first. Soft-pinned blocks form a later class; LRU within.
+    """The eviction policy: smallest goes first. The class (``eviction_class``), then LRU within.
 
     Computed when a block becomes evictable; it must not change while the block stays evictable
-    (the store re-files a block whenever its tick or soft pin changes).
+    (the store re-files a block whenever its tick, soft pin or lease changes).
     """
-    return (1 if block.soft_pinned else 0, block.last_access_tick)
+    return (eviction_class(block.soft_pinned, block.leased), block.last_access_tick)
 
 
 class BlockStore:
@@ -131,6 +148,8 @@ class BlockStore:
         self._num_writing = 0
         self._num_pinned = 0
         self._num_soft_pinned = 0
+        self._num_leased = 0
+        self._evicted_leased_blocks = 0
         self._acquire_queries_blocks = 0
         self._acquire_hits_blocks = 0
         self._evicted_blocks = 0
@@ -270,6 +289,27 @@ class BlockStore:
         """Clear the operator pin of the leading present keys; returns how many were present."""
         return self._set_soft_pin(keys, False)
 
+    def set_leased(self, keys: Sequence[BlockKey], leased: bool) -> int:
+        """Mark the present ``keys`` as leased (or plain again); returns how many are present.
+
+        Leased blocks are evicted after plain ones and before soft-pinned ones. The mark is a
+        flag the owner keeps in line with its lease registry (absent keys are skipped: the
+        owner marks them when they are committed); it disappears with the block, and changing
+        it leaves the block's recency as it was.
+        """
+        num_present = 0
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is None:
+                continue
+            num_present += 1
+            if block.leased != leased:
+                block.leased = leased
+                self._num_leased += 1 if leased else -1
+                self._evictable.pop(key, None)  # its priority changed: file it afresh
+                self._refile(block)
+        return num_present
+
     def evict(self, num_blocks: int) -> list[BlockKey]:
         """Evict up to ``num_blocks`` blocks in eviction order; returns their keys in that order."""
         evicted: list[BlockKey] = []
@@ -302,6 +342,7 @@ class BlockStore:
             last_access_tick=block.last_access_tick,
             num_children=block.num_children,
             soft_pinned=block.soft_pinned,
+            leased=block.leased,
         )
 
     def stats(self) -> StoreStats:
@@ -319,6 +360,8 @@ class BlockStore:
             acquire_hits_blocks=self._acquire_hits_blocks,
             evicted_blocks=self._evicted_blocks,
             reserve_rejected_blocks=self._reserve_rejected_blocks,
+            leased_blocks=self._num_leased,
+            evicted_leased_blocks=self._evicted_leased_blocks,
         )
 
     def check_invariants(self) -> None:
@@ -347,6 +390,7 @@ class BlockStore:
         assert self._num_writing == sum(b.state is BlockState.WRITING for b in blocks)
         assert self._num_pinned == sum(b.refcount > 0 for b in blocks)
         assert self._num_soft_pinned == sum(b.soft_pinned for b in blocks)
+        assert self._num_leased == sum(b.leased for b in blocks)
         assert set(self._evictable) == {k for k, b in self._blocks.items() if _is_evictable(b)}, (
             "evictable set differs from the blocks that satisfy the rule"
         )
@@ -381,6 +425,8 @@ class BlockStore:
         self._free_slots.append(block.slot)
         if block.soft_pinned:
             self._num_soft_pinned -= 1
+        if block.leased:
+            self._num_leased -= 1
         if block.parent is not None:
             parent = self._blocks[block.parent]
             parent.num_children -= 1
@@ -399,6 +445,7 @@ class BlockStore:
                 block = self._blocks[key]
                 if self._on_evict is not None:
                     self._on_evict(key, block.parent, block.slot)
+                self._evicted_leased_blocks += block.leased
                 self._remove(block)
                 self._evicted_blocks += 1
                 evicted.append(key)

@@ -10,7 +10,7 @@ it (``acquire``); the others do not wait where they are made:
 - ``commit_later`` is awaited before this client's next grant (read-your-writes: a chunk's
   parents, a prefix it stored itself) and by whoever hands the blocks to another process
   (``unsettled_commits``: the prefill worker, before its result returns);
-- ``release`` and ``abort`` are never awaited. Their answers (and the commits') are looked at
+- ``release``, ``abort``, ``lease`` and ``release_lease`` are never awaited. Their answers (and the commits') are looked at
   during later calls, so a store found gone detaches the client as a waited call would.
 
 Nothing here depends on Ray running one caller's calls in order: a call that must see an
@@ -46,6 +46,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
+from kvstore.leases import LeaseInfo, check_lease
 from protos.errors import StoreError
 from protos.wire import CallCounts
 
@@ -282,7 +283,58 @@ class StoreClient:
                 return self.arena
             return None
 
+    # ------------------------------------------------------------------ leases
+
+    def lease(self, lease_id: str, tenant: str, keys: Sequence[BlockKey], ttl_s: float) -> None:
+        """Ask the store to keep ``keys`` past plain LRU blocks for ``ttl_s`` seconds
+        (``KVStoreNode.lease``: replaces the lease's keys, renews it; keys saved later are
+        leased when they land), sent without waiting: no engine step waits on it. While the
+        client is detached nothing is sent (the store is gone, and its blocks with it). Raises
+        ``InvalidLease`` at once for an empty id or a TTL that is not positive."""
+        check_lease(lease_id, ttl_s)
+        keys = list(keys)
+        self._cast("lease", len(keys), lease_id, tenant, keys, float(ttl_s))
+
+    def lease_now(self, lease_id: str, tenant: str, keys: Sequence[BlockKey],
+                  ttl_s: float) -> LeaseInfo | None:
+        """``lease``, waited for: the lease as the store holds it, or None when the store is
+        gone."""
+        check_lease(lease_id, ttl_s)
+        return self._asking("lease", lease_id, tenant, list(keys), float(ttl_s))
+
+    def release_lease(self, lease_id: str) -> None:
+        """End a lease now (its blocks become plain LRU blocks), sent without waiting."""
+        self._cast("release_lease", 0, lease_id)
+
+    def release_lease_now(self, lease_id: str) -> int:
+        """``release_lease``, waited for: the blocks it made plain (0 when the store is gone)."""
+        released = self._asking("release_lease", lease_id)
+        return 0 if released is None else released
+
     # ------------------------------------------------------------------ mechanism
+
+    def _cast(self, method: str, num_keys: int, *args) -> None:
+        """Send a call that grants and settles nothing without waiting; its answer is looked
+        at later, like a release's (a store found gone detaches the client)."""
+        with self._lock:
+            self._reap()
+            if not self._ensure_attached():
+                return
+            self.calls.count(f"store.{method}", "sent")
+            ref = getattr(self._actor, method).remote(*args)
+            self._casts.append(_InFlight(method, ref, self.arena_path, num_keys))
+
+    def _asking(self, method: str, *args):
+        """A waited call that grants nothing: its answer, or None when the store is gone."""
+        with self._lock:
+            self._reap()
+            if not self._ensure_attached():
+                return None
+            try:
+                return self._call(method, *args)
+            except _STORE_GONE as exc:
+                self._detach(method, exc)
+                return None
 
     def _granting(self, method: str, *args) -> StoreSlots:
         """A call that grants slots. When it finds the store dead, a new store that is already

@@ -105,3 +105,20 @@ class KVStoreConfig(BaseModel):
     transfer: TransferConfig | None = Field(
         None, description="Serve this node's blocks to peers (transfer engine); unset: no server."
     )
+    lease_max_bytes: int | None = Field(
+        None, ge=0, description="Bytes of blocks the live leases on one node may name in all "
+        "(kvstore.leases: sessions' and cache_control prefixes, kept past plain LRU blocks); "
+        "when a lease would exceed it, the oldest leases give way (their blocks become plain). "
+        "Unset: half of host_capacity_bytes."
+    )
+    lease_max_bytes_per_tenant: int | None = Field(
+        None, ge=0, description="Bytes of blocks one tenant's live leases may name on one node; "
+        "that tenant's oldest leases give way first. Unset: a quarter of host_capacity_bytes."
+    )
+
+    def lease_caps_bytes(self) -> tuple[int, int]:
+        """The global and the per-tenant cap on leased bytes, defaults resolved."""
+        total = self.lease_max_bytes
+        per_tenant = self.lease_max_bytes_per_tenant
+        return (self.host_capacity_bytes // 2 if total is None else total,
+                self.host_capacity_bytes // 4 if per_tenant is None else per_tenant)

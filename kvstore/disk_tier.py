@@ -35,7 +35,11 @@ Invariants (``check_invariants`` asserts all of them):
   reaches the disk after its child), but ``children`` counts, per key, the present blocks naming it
   as parent, whether or not that key is present itself;
 - a block is evictable iff it is present, unpinned and has no present children ("LRU over
-  leaves"): a shared ancestor goes only after all of its descendants; least recently used first.
+  leaves"): a shared ancestor goes only after all of its descendants. Plain blocks go first, then
+  leased ones (``set_leased``, kept by the owner in line with its leases), least recently used
+  first within each; and a put makes room only from blocks of its own class or a lower one, so
+  a plain block demoted from host never displaces a leased one (it is dropped instead).
+  Leases live in memory only: after a restart every block is plain.
 
 Single-threaded: the owning actor serialises calls.
 """
@@ -55,6 +59,7 @@ from typing import Any
 
 import msgspec
 
+from kvstore.block_store import LEASED, PLAIN, eviction_class
 from kvstore.disk_buffers import as_byte_view
 from kvstore.disk_format import (
     HEADER_BYTES,
@@ -93,6 +98,10 @@ class DiskTierStats(msgspec.Struct, frozen=True):
     evictions: int
     write_errors: int
     rejected_puts: int
+    leased_blocks: int = 0
+    """Blocks marked leased now (a level)."""
+    leased_evictions: int = 0
+    """Leased blocks evicted (to make room for other leased blocks: nothing plain was left)."""
 
 
 @dataclass(slots=True)
@@ -101,6 +110,7 @@ class _Entry:
     parent: BlockKey | None
     slot: int
     last_access_tick: int
+    leased: bool = False
 
 
 class DiskTier:
@@ -145,13 +155,14 @@ class DiskTier:
         self._children: dict[BlockKey, int] = {}  # parent key -> present blocks naming it
         self._pins: dict[BlockKey, int] = {}  # key -> reference count (> 0 only)
         self._evictable: dict[BlockKey, int] = {}  # key -> seq of its one live heap entry
-        self._heap: list[tuple[int, int, BlockKey]] = []  # (tick, seq, key)
+        self._heap: list[tuple[int, int, int, BlockKey]] = []  # (class, tick, seq, key)
         self._seq = itertools.count()
         self._tick = 0
         self._used_bytes = 0
         self._removed_keys: list[BlockKey] = []
         self._hits = self._misses = self._corrupt = self._evictions = 0
         self._write_errors = self._rejected_puts = 0
+        self._num_leased = self._leased_evictions = 0
         try:
             self.rebuild_index()
         except BaseException:
@@ -172,22 +183,26 @@ class DiskTier:
 
     # -- writes ----------------------------------------------------------------------------------
 
-    def put(self, key: BlockKey, parent: BlockKey | None, payload: Any) -> bool:
-        """Store one block; True when it is on disk afterwards (already present counts).
+    def put(self, key: BlockKey, parent: BlockKey | None, payload: Any, *,
+            leased: bool = False) -> bool:
+        """Store one block; True when it is on disk afterwards (already present counts, and
+        then takes ``leased`` as its mark).
 
         ``payload`` is ``bytes``, a ``memoryview``/``bytearray`` or a uint8 tensor, of exactly
         ``block_bytes`` bytes (``ValueError`` otherwise). Evicts leaf-LRU blocks to make room,
-        never a pinned one and never ``parent``. Returns False, with nothing left behind, when no
-        room can be made (``rejected_puts``) or the write fails, e.g. a full disk
-        (``write_errors``, logged): the caller degrades to recompute.
+        never a pinned one, never ``parent`` and, for a plain block, never a leased one. Returns
+        False, with nothing left behind, when no room can be made (``rejected_puts``) or the
+        write fails, e.g. a full disk (``write_errors``, logged): the caller degrades to
+        recompute.
         """
         assert len(key) == KEY_SIZE_BYTES and (parent is None or len(parent) == KEY_SIZE_BYTES)
         view = as_byte_view(payload)
         if len(view) != self.block_bytes:
             raise ValueError(f"a disk block holds {self.block_bytes} bytes, got {len(view)}")
         if key in self._entries:
+            self.set_leased(key, leased)
             return True
-        if not self._make_room(self.slot_bytes, guard=parent):
+        if not self._make_room(self.slot_bytes, guard=parent, max_class=LEASED if leased else PLAIN):
             self._rejected_puts += 1
             return False
         slot = heapq.heappop(self._free_slots)
@@ -201,10 +216,11 @@ class DiskTier:
             logger.warning("disk tier write of block %s failed%s: %s", key_hex(key), hint, e)
             self._free_slot(slot)  # its header may be whole: zero it
             return False
-        self._insert(key, parent, slot, self._next_tick())
+        self._insert(key, parent, slot, self._next_tick(), leased)
         return True
 
-    def put_many(self, blocks: Sequence[tuple[BlockKey, BlockKey | None, Any]]) -> list[bool]:
+    def put_many(self, blocks: Sequence[tuple[BlockKey, BlockKey | None, Any]], *,
+                 leased: bool = False) -> list[bool]:
         """``put`` of each ``(key, parent, payload)`` in order; element ``i`` of the result is
         ``put``'s answer for block ``i``, except that blocks landing in consecutive free slots
         are written with one ``pwritev`` and fail together if it fails (``write_errors``, one
@@ -212,7 +228,8 @@ class DiskTier:
         instead of one per block; if that sync fails, every block this call wrote is dropped
         again and reads False. Nothing is visible to a reader before its write returned (the
         owner serialises calls); a queued block is indexed and pinned, so eviction for the
-        batch's later blocks treats it as a written one and never picks it."""
+        batch's later blocks treats it as a written one and never picks it. ``leased`` marks
+        every block of the batch, as ``put``'s does."""
         results = [False] * len(blocks)
         run: list[tuple[int, BlockKey, int, list[memoryview]]] = []  # consecutive slots
         written: list[tuple[int, BlockKey]] = []
@@ -226,14 +243,15 @@ class DiskTier:
                 if key in self._entries:
                     results[i] = True
                     continue
-                if not self._make_room(self.slot_bytes, guard=parent):
+                if not self._make_room(self.slot_bytes, guard=parent,
+                                       max_class=LEASED if leased else PLAIN):
                     self._rejected_puts += 1
                     continue
                 slot = heapq.heappop(self._free_slots)
                 if run and (slot != run[-1][2] + 1 or len(run) >= _MAX_RUN_BLOCKS):
                     written += self._write_run(run)
                 buffers = self._slot_buffers(key, parent, view)
-                self._insert(key, parent, slot, self._next_tick())
+                self._insert(key, parent, slot, self._next_tick(), leased)
                 self.pin(key)
                 run.append((i, key, slot, buffers))
         finally:
@@ -281,6 +299,19 @@ class DiskTier:
             self._drop(self._entries[key])
             self._removed_keys.pop()  # never announced as stored: no removal to announce
         return []
+
+    def set_leased(self, key: BlockKey, leased: bool) -> bool:
+        """Mark a present block as leased (evicted after plain blocks) or plain again, its
+        recency unchanged; False when absent."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        if entry.leased != leased:
+            entry.leased = leased
+            self._num_leased += 1 if leased else -1
+            self._evictable.pop(key, None)  # its priority changed: file it afresh
+            self._refile(key)
+        return True
 
     def remove(self, key: BlockKey) -> bool:
         """Delete a block; False when it is absent or pinned (a read is in progress)."""
@@ -390,6 +421,8 @@ class DiskTier:
             evictions=self._evictions,
             write_errors=self._write_errors,
             rejected_puts=self._rejected_puts,
+            leased_blocks=self._num_leased,
+            leased_evictions=self._leased_evictions,
         )
 
     def rebuild_index(self) -> None:
@@ -408,6 +441,7 @@ class DiskTier:
         self._evictable.clear()
         self._heap.clear()
         self._used_bytes = 0
+        self._num_leased = 0
         file_bytes = os.fstat(self._fd).st_size
         seen: set[BlockKey] = set()
         for slot, key, parent in sound_headers(self._fd, file_bytes, self.block_bytes):
@@ -446,11 +480,12 @@ class DiskTier:
         assert all(count > 0 for count in self._pins.values()), "non-positive pin count"
         rule = {key for key in self._entries if self._is_evictable(key)}
         assert set(self._evictable) == rule, "evictable set differs from the rule"
-        live = {key for (_, seq, key) in self._heap if self._evictable.get(key) == seq}
+        live = {key for (_, _, seq, key) in self._heap if self._evictable.get(key) == seq}
         assert live == rule, "evictable block missing from the heap"
-        for tick, seq, key in self._heap:
+        for cls, tick, seq, key in self._heap:
             if self._evictable.get(key) == seq:
-                assert tick == self._entries[key].last_access_tick, "stale priority in heap"
+                assert (cls, tick) == self._priority(self._entries[key]), "stale priority in heap"
+        assert self._num_leased == sum(entry.leased for entry in self._entries.values())
         file_bytes = os.fstat(self._fd).st_size
         assert file_bytes == self.num_slots * self.slot_bytes, "the slot file has the wrong size"
         on_disk = {slot: (key, parent) for slot, key, parent in
@@ -468,6 +503,11 @@ class DiskTier:
     def _is_evictable(self, key: BlockKey) -> bool:
         return key in self._entries and key not in self._pins and key not in self._children
 
+    @staticmethod
+    def _priority(entry: _Entry) -> tuple[int, int]:
+        """Smallest goes first: the host tier's classes (no soft pins on disk), LRU within."""
+        return eviction_class(soft_pinned=False, leased=entry.leased), entry.last_access_tick
+
     def _refile(self, key: BlockKey) -> None:
         """Bring ``key``'s membership in the evictable set in line with the rule."""
         if not self._is_evictable(key):
@@ -477,13 +517,15 @@ class DiskTier:
             return
         seq = next(self._seq)
         self._evictable[key] = seq
-        heapq.heappush(self._heap, (self._entries[key].last_access_tick, seq, key))
+        heapq.heappush(self._heap, (*self._priority(self._entries[key]), seq, key))
         if len(self._heap) > 2 * len(self._evictable) + 1024:
-            self._heap = [e for e in self._heap if self._evictable.get(e[2]) == e[1]]
+            self._heap = [e for e in self._heap if self._evictable.get(e[3]) == e[2]]
             heapq.heapify(self._heap)
 
-    def _insert(self, key: BlockKey, parent: BlockKey | None, slot: int, tick: int) -> None:
-        self._entries[key] = _Entry(key, parent, slot, tick)
+    def _insert(self, key: BlockKey, parent: BlockKey | None, slot: int, tick: int,
+                leased: bool = False) -> None:
+        self._entries[key] = _Entry(key, parent, slot, tick, leased)
+        self._num_leased += leased
         self._used_bytes += self.slot_bytes
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
@@ -495,6 +537,7 @@ class DiskTier:
         self._free_slot(entry.slot)
         del self._entries[entry.key]
         self._evictable.pop(entry.key, None)
+        self._num_leased -= entry.leased
         self._used_bytes -= self.slot_bytes
         self._removed_keys.append(entry.key)
         if entry.parent is not None:
@@ -517,25 +560,34 @@ class DiskTier:
         except OSError as e:  # the block is gone from the index; a restart may bring it back
             logger.warning("disk tier could not clear slot %d: %s", slot, e)
 
-    def _make_room(self, num_bytes: int, guard: BlockKey | None) -> bool:
-        """Evict LRU leaves until ``num_bytes`` more fit; never ``guard``. False if impossible."""
+    def _make_room(self, num_bytes: int, guard: BlockKey | None,
+                   max_class: int = LEASED) -> bool:
+        """Evict LRU leaves of class ``max_class`` or lower until ``num_bytes`` more fit; never
+        ``guard``. False if impossible."""
         guarded = guard is not None and self._evictable.pop(guard, None) is not None
         try:
             while self._used_bytes + num_bytes > self.capacity_bytes:
-                if not self._evict_one():
+                if not self._evict_one(max_class):
                     return False
             return True
         finally:
             if guarded:
                 self._refile(guard)
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self, max_class: int = LEASED) -> bool:
         while self._heap:
-            _, seq, key = heapq.heappop(self._heap)
-            if self._evictable.get(key) == seq:
-                self._evictions += 1
-                self._drop(self._entries[key])
-                return True
+            cls, _, seq, key = self._heap[0]
+            if self._evictable.get(key) != seq:
+                heapq.heappop(self._heap)  # stale
+                continue
+            if cls > max_class:
+                return False
+            heapq.heappop(self._heap)
+            entry = self._entries[key]
+            self._evictions += 1
+            self._leased_evictions += entry.leased
+            self._drop(entry)
+            return True
         return False
 
     def _write_slot(self, slot: int, key: BlockKey, parent: BlockKey | None,

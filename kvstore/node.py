@@ -5,7 +5,8 @@ Workers on the node ask it which slot to write or read (``reserve``/``commit``,
 records in Redis which blocks it holds, so any process in the cluster can find them, and, when
 ``config.transfer`` is set, serves its blocks to other nodes (``kvstore.transfer_server``) from a
 second thread: every public method takes the node's lock. Pulls of blocks from other nodes (a
-transfer plan's execution) are ``kvstore.node_pulls``'.
+transfer plan's execution) are ``kvstore.node_pulls``'; leases (blocks kept past plain LRU ones,
+across tiers and pulls) are ``kvstore.node_leases``'.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
@@ -25,7 +27,9 @@ from kvstore.disk_tier import DiskTier
 from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, StoreEventPublisher
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
+from kvstore.leases import LeaseRegistry
 from kvstore.metadata import BlockDirectory
+from kvstore.node_leases import NodeLeases
 from kvstore.node_pulls import NO_TRANSFER, NodePulls, PullResult, TransferPlan
 from kvstore.transfer_server import BlockServer, PeerAddress, PinnedRun
 from kvstore.transfer_wire import block_checksum
@@ -76,7 +80,7 @@ class ArenaInfo(msgspec.Struct, frozen=True):
     num_slots: int
 
 
-class KVStoreNode(NodePulls):
+class KVStoreNode(NodePulls, NodeLeases):
     """Host-tier owner for one node. Methods are called through Ray, one at a time."""
 
     def __init__(
@@ -87,7 +91,9 @@ class KVStoreNode(NodePulls):
         block_bytes: int,
         redis_url: str | None,
         block_size_tokens: int = 0,
+        lease_clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``lease_clock`` tells lease expiry (seconds, monotonic): tests pass their own."""
         num_slots = config.host_capacity_bytes // block_bytes
         if num_slots < 1:
             raise ValueError(
@@ -116,6 +122,8 @@ class KVStoreNode(NodePulls):
         self.demoted_blocks = 0
         self._directory: BlockDirectory | None = None
         self._soft_pin_keys: set[BlockKey] = set()  # operator-pinned prefixes' blocks
+        self._leases = LeaseRegistry(block_bytes, *config.lease_caps_bytes(), clock=lease_clock)
+        self.dropped_leased_blocks = 0
         self._corrupt_budget = 0  # drill: blocks left to corrupt as they are committed
         self._transfer_client = None  # created at the first pull
         self._warned_no_transfer = False
@@ -150,6 +158,7 @@ class KVStoreNode(NodePulls):
         """Pin and return the slots of the leading run of ``keys`` in host memory, first
         promoting the blocks that continue that run on disk (a disk hit is copied back to host;
         a block that fails its checksum is a miss and ends the run)."""
+        self._expire_leases()
         if self.disk is not None:
             self._promote(keys)
         return self.store.acquire(keys)
@@ -157,6 +166,7 @@ class KVStoreNode(NodePulls):
     @_locked
     def acquire_many(self, key_lists: Sequence[Sequence[BlockKey]]) -> list[list[int]]:
         """``acquire`` for several requests in one call (an engine step's new requests)."""
+        self._expire_leases()
         runs = []
         for keys in key_lists:
             if self.disk is not None:
@@ -170,6 +180,7 @@ class KVStoreNode(NodePulls):
 
     @_locked
     def reserve(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> list[int | None]:
+        self._expire_leases()
         return self.store.reserve(keys, parents).slots  # evictions were published by _demote
 
     @_locked
@@ -177,6 +188,7 @@ class KVStoreNode(NodePulls):
                      ) -> list[list[int | None]]:
         """``reserve`` for several chains in one call (an engine step's saves): each chain
         stops at its own first block that cannot be stored, as ``reserve`` does."""
+        self._expire_leases()
         return [self.store.reserve(keys, parents).slots for keys, parents in chains]
 
     @_locked
@@ -185,6 +197,7 @@ class KVStoreNode(NodePulls):
         if self._corrupt_budget > 0:
             self._corrupt(keys[:self._corrupt_budget])
         self._apply_soft_pins(keys)
+        self._mark_leased(keys)
         self._record(stored_host=keys)
         self._record_disk_removals()
 
@@ -228,6 +241,7 @@ class KVStoreNode(NodePulls):
 
     @_locked
     def stats(self) -> StoreStats:
+        self._expire_leases()
         return self.store.stats()
 
     @_locked
@@ -257,6 +271,7 @@ class KVStoreNode(NodePulls):
         num_in_host = self.store.match_prefix(keys)
         slots = self.acquire(keys)
         served = list(keys[: len(slots)])
+        leases = self._leases.grants_for(served)  # acquire expired the lapsed ones
         checksums = []
         for key, slot in zip(served, slots):
             # a READY block's bytes never change until it is evicted (which drops this entry),
@@ -266,15 +281,21 @@ class KVStoreNode(NodePulls):
                 checksum = self._checksums[key] = block_checksum(self.arena.slot(slot).numpy())
             checksums.append(checksum)
         from_disk = [i >= num_in_host for i in range(len(slots))]
-        return PinnedRun(keys=served, slots=slots, from_disk=from_disk, checksums=checksums)
+        return PinnedRun(keys=served, slots=slots, from_disk=from_disk, checksums=checksums,
+                         leases=leases)
 
     def _demote(self, key: BlockKey, parent: BlockKey | None, slot: int) -> None:
-        """BlockStore eviction hook: the slot still holds the block; copy it to disk first."""
+        """BlockStore eviction hook: the slot still holds the block; copy it to disk first (a
+        leased block goes there leased, and may displace plain disk blocks; a plain one never
+        displaces a leased one)."""
         self._checksums.pop(key, None)
-        if self.disk is not None and self.disk.put(key, parent, self.arena.slot(slot)):
+        leased = self._leases.is_leased(key)
+        if self.disk is not None and self.disk.put(key, parent, self.arena.slot(slot),
+                                                   leased=leased):
             self.demoted_blocks += 1
             self._record(removed_host=[key], stored_disk=[(key, parent)])
         else:
+            self.dropped_leased_blocks += leased
             self._record(removed_host=[key])
 
     def _promote(self, keys: Sequence[BlockKey]) -> None:
@@ -294,6 +315,7 @@ class KVStoreNode(NodePulls):
                 break
             self.store.commit([key])
             self._apply_soft_pins([key])
+            self._mark_leased([key])
             self.promoted_blocks += 1
             self._record(stored_host=[key])
         self._record_disk_removals()

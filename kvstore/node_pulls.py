@@ -3,7 +3,8 @@ host tier (``KVStoreNode.pull`` and ``execute``, the transfer plan's execution).
 
 Whoever knows where the blocks are decides the source (``TransferPlan``); the node reads the
 blocks after its own leading run over the transfer engine into reserved slots, and commits
-what arrived whole. A pull fails soft (``PullResult.error``): the rest is recomputed.
+what arrived whole. The source's leases on the pulled blocks come with them (same id, tenant and
+remaining TTL; joined to the lease if this node holds it already). A pull fails soft (``PullResult.error``): the rest is recomputed.
 
 A mixin of ``kvstore.node.KVStoreNode``, whose ``__init__`` sets the attributes declared below
 and whose ``commit`` and lock it uses. Its messages are logged as the node's.
@@ -12,7 +13,7 @@ and whose ``commit`` and lock it uses. Its messages are logged as the node's.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import msgspec
 
@@ -77,6 +78,8 @@ class NodePulls:
     pulled_blocks: int
     pulled_bytes: int
     pull_failures: int
+    _extend_lease: Callable[[str, str, Sequence[BlockKey], float], None]  # kvstore.node_leases
+    _expire_leases: Callable[[], None]
 
     def pull(self, keys: Sequence[BlockKey], source_node: str | None = None) -> PullResult:
         """Make the leading run of ``keys`` local. With ``source_node`` that is a transfer plan,
@@ -149,6 +152,7 @@ class NodePulls:
         wanted = keys[num_local:]
         parents = [keys[num_local - 1] if num_local else None, *wanted[:-1]]
         with self._lock:
+            self._expire_leases()
             slots = self.store.reserve(wanted, parents).slots
         num_slots = next((i for i, slot in enumerate(slots) if slot is None), len(slots))
         if num_slots < len(wanted):
@@ -173,6 +177,10 @@ class NodePulls:
             return self._failed_pull(num_local, str(exc), source)
         got = result.num_blocks
         with self._lock:
+            for grant in result.leases:  # the lease travels with its blocks
+                self._extend_lease(grant.lease_id, grant.tenant,
+                                   [wanted[i] for i in grant.block_indices if i < got],
+                                   grant.ttl_s)
             self.commit(wanted[:got])
             self.store.abort(wanted[got:])
             self.pulled_blocks += got

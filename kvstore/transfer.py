@@ -36,6 +36,7 @@ import numpy as np
 from kvstore.config import TransferConfig
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
+from kvstore.leases import LeaseGrant
 from kvstore.transfer_server import BlockServer, PeerAddress, ServerStats
 from kvstore.transfer_wire import (
     TRANSFER_PATHS,
@@ -84,6 +85,8 @@ class ReadResult(msgspec.Struct, frozen=True):
     path: str
     num_bytes: int
     seconds: float
+    leases: list[LeaseGrant] = []
+    """The source's leases naming blocks of ``keys[:num_blocks]`` (indices into ``keys``)."""
 
 
 class PathStats(msgspec.Struct, frozen=True):
@@ -306,8 +309,13 @@ class TransferClient:
         seconds = time.perf_counter() - started
         num_bytes = len(reply.checksums) * block_bytes
         self._record(peer.node_id, path, len(reply.checksums), num_bytes, seconds, corrupt)
+        leases = [grant for grant in (
+            msgspec.structs.replace(grant, block_indices=[
+                i for i in grant.block_indices if 0 <= i < num_verified])
+            for grant in reply.leases) if grant.block_indices]
         return ReadResult(num_blocks=num_verified, from_disk=reply.from_disk[:num_verified],
-                          corrupt_blocks=corrupt, path=path, num_bytes=num_bytes, seconds=seconds)
+                          corrupt_blocks=corrupt, path=path, num_bytes=num_bytes, seconds=seconds,
+                          leases=leases)
 
     async def _choose_path(self, peer: PeerAddress) -> str:
         config = self._config

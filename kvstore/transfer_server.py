@@ -23,6 +23,7 @@ import msgspec
 from kvstore.config import TransferConfig
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
+from kvstore.leases import LeaseGrant
 from kvstore.transfer_wire import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
@@ -53,12 +54,14 @@ log = logging.getLogger(__name__)
 
 class PinnedRun(msgspec.Struct, frozen=True):
     """The leading run of requested keys a source pinned: ``slots[i]`` holds ``keys[i]``, whose
-    bytes hash to ``checksums[i]`` (``block_checksum``)."""
+    bytes hash to ``checksums[i]`` (``block_checksum``); ``leases`` are the live leases naming
+    any of them, to travel with the blocks."""
 
     keys: list[BlockKey]
     slots: list[int]
     from_disk: list[bool]
     checksums: list[int]
+    leases: list[LeaseGrant] = []
 
 
 class BlockSource(Protocol):
@@ -289,6 +292,7 @@ class BlockServer:
             checksums=run.checksums,
             from_disk=run.from_disk,
             slots=run.slots if request.mode == "shm" else [],
+            leases=run.leases,
         )
 
     def _count(self, run: PinnedRun) -> None:

@@ -37,6 +37,7 @@ import msgspec
 import xxhash
 
 from kvstore.config import TransferConfig
+from kvstore.leases import LeaseGrant
 from protos.errors import StoreError
 
 PROTOCOL_VERSION = 1
@@ -107,12 +108,15 @@ class ReadRequest(msgspec.Struct, tag=True, frozen=True):
 
 class ReadReply(msgspec.Struct, tag=True, frozen=True):
     """The first ``len(checksums)`` requested keys are served, in order; ``from_disk[i]`` says
-    block ``i`` came up from the disk tier; ``slots`` (shm mode) are arena slot ids."""
+    block ``i`` came up from the disk tier; ``slots`` (shm mode) are arena slot ids; ``leases``
+    the source's live leases naming served blocks (by index), which the puller takes on. Older
+    peers leave ``leases`` out (their blocks arrive plain)."""
 
     request_id: int
     checksums: list[int]
     from_disk: list[bool]
     slots: list[int]
+    leases: list[LeaseGrant] = []
 
 
 class Release(msgspec.Struct, tag=True, frozen=True):
