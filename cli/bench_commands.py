@@ -243,6 +243,45 @@ def bench_itl(
         seed=seed), json_path)
 
 
+@bench_app.command("sessions")
+def bench_sessions(
+    json_path: Optional[Path] = typer.Option(Path("bench-out/sessions.json"), "--json",
+                                             help="Write the report here."),
+    model: str = typer.Option("smollm2", help="'smollm2' or 'tiny'."),
+    sessions: int = typer.Option(6, help="Concurrent agent sessions."),
+    steps: int = typer.Option(6, help="Steps per session (a tool pause between two)."),
+    trunk_tokens: int = typer.Option(1024, help="Tokens of the system prompt every session shares."),
+    think: float = typer.Option(4.0, help="Median tool pause (s; log-normal, long-tailed)."),
+    max_tokens: int = typer.Option(32, help="Tokens of each step's reply."),
+    noise_clients: int = typer.Option(1, help="Background clients sending unique prompts back "
+                                      "to back (they churn the caches)."),
+    noise_tokens: int = typer.Option(1024, help="Tokens of each background prompt."),
+    device_blocks: int = typer.Option(48, help="Blocks of each engine's own KV cache (fewer "
+                                      "than the sessions' working set)."),
+    host_factor: float = typer.Option(1.25, help="The store's host tier, as a multiple of the "
+                                      "sessions' working set."),
+    order: str = typer.Option("off,on", help="Which configuration runs first."),
+    repeats: int = typer.Option(1, help="Runs of each configuration (ABBA order)."),
+    seed: int = typer.Option(0, help="Seed of the workload."),
+    set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
+) -> None:
+    """LIVE: agent sessions with tool pauses on a cluster whose caches are under pressure,
+    session retention off (today's behaviour) and on, in the same run. Reports the hit ratio
+    against the workload's infinite-cache ceiling, TTFT mean/p90 of the steps after a pause,
+    recomputed tokens, leased bytes and lease evictions. Exit code 1 unless retention reaches
+    0.95 of the ceiling and at most 0.5x the post-pause TTFT p90 of retention off."""
+    from bench.sessions import main as run_sessions
+
+    overrides = {"engine.model": model, "gateway.port": 0, "http.enabled": False,
+                 "name": "sessions", "prefill.num_instances": 1, "decode.num_instances": 1,
+                 **parse_overrides(set_)}
+    _live("sessions", None, overrides, lambda cfg, progress: run_sessions(
+        cfg, json_path, progress, sessions=sessions, steps=steps, trunk_tokens=trunk_tokens,
+        think_s=think, max_tokens=max_tokens, noise_clients=noise_clients,
+        noise_tokens=noise_tokens, device_blocks=device_blocks, host_factor=host_factor,
+        order=order, repeats=repeats, seed=seed), json_path)
+
+
 @bench_app.command("fuzz")
 def bench_fuzz(
     requests: int = typer.Option(1_000, help="Fuzz cases to send."),

@@ -117,6 +117,8 @@ def build_engine_args(
             enable_kv_cache_events=True, publisher="zmq", endpoint=events.endpoint,
             replay_endpoint=events.replay_endpoint, topic=engine_id,
         )
+    if config.num_kv_blocks is not None:
+        kwargs["num_gpu_blocks_override"] = config.num_kv_blocks
     if role == "prefill":
         kwargs["scheduling_policy"] = "priority"
     if config.device == "cuda":

@@ -32,6 +32,11 @@ class EngineConfig(BaseModel):
     kv_cache_gib: float = Field(
         1.0, gt=0, description="CPU only: KV cache space reserved per engine, in GiB."
     )
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="Blocks of the engine's own KV cache, overriding the size that "
+        "kv_cache_gib or gpu_memory_utilization would give (vLLM's num_gpu_blocks_override); "
+        "for benchmarks that need a device tier under pressure. Unset: sized from memory."
+    )
     gpu_memory_utilization: float = Field(
         0.85, gt=0, le=1, description="CUDA only: fraction of device memory vLLM may use."
     )
