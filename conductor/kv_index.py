@@ -20,6 +20,15 @@ leading run of the prompt's blocks it can reach and in which tier (``conductor.p
 ``prefix_run_groups`` returns the same grouped by run (with a system prompt on every instance,
 nearly every holder has the same run, and pricing handles each run once).
 
+Segmented salts (a ``cache_salt`` from a token offset on, ``kvstore.keys``): the two streams key
+the same prompt differently, and each says what its tier can really share. vLLM salts its own
+prefix cache from the first block (it cannot salt from an offset), so an engine's device blocks
+are keyed here with the whole-prompt salt (``_cache_salt`` of the chain's first block): a
+request's segmented keys match another salt's device blocks nowhere, which is the truth (that
+engine would recompute them). The store keys blocks by the requests' segmented keys, so its
+host and disk entries share the unsalted trunk across salts: a tenant's request matches another
+tenant's trunk there, loaded from the store's host tier, and nothing after the offset.
+
 Never trusting a stale entry: every stream carries sequence numbers; a gap (lost events) or a
 restart (sequence back to 0, ``AllBlocksCleared``) makes ``ingest_*`` return ``StreamGap`` and the
 caller replays or calls ``clear_instance`` / ``clear_node`` to drop what the stream said, so the
