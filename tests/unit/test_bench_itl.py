@@ -25,9 +25,14 @@ def test_the_pool_outgrows_the_decode_engines_own_kv_cache():
 
 
 def _run(async_transfers: bool, ratio: float, too_light: bool = False) -> ItlRun:
-    return ItlRun(async_transfers, 40.0, 50.0, 42.0, 50.0 * ratio, ratio, 60.0, 70.0, 100, 200,
-                  300, 10.0, 1.5, 200.0, 16.0, 20.0, 45.0, 55.0, ratio / 1.1, 9.0, 3, 19.0,
-                  too_light)
+    return ItlRun(
+        async_kv_transfers=async_transfers, idle_itl_p50_ms=40.0, idle_itl_p99_ms=50.0,
+        loaded_itl_p50_ms=42.0, loaded_itl_p99_ms=50.0 * ratio, ratio=ratio,
+        idle_max_gap_ms=60.0, loaded_max_gap_ms=70.0, idle_gaps=100, loaded_gaps=200, loads=300,
+        loads_per_s=10.0, load_gbps=1.5, loaded_ttft_p50_ms=200.0,
+        loaded_tokens_generated_mean=16.0, decode_batch_size=20.0, busy_itl_p50_ms=45.0,
+        busy_itl_p99_ms=55.0, ratio_vs_busy=ratio / 1.1, busy_requests_per_s=9.0, busy_loads=3,
+        busy_decode_batch_size=19.0, too_light=too_light)
 
 
 def test_the_summary_is_the_median_of_each_figure_and_flags_any_light_run():
