@@ -233,7 +233,7 @@ class LeaseRegistry:
                 counts = tenant_keys.setdefault(lease.tenant, {})
                 counts[key] = counts.get(key, 0) + 1
         assert key_leases == self._key_leases, "key index differs from the leases' keys"
-        assert tenant_keys == {t: c for t, c in self._tenant_keys.items() if c}
+        assert tenant_keys == self._tenant_keys, "tenant key index differs from the leases'"
         assert sum(map(len, self._by_tenant.values())) == len(self._leases)
         renewals = [lease.renewal for lease in self._leases.values()]
         assert renewals == sorted(renewals), "leases out of renewal order"
@@ -318,6 +318,8 @@ class LeaseRegistry:
             del self._by_tenant[lease.tenant]
 
     def _add_keys(self, lease: _Lease, keys: list[BlockKey]) -> None:
+        if not keys:
+            return
         counts = self._tenant_keys.setdefault(lease.tenant, {})
         for key in keys:
             self._touch(key)
@@ -326,6 +328,8 @@ class LeaseRegistry:
         lease.keys.extend(keys)
 
     def _remove_keys(self, lease: _Lease, keys: list[BlockKey]) -> None:
+        if not keys:
+            return
         counts = self._tenant_keys[lease.tenant]
         for key in keys:
             self._touch(key)
