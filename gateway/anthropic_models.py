@@ -4,10 +4,10 @@
 Contract: the declared fields are the ones served. A top-level field the body carries beyond them
 is kept (``model_extra``) for ``gateway.anthropic_requests`` to refuse by name; a nested one
 (a content block's, a tool's) fails parsing, which names where it stands. Both answer 400: nothing
-is silently ignored. ``cache_control`` (on the request, system and content blocks, tools) is
-accepted and asks for nothing more: Baton caches every prompt prefix, in whole KV blocks, without
-being told. Baton's own ``cache_salt`` and ``tenant`` ride as extra body fields of the
-``anthropic`` client (``extra_body``). Parsing only checks types; values are checked against the
+is silently ignored. ``cache_control`` (on the request, system and content blocks, tools) is a
+breakpoint whose prefix is leased in the KV store (``gateway.cache_control``). Baton's own
+``cache_salt``, ``tenant`` and session fields ride as extra body fields of the ``anthropic``
+client (``extra_body``). Parsing only checks types; values are checked against the
 served model by ``gateway.anthropic_requests``.
 """
 
@@ -17,8 +17,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-CACHE_CONTROL = ("Accepted; Baton caches every prompt prefix automatically (whole KV blocks), "
-                 "so a breakpoint asks for nothing more.")
+CACHE_CONTROL = ("A breakpoint {type: ephemeral, ttl?: 5m | 1h}: the prompt up to it is leased "
+                 "in the KV store for the TTL (gateway.cache_control).")
 
 
 class _Strict(BaseModel):
@@ -106,6 +106,11 @@ class CountTokensRequest(BaseModel):
     cache_control: dict | None = Field(None, description=CACHE_CONTROL)
     cache_salt: str | None = Field(None, description="Baton: prefix-cache isolation salt.")
     tenant: str | None = Field(None, description="Baton: the salt when cache_salt is unset.")
+    cache_salt_offset: int | None = Field(None, description="Baton: the token offset from which "
+                                          "the salt applies (gateway.salts); unset: 0.")
+    cache_salt_from_message: int | None = Field(None, description="Baton: the salt applies from "
+                                                "the first token of this message (an index into "
+                                                "messages; exclusive with cache_salt_offset).")
 
 
 class MessagesRequest(CountTokensRequest):
@@ -118,3 +123,9 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, description="Not served: only null is accepted.")
     stream: bool = Field(False, description="Answer with server-sent events.")
     metadata: Metadata | None = None
+    session_id: str | None = Field(None, description="Baton: the agent session this request is "
+                                   "a step of (or the X-Session-Id header; gateway.sessions).")
+    session_ttl_s: float | None = Field(None, description="Baton: seconds the session's lease "
+                                        "lives without a new step; unset: sessions.default_ttl_s.")
+    expected_next_step_s: float | None = Field(None, description="Baton: seconds until the "
+                                               "session's next step, as the client expects.")

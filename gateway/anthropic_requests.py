@@ -21,7 +21,7 @@ close it and start a new answer instead).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from gateway.anthropic_models import (
     CountTokensRequest,
@@ -41,7 +41,9 @@ from gateway.openai_requests import (
     checked_length,
     checked_options,
     forced_constraint,
+    with_salt_offset,
 )
+from gateway.salts import message_salt_offset
 from gateway.tokenization import PromptTokenizer
 from gateway.tool_calls import (
     ChoiceMode,
@@ -164,6 +166,22 @@ def _prompt(body: CountTokensRequest, tokenizer: PromptTokenizer, plan: ToolPlan
     return chat_prompt(turns, plan, tokenizer, "messages")
 
 
+def _message_salt_offset(body: CountTokensRequest, plan: ToolPlan | None,
+                         tokenizer: PromptTokenizer, prompt_token_ids: list[int]
+                         ) -> Callable[[int], int]:
+    """Where ``messages[index]`` starts in the prompt: its first turn follows the system turn
+    and the turns of the messages before it (``conversation``)."""
+    def offset_of(index: int) -> int:
+        first_turn = 1 if body.system else 0
+        for number, message in enumerate(body.messages[:index]):
+            content = message.content
+            first_turn += len(_user_turns(content, f"messages[{number}]")) if (
+                message.role == "user" and not isinstance(content, str)) else 1
+        turns = conversation(body.system, body.messages)
+        return message_salt_offset(turns, first_turn, plan, tokenizer, prompt_token_ids)
+    return offset_of
+
+
 def _checked_body(body: CountTokensRequest, served: ServedModel) -> ToolPlan | None:
     checked("model", check_model, body.model, served.name)
     _refuse_extra(body.model_extra)
@@ -190,6 +208,9 @@ def prepare_message(body: MessagesRequest, tokenizer: PromptTokenizer, served: S
     prompt_token_ids = _prompt(body, tokenizer, plan)
     max_tokens = checked_length(prompt_token_ids, "messages", body.max_tokens, "max_tokens",
                                 served)
+    options = with_salt_offset(options, body.cache_salt_offset, body.cache_salt_from_message,
+                               prompt_token_ids, len(body.messages),
+                               _message_salt_offset(body, plan, tokenizer, prompt_token_ids))
     json_schema = forced_constraint(plan, served, "tools[].input_schema")
     return Prepared(options.engine_request(prompt_token_ids, max_tokens,
                                            json_schema=json_schema), plan)

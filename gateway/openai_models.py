@@ -3,9 +3,10 @@ accept, as pydantic models FastAPI parses the JSON into.
 
 Contract: the declared fields are the ones served; any other field the body carries is kept
 (``model_extra``) for ``gateway.openai_fields`` to accept at its neutral value or refuse by name,
-so nothing is silently ignored. Baton's own request fields (``cache_salt``, ``tenant``) ride as
-extra body fields of the ``openai`` client. Parsing only checks types (and the seed's int64
-range); ``gateway.openai_requests`` checks values against the served model.
+so nothing is silently ignored. Baton's own request fields (``cache_salt``, ``tenant``, the
+session fields, ``cache_control`` on messages and content parts) ride as extra body fields of the
+``openai`` client. Parsing only checks types (and the seed's int64 range);
+``gateway.openai_requests`` checks values against the served model.
 """
 
 from __future__ import annotations
@@ -44,11 +45,22 @@ class _Body(BaseModel):
                                          "(structured outputs; checked by openai_requests).")
     cache_salt: str | None = Field(None, description="Baton: prefix-cache isolation salt.")
     tenant: str | None = Field(None, description="Baton: the salt when cache_salt is unset.")
+    session_id: str | None = Field(None, description="Baton: the agent session this request is "
+                                   "a step of (or the X-Session-Id header; gateway.sessions).")
+    session_ttl_s: float | None = Field(None, description="Baton: seconds the session's lease "
+                                        "lives without a new step; unset: sessions.default_ttl_s.")
+    expected_next_step_s: float | None = Field(None, description="Baton: seconds until the "
+                                               "session's next step, as the client expects.")
+    cache_salt_offset: int | None = Field(None, description="Baton: the token offset from which "
+                                          "the salt applies (a public trunk before it is shared "
+                                          "across tenants; gateway.salts); unset: 0.")
 
 
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
+    cache_control: dict | None = Field(None, description="Baton: an Anthropic-style breakpoint "
+                                       "(gateway.cache_control).")
 
 
 class FunctionCall(BaseModel):
@@ -70,6 +82,8 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant's past calls.")
     tool_call_id: str | None = Field(None, description="The call a tool message answers.")
     name: str | None = Field(None, description="The participant's name; accepted, not rendered.")
+    cache_control: dict | None = Field(None, description="Baton: an Anthropic-style breakpoint "
+                                       "(gateway.cache_control).")
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -102,6 +116,9 @@ class ChatCompletionRequest(_Body):
     logprobs: bool | None = Field(None, description="Return each token's log-probability.")
     top_logprobs: int | None = Field(None, description="... and the 0..20 most likely tokens "
                                      "of each position; needs logprobs true.")
+    cache_salt_from_message: int | None = Field(None, description="Baton: the salt applies from "
+                                                "the first token of this message (an index into "
+                                                "messages; exclusive with cache_salt_offset).")
 
 
 class CompletionRequest(_Body):

@@ -12,12 +12,13 @@ cache salt, request id), ``chat_prompt`` (a conversation and its tools to token 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
 from gateway.openai_errors import error_for, lone_surrogate
 from gateway.openai_fields import refused_field
 from gateway.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.salts import http_salt_offset, message_salt_offset
 from gateway.tokenization import CHAT_ROLES, PromptTokenizer
 from gateway.tool_calls import (
     ChoiceMode,
@@ -76,6 +77,8 @@ class Prepared:
 
     engine: EngineRequest
     tools: ToolPlan | None = None
+    turns: tuple[Turn, ...] = ()
+    """A chat prompt's conversation as it was rendered (``gateway.cache_control`` cuts it)."""
 
 
 def checked(param: str | None, check: Callable[..., T], *args: Any) -> T:
@@ -95,6 +98,9 @@ class Options:
     stop: tuple[str, ...]
     cache_salt: str
     request_id: str
+    cache_salt_offset: int = 0
+    """The token offset from which ``cache_salt`` applies (``gateway.salts``), once the prompt
+    is tokenized."""
 
     def engine_request(self, prompt_token_ids: list[int], max_tokens: int, *,
                        seed: int | None = None, ignore_eos: bool = False,
@@ -109,6 +115,7 @@ class Options:
                 json_schema=json_schema, json_object=json_object,
             ),
             cache_salt=self.cache_salt,
+            cache_salt_offset=self.cache_salt_offset,
         )
 
 
@@ -126,6 +133,27 @@ def checked_options(temperature: float | None, top_p: float | None, stop_param: 
     checked(salt_param, _check_cache_salt, salt or "")
     request_id = checked("X-Request-Id", _check_request_id, request_id)
     return Options(temperature, top_p, stop, salt or "", request_id)
+
+
+def with_salt_offset(options: Options, offset: int | None, from_message: int | None,
+                     prompt_token_ids: list[int], num_messages: int,
+                     offset_of_message: Callable[[int], int]) -> Options:
+    """``options`` with the body's salt offset (``gateway.salts.http_salt_offset``: a token
+    offset, or the offset of a message); ``OpenAIError`` naming the field."""
+    return replace(options, cache_salt_offset=http_salt_offset(
+        offset, from_message, options.cache_salt, len(prompt_token_ids), num_messages,
+        offset_of_message))
+
+
+def _chat_salt_offset(body: ChatCompletionRequest | CompletionRequest, plan: ToolPlan | None,
+                      tokenizer: PromptTokenizer, prompt_token_ids: list[int]
+                      ) -> Callable[[int], int]:
+    """Where message ``index`` of a chat body starts in its prompt (an OpenAI message is one
+    turn)."""
+    def offset_of(index: int) -> int:
+        turns = _chat_turns(body.messages)
+        return message_salt_offset(turns, index, plan, tokenizer, prompt_token_ids)
+    return offset_of
 
 
 def chat_prompt(turns: list[Turn], plan: ToolPlan | None, tokenizer: PromptTokenizer,
@@ -335,6 +363,7 @@ def prepare(
                               body.cache_salt, body.tenant, request_id)
 
     plan = None
+    prepared_turns: tuple[Turn, ...] = ()
     if isinstance(body, ChatCompletionRequest):
         prompt_param = "messages"
         plan = tool_plan(body, served.tool_call_parser)
@@ -346,6 +375,7 @@ def prepare(
         json_schema = forced or json_schema
         turns = checked(prompt_param, _chat_turns, body.messages)
         prompt_token_ids = chat_prompt(turns, plan, tokenizer, prompt_param)
+        prepared_turns = tuple(turns)
     else:
         prompt_param = "prompt"
         prompt = checked(prompt_param, _single_prompt, body.prompt)
@@ -357,7 +387,11 @@ def prepare(
     )
     max_tokens = checked_length(prompt_token_ids, prompt_param, max_tokens, max_tokens_param,
                                 served)
+    options = with_salt_offset(options, body.cache_salt_offset,
+                               getattr(body, "cache_salt_from_message", None), prompt_token_ids,
+                               len(getattr(body, "messages", ())),
+                               _chat_salt_offset(body, plan, tokenizer, prompt_token_ids))
     return Prepared(options.engine_request(
         prompt_token_ids, max_tokens, seed=body.seed, ignore_eos=body.ignore_eos,
         num_logprobs=logprobs, json_schema=json_schema, json_object=json_object,
-    ), plan)
+    ), plan, prepared_turns)

@@ -50,13 +50,14 @@ class PromptTokenizer:
         return self.encode_conversation([{"role": role, "content": content}
                                          for role, content in messages])
 
-    def encode_conversation(self, conversation: list[dict], tools: list[dict] | None = None
-                            ) -> list[int]:
+    def encode_conversation(self, conversation: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation of chat-template messages (and the tools, for a template
         that renders them).
 
-        Rendered with the model's chat template and the assistant's generation prompt appended,
-        then encoded without adding special tokens (the template already holds them). Raises
+        Rendered with the model's chat template and the assistant's generation prompt appended
+        (unless ``add_generation_prompt`` is false: a prefix of a longer conversation), then
+        encoded without adding special tokens (the template already holds them). Raises
         ``InvalidRequest`` when the model has no chat template or the template rejects the
         conversation. Roles are not checked here; see ``gateway.validation``.
         """
@@ -70,7 +71,8 @@ class PromptTokenizer:
         with self._lock:
             try:
                 rendered = self._tokenizer.apply_chat_template(
-                    conversation, tools=tools, add_generation_prompt=True, tokenize=False
+                    conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
                 )
             except jinja2.TemplateError as e:
                 raise InvalidRequest(

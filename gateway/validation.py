@@ -17,6 +17,7 @@ import uuid
 from typing import Union
 
 from gateway.json_schemas import backend_refusal
+from gateway.salts import check_salt_offset
 from gateway.tokenization import CHAT_ROLES, PromptTokenizer
 from protos.baton.v1 import inference_pb2 as pb
 from protos.errors import InvalidRequest, UnknownModel
@@ -49,7 +50,8 @@ def validate_and_build(
     ``max_model_len`` is the context window in tokens (prompt plus generated tokens);
     ``vocab_size`` bounds client-given token ids to ``[0, vocab_size)``. An unset
     ``max_tokens`` becomes ``default_max_tokens``, lowered to what fits in the context window.
-    A JSON schema is checked for the engines' ``structured_backend``.
+    A JSON schema is checked for the engines' ``structured_backend``. ``cache_salt_offset`` (the
+    token offset from which the salt applies) must lie in the prompt and needs a ``cache_salt``.
     An empty ``request_id`` becomes a fresh uuid4 hex string.
     """
     check_model(request.model, served_model_name)
@@ -75,6 +77,9 @@ def validate_and_build(
         max_model_len,
         default_max_tokens,
     )
+    cache_salt_offset = check_salt_offset(
+        request.cache_salt_offset if request.HasField("cache_salt_offset") else None,
+        request.cache_salt, len(prompt_token_ids))
     return EngineRequest(
         request_id=request_id,
         prompt_token_ids=tuple(prompt_token_ids),
@@ -89,6 +94,7 @@ def validate_and_build(
             json_object=json_object,
         ),
         cache_salt=request.cache_salt,
+        cache_salt_offset=cache_salt_offset,
     )
 
 
