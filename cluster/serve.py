@@ -27,7 +27,8 @@ def fronts_config(config: ClusterConfig) -> FrontsConfig:
                         config.auth, config.engine.max_model_len_tokens,
                         config.engine.structured_outputs_backend, config.engine_grpc,
                         config.engine.dtype,
-                        config.engine.max_num_seqs * config.decode.num_instances)
+                        config.engine.max_num_seqs * config.decode.num_instances,
+                        config.sessions)
 
 
 class BatonServer:

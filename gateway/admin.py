@@ -6,6 +6,8 @@ whoever holds an admin key: each RPC calls the conductor actor method ``cluster.
 calls (``pool_status``, ``scale``, ``drain``, ``pin_prefix``, ``unpin_prefix``,
 ``set_autoscale``); the gateway adds only
 the key check, tokenizing a text prefix as the fronts do, and the wire (``gateway.admin_wire``).
+``CloseSession`` ends an agent session through the fronts' router (``close_session``), with the
+session id scoped as the fronts scope it (its API key and tenant).
 
 Keys come as ``authorization: Bearer <admin key>`` metadata. With no admin key configured every
 call is refused with PERMISSION_DENIED, so a cluster set up without one never exposes these
@@ -32,10 +34,11 @@ from gateway.admin_wire import (
 )
 from gateway.auth import ADMIN_KEY_ENV, KeySet, bearer_key
 from gateway.inference import UndecodableRequest, _tolerant_parser
+from gateway.sessions import UnknownSession, check_session_id, scoped_session_id
 from gateway.status import status_of
 from gateway.tokenization import PromptTokenizer
 from protos.baton.v1 import admin_pb2 as apb
-from protos.errors import BatonError
+from protos.errors import BatonError, InvalidRequest
 from protos.wire import FrontAddresses, PoolSizes
 
 log = logging.getLogger(__name__)
@@ -58,20 +61,25 @@ _RPCS = {
     "Pin": (apb.PinRequest, apb.SoftPin),
     "Unpin": (apb.UnpinRequest, apb.SoftPin),
     "SetAutoscale": (apb.SetAutoscaleRequest, apb.AutoscaleStatus),
+    "CloseSession": (apb.CloseSessionRequest, apb.SessionClosed),
 }
 
 
 class AdminServicer:
     """Implements ``baton.v1.Admin`` over the conductor actor ``conductor`` (a Ray actor handle
     of ``conductor.conductor.Conductor``). ``fronts()`` says where the fronts serve (None while
-    unknown). Register it with ``start_gateway(..., admin=...)``."""
+    unknown); ``router`` is the fronts' router, which closes sessions (without one, or one
+    without ``close_session``, no session is live). Register it with
+    ``start_gateway(..., admin=...)``."""
 
     SERVICE_NAME = SERVICE_NAME
 
     def __init__(self, conductor, tokenizer: PromptTokenizer, admin_keys: Iterable[str],
                  cluster_name: str,
-                 fronts: Callable[[], FrontAddresses | None] = lambda: None) -> None:
+                 fronts: Callable[[], FrontAddresses | None] = lambda: None,
+                 router=None) -> None:
         self._conductor = conductor
+        self._router = router
         self._tokenizer = tokenizer
         self._admin_keys = KeySet(admin_keys)
         self._cluster_name = cluster_name
@@ -155,6 +163,31 @@ class AdminServicer:
                     context.peer())
         return autoscale_to_pb(await self._conductor_call(context, "set_autoscale",
                                                           request.enabled))
+
+    async def CloseSession(self, request: apb.CloseSessionRequest, context) -> apb.SessionClosed:
+        await self._authorize(request, context, "CloseSession")
+        try:
+            check_session_id(request.session_id)
+            if not request.session_id:
+                raise InvalidRequest("session_id is empty; name the session to close")
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        close = getattr(self._router, "close_session", None)
+        ended = None
+        if close is not None:
+            scoped_id = scoped_session_id(request.api_key, request.tenant, request.session_id)
+            try:
+                ended = await close(scoped_id)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                status, message = _status_of(exc, "close_session")
+                await context.abort(status, message)
+        if ended is None:
+            missing = UnknownSession(f"no live session {request.session_id!r} under that API key "
+                                     f"and tenant {request.tenant!r}: it was never opened, is "
+                                     "closed already, or its TTL lapsed")
+            await context.abort(status_of(missing).grpc_code, str(missing))
+        return apb.SessionClosed(session_id=request.session_id, num_steps=ended.num_steps,
+                                 released_blocks=ended.released_blocks)
 
 
 async def _timeout_s(value: float, context: grpc.aio.ServicerContext) -> float:

@@ -44,6 +44,8 @@ from gateway.openai_streams import (
     unless_disconnected,
 )
 from gateway.router import Router
+from gateway.session_http import HttpSessions
+from gateway.sessions import SessionsConfig
 from gateway.tokenization import PromptTokenizer
 from gateway.tool_calls import ANTHROPIC_CALL_ID_PREFIX
 from gateway.tool_parsers import ToolOutput
@@ -67,11 +69,12 @@ class _Messages:
     """The routes' shared state: router, tokenizer, the served model and the accepted keys."""
 
     def __init__(self, router: Router, tokenizer: PromptTokenizer, served: ServedModel,
-                 api_keys: KeySet) -> None:
+                 api_keys: KeySet, sessions: HttpSessions) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.served = served
         self.api_keys = api_keys
+        self.sessions = sessions
 
     async def answered(self, http_request: Request, answer: Answer) -> Response:
         """``answer``'s response to an authenticated request, or the error in Anthropic's shape."""
@@ -99,14 +102,16 @@ class _Messages:
         body = await _parsed(MessagesRequest, http_request)
         prepared = await asyncio.to_thread(prepare_message, body, self.tokenizer, self.served,
                                            http_request.headers.get(REQUEST_ID_HEADER, ""))
-        engine_request = prepared.engine
+        engine_request = await asyncio.to_thread(self.sessions.anthropic, prepared, body,
+                                                 http_request.headers)
         placed_events = await opened(self.router, engine_request, http_request)
         if placed_events is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         placed, events = placed_events
         request_id = engine_request.request_id
         headers = headers | {"X-Request-Id": request_id, "request-id": request_id}
-        progress = Progress(placed, received_at, len(engine_request.prompt_token_ids))
+        progress = Progress(placed, received_at, len(engine_request.prompt_token_ids),
+                            leases=engine_request.leases)
         tools = ToolOutput(prepared.tools, ANTHROPIC_CALL_ID_PREFIX)
         if body.stream:
             sse = message_events(events, progress, tools, request_id, self.served.name)
@@ -126,9 +131,13 @@ class _Messages:
 
 
 def messages_router(router: Router, tokenizer: PromptTokenizer, served: ServedModel,
-                    api_keys: frozenset[str]) -> APIRouter:
-    """The Anthropic routes over ``router``; with ``api_keys`` non-empty each needs one of them."""
-    front = _Messages(router, tokenizer, served, KeySet(api_keys))
+                    api_keys: frozenset[str], sessions: HttpSessions | None = None) -> APIRouter:
+    """The Anthropic routes over ``router``; with ``api_keys`` non-empty each needs one of them.
+    ``sessions``: how session ids and ``cache_control`` are honoured (default: the defaults)."""
+    keys = KeySet(api_keys)
+    if sessions is None:
+        sessions = HttpSessions(SessionsConfig(), tokenizer, keys)
+    front = _Messages(router, tokenizer, served, keys, sessions)
     routes = APIRouter(prefix="/v1")
 
     @routes.post("/messages")

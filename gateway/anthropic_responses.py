@@ -13,8 +13,9 @@ Contract:
   ``TokenChunk.stop_sequence``): ``stop_sequence`` with that string; else ``end_turn``.
 * **Usage.** Anthropic's split of the prompt, ``input_tokens + cache_read_input_tokens +
   cache_creation_input_tokens`` = prompt tokens: ``cache_read_input_tokens`` are the prompt
-  tokens served from cache (device prefix cache or KV store), ``cache_creation_input_tokens`` is
-  0 (Baton has no priced cache writes; it caches every prefix anyway), ``input_tokens`` the rest;
+  tokens served from cache (device prefix cache or KV store), ``cache_creation_input_tokens`` the
+  prompt tokens written under one of the request's leases (a session step, a ``cache_control``
+  breakpoint: ``sessions.cache_creation_tokens``) and not read, ``input_tokens`` the rest;
   ``output_tokens`` the generated tokens. A stream's ``message_start`` counts the whole prompt as
   ``input_tokens`` (the cache split is known when the request finishes); its ``message_delta``
   carries the final four, which the client's accumulated message takes.
@@ -131,10 +132,11 @@ def _json_object(text: str) -> dict | None:
 def usage(progress: Progress) -> dict:
     """Anthropic's usage of the request so far (see the module docstring)."""
     cached = progress.num_cached_tokens
-    assert cached <= progress.num_prompt_tokens, "more cached tokens than the prompt has"
+    created = progress.num_cache_creation_tokens
+    assert cached + created <= progress.num_prompt_tokens, "more cached tokens than the prompt has"
     return {
-        "input_tokens": progress.num_prompt_tokens - cached,
-        "cache_creation_input_tokens": 0,
+        "input_tokens": progress.num_prompt_tokens - cached - created,
+        "cache_creation_input_tokens": created,
         "cache_read_input_tokens": cached,
         "output_tokens": progress.num_completion_tokens,
     }

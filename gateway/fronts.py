@@ -22,6 +22,7 @@ from gateway.config import AuthConfig, EngineGrpcConfig, GatewayConfig, HttpConf
 from gateway.inference import InferenceServicer, RunningGateway, start_gateway
 from gateway.live_router import LiveRouter
 from gateway.metrics import PoolGaugePoller
+from gateway.sessions import SessionsConfig
 from gateway.tokenization import PromptTokenizer
 from protos.wire import FrontAddresses
 
@@ -46,6 +47,8 @@ class FrontsConfig(msgspec.Struct, frozen=True):
     """``engine.dtype``, as the engine contract's ``GetServerInfo`` reports it."""
     decode_max_num_seqs: int = 0
     """Sequences the decode pool runs at once (``engine.max_num_seqs`` × decode instances)."""
+    sessions: SessionsConfig = SessionsConfig()
+    """``sessions``: agent session ids and ``cache_control`` at the fronts (``gateway.sessions``)."""
 
 
 @dataclass(frozen=True)
@@ -100,9 +103,10 @@ class Fronts:
         if cfg.gateway.enabled:
             servicer = InferenceServicer(self.router, tokenizer, model.name, max_len,
                                          api_keys=secrets.api_keys,
-                                         structured_backend=cfg.structured_backend)
+                                         structured_backend=cfg.structured_backend,
+                                         sessions=cfg.sessions)
             admin = AdminServicer(conductor, tokenizer, secrets.admin_keys, cfg.cluster_name,
-                                  fronts=addresses)
+                                  fronts=addresses, router=self.router)
             self.gateway = await start_gateway(servicer, cfg.gateway.host, cfg.gateway.port,
                                                tls=secrets.grpc_tls, admin=admin)
             await self.gateway.set_serving(False)
@@ -113,7 +117,7 @@ class Fronts:
 
             app = build_app(self.router, tokenizer, model.name, max_len, api_keys=secrets.api_keys,
                             tool_call_parser=cfg.http.tool_call_parser,
-                            structured_backend=cfg.structured_backend)
+                            structured_backend=cfg.structured_backend, sessions=cfg.sessions)
             self.http = await start_http(app, cfg.http.host, cfg.http.port, tls=secrets.http_tls)
             self.progress(f"OpenAI-compatible HTTP on {self.http_url}")
         if cfg.engine_grpc.port is not None:

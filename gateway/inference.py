@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.auth import KeySet, bearer_key
 from gateway.router import Placed, Router, num_cached_tokens
+from gateway.sessions import SessionFields, SessionsConfig, cache_creation_tokens, with_session
 from gateway.status import retry_after_s, status_of
 from gateway.tokenization import PromptTokenizer
 from gateway.validation import tokenize_prompt, validate_and_build
@@ -96,8 +97,10 @@ class InferenceServicer:
         vocab_size: int | None = None,
         api_keys: frozenset[str] = frozenset(),
         structured_backend: str = "auto",
+        sessions: SessionsConfig = SessionsConfig(),
     ) -> None:
         self._api_keys = KeySet(api_keys)
+        self._sessions = sessions
         self._structured_backend = structured_backend
         self._router = router
         self._tokenizer = tokenizer
@@ -133,6 +136,10 @@ class InferenceServicer:
                 "missing or invalid API key: send metadata 'authorization: Bearer <key>'",
             )
 
+    def _offered_key(self, context: grpc.aio.ServicerContext) -> str:
+        """The key the call authenticated with ('' when the gateway runs without keys)."""
+        return bearer_key(context.invocation_metadata()) if self._api_keys else ""
+
     async def Generate(
         self, request: pb.GenerateRequest | UndecodableRequest, context: grpc.aio.ServicerContext
     ) -> None:
@@ -151,6 +158,8 @@ class InferenceServicer:
                 self._vocab_size,
                 structured_backend=self._structured_backend,
             )
+            engine_request = with_session(engine_request, session_fields(request),
+                                          self._sessions, self._offered_key(context))
         except BatonError as e:
             await context.abort(status_of(e).grpc_code, status_details(e))
         if not self._router.is_ready():
@@ -205,13 +214,18 @@ class InferenceServicer:
                 "the gateway log has the details",
             )
 
+        num_prompt_tokens = len(request.prompt_token_ids)
+        cached = num_cached_tokens(placed, last_chunk)
         usage = pb.Usage(
-            prompt_tokens=len(request.prompt_token_ids),
-            cached_tokens=num_cached_tokens(placed, last_chunk),
+            prompt_tokens=num_prompt_tokens,
+            cached_tokens=cached,
             completion_tokens=num_completion_tokens,
             ttft_ms=ttft_ms,
             e2e_ms=_ms_since(received_at),
             loaded_tokens=last_chunk.num_loaded_tokens,
+            cache_creation_input_tokens=cache_creation_tokens(request.leases, num_prompt_tokens,
+                                                              cached),
+            cache_read_input_tokens=cached,
         )
         placement = pb.PlacementInfo(
             prefill=placed.placement.prefill_instance,
@@ -254,6 +268,11 @@ class InferenceServicer:
         except BatonError as e:
             await context.abort(status_of(e).grpc_code, status_details(e))
         return pb.TokenizeResponse(token_ids=token_ids, num_tokens=len(token_ids))
+
+
+def session_fields(request: pb.GenerateRequest) -> SessionFields:
+    """The session a ``GenerateRequest`` names (0 for a TTL or a next-step hint: unset)."""
+    return SessionFields(request.session_id, request.session_ttl_s, request.expected_next_step_s)
 
 
 def _delta(chunk: TokenChunk) -> pb.TokenDelta:

@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.anthropic_http import messages_router
+from gateway.auth import KeySet
 from gateway.inference import NOT_READY_MESSAGE
 from gateway.openai_errors import OpenAIError, error_for, validation_message
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
@@ -61,6 +62,8 @@ from gateway.openai_streams import (
     unless_disconnected,
 )
 from gateway.router import Router
+from gateway.session_http import HttpSessions, sessions_router
+from gateway.sessions import SessionsConfig
 from gateway.tokenization import PromptTokenizer
 from gateway.tool_parsers import ToolOutput, finish_reason
 from gateway.validation import check_model
@@ -76,10 +79,12 @@ OWNED_BY = "baton"
 class _Front:
     """The handlers' shared state: router, tokenizer and the served model's limits."""
 
-    def __init__(self, router: Router, tokenizer: PromptTokenizer, served: ServedModel) -> None:
+    def __init__(self, router: Router, tokenizer: PromptTokenizer, served: ServedModel,
+                 sessions: HttpSessions) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.served = served
+        self.sessions = sessions
         self.created = int(time.time())
 
     async def complete(
@@ -94,14 +99,16 @@ class _Front:
             self.served,
             http_request.headers.get(REQUEST_ID_HEADER, ""),
         )
-        engine_request = prepared.engine
+        engine_request = await asyncio.to_thread(self.sessions.openai, prepared, body,
+                                                 http_request.headers)
         plan = prepared.tools
         tools = ToolOutput(plan) if plan is not None and plan.mode != "none" else None
         placed_events = await opened(self.router, engine_request, http_request)
         if placed_events is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         placed, events = placed_events
-        progress = Progress(placed, received_at, len(engine_request.prompt_token_ids))
+        progress = Progress(placed, received_at, len(engine_request.prompt_token_ids),
+                            leases=engine_request.leases)
         header = shape.header(
             engine_request.request_id, int(time.time()), self.served.name, chunk=body.stream
         )
@@ -176,6 +183,7 @@ def build_app(
     metrics_registry: prometheus_client.CollectorRegistry | None = None,
     tool_call_parser: str = "hermes",
     structured_backend: str = "auto",
+    sessions: SessionsConfig = SessionsConfig(),
 ) -> FastAPI:
     """The OpenAI-compatible app over ``router``.
 
@@ -185,10 +193,13 @@ def build_app(
     ``/v1`` route needs ``Authorization: Bearer <key>`` (the Anthropic routes take ``x-api-key``
     too); ``/health`` and ``/metrics`` stay open.
     ``/metrics`` exposes ``metrics_registry`` (default: prometheus-client's global registry).
+    ``sessions`` is how session ids and ``cache_control`` are honoured (``gateway.session_http``,
+    which also serves ``DELETE /v1/sessions/{session_id}``).
     """
     served = ServedModel(served_model_name, max_model_len, tokenizer.vocab_size, tool_call_parser,
                          structured_backend)
-    front = _Front(router, tokenizer, served)
+    http_sessions = HttpSessions(sessions, tokenizer, KeySet(api_keys))
+    front = _Front(router, tokenizer, served, http_sessions)
     registry = metrics_registry if metrics_registry is not None else prometheus_client.REGISTRY
     app = FastAPI(title="Baton", docs_url=None, redoc_url=None, openapi_url=None)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_auth(api_keys))])
@@ -224,7 +235,8 @@ def build_app(
         )
 
     app.include_router(v1)
-    app.include_router(messages_router(router, tokenizer, served, api_keys))
+    app.include_router(messages_router(router, tokenizer, served, api_keys, http_sessions))
+    app.include_router(sessions_router(router, http_sessions))
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, error: OpenAIError) -> JSONResponse:

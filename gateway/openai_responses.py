@@ -16,9 +16,10 @@ from typing import Sequence
 
 from gateway.openai_logprobs import chat_logprobs, completion_logprobs
 from gateway.router import Placed, num_cached_tokens
+from gateway.sessions import cache_creation_tokens
 from gateway.tool_calls import ToolCall
 from gateway.tool_parsers import CallArguments, CallStart, Piece, TextPiece
-from protos.wire import PositionLogprobs, TokenChunk
+from protos.wire import Lease, PositionLogprobs, TokenChunk
 
 
 @dataclass
@@ -35,6 +36,8 @@ class Progress:
     num_cached_tokens: int = 0
     stop_sequence: str = ""
     """The stop string that ended the answer ('' when none did: ``TokenChunk.stop_sequence``)."""
+    leases: tuple[Lease, ...] = ()
+    """The request's leases (session, breakpoints): what its cache writes count against."""
 
     def add(self, event: Placed | TokenChunk) -> None:
         assert isinstance(event, TokenChunk), "router sent a second Placed event"
@@ -47,12 +50,23 @@ class Progress:
             self.num_cached_tokens = num_cached_tokens(self.placed, event)
             self.stop_sequence = event.stop_sequence
 
+    @property
+    def num_cache_creation_tokens(self) -> int:
+        """Anthropic's ``cache_creation_input_tokens``: prompt tokens written under one of the
+        request's leases and not read from cache; 0 until the request finishes."""
+        if self.finish_reason is None:
+            return 0
+        return cache_creation_tokens(self.leases, self.num_prompt_tokens, self.num_cached_tokens)
+
     def usage(self) -> dict:
+        """OpenAI's usage, with Anthropic's two cache counts beside ``cached_tokens``."""
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_completion_tokens,
             "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+            "cache_creation_input_tokens": self.num_cache_creation_tokens,
+            "cache_read_input_tokens": self.num_cached_tokens,
         }
 
     def baton(self) -> dict:

@@ -10,13 +10,16 @@ while building an ``EngineRequest``; the conductor and the store nodes see only 
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from protos.errors import InvalidRequest
-from protos.wire import Lease
+from protos.errors import BatonError, InvalidRequest
+from protos.wire import EngineRequest, Lease
 
 MAX_SESSION_ID_CHARS = 128
 SESSION_PREFIX = "s-"
@@ -25,6 +28,19 @@ CACHE_CONTROL_TTLS_S = {"5m": 300.0, "1h": 3600.0}
 """Anthropic's ``cache_control`` TTLs (``{"type": "ephemeral", "ttl": ...}``; unset is 5m)."""
 
 _U32 = struct.Struct("<I")
+
+
+class InvalidField(InvalidRequest):
+    """A bad value of one request field; ``field`` names it as the client's front spells it
+    (the HTTP fronts answer it in ``param``)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class UnknownSession(BatonError):
+    """Closing a session that is not live (never opened, closed already, or its TTL lapsed)."""
 
 
 class SessionsConfig(BaseModel):
@@ -109,3 +125,64 @@ def cache_creation_tokens(leases: Sequence[Lease], num_prompt_tokens: int,
     wrote (the longest leased prefix, less what was read from cache)."""
     leased = max((min(lease.num_tokens, num_prompt_tokens) for lease in leases), default=0)
     return max(0, leased - num_cached_tokens)
+
+
+@dataclass(frozen=True)
+class SessionFields:
+    """What a request says about its session, and the names its front gives those fields."""
+
+    session_id: str = ""
+    """The client's id ('' for none)."""
+    ttl_s: float | None = None
+    expected_next_step_s: float | None = None
+    session_id_field: str = "session_id"
+    """Where the id came from: "session_id", the "X-Session-Id" header, "user", ..."""
+    ttl_field: str = "session_ttl_s"
+    next_step_field: str = "expected_next_step_s"
+
+
+def _field_check(field: str, check, *args):
+    try:
+        return check(*args)
+    except InvalidRequest as e:
+        raise InvalidField(str(e), field) from e
+
+
+def check_next_step_s(next_step_s: float, field: str = "expected_next_step_s") -> float:
+    """A client's estimate of the seconds to its session's next step: finite and >= 0."""
+    if not math.isfinite(next_step_s) or next_step_s < 0:
+        raise InvalidRequest(f"{field} must be a finite number of seconds >= 0 (0: unknown), "
+                             f"got {next_step_s}")
+    return float(next_step_s)
+
+
+def with_session(engine: EngineRequest, fields: SessionFields, config: SessionsConfig,
+                 api_key: str) -> EngineRequest:
+    """``engine`` as a step of the session ``fields`` names: its scoped id, its client's
+    next-step hint and the session's lease on the whole prompt (and the reply). Every field is
+    checked whether or not sessions are enabled (a request valid on one cluster is valid on every
+    other); with ``sessions.enabled`` false the request goes on as a plain one. ``api_key`` is
+    the key the caller authenticated with ('' when the fronts run without keys); the tenant is
+    the request's cache salt. ``InvalidField`` naming the offending field."""
+    session_id = _field_check(fields.session_id_field, check_session_id, fields.session_id,
+                              fields.session_id_field)
+    next_step_s = 0.0
+    if fields.expected_next_step_s is not None:
+        next_step_s = _field_check(fields.next_step_field, check_next_step_s,
+                                   fields.expected_next_step_s, fields.next_step_field)
+    ttl_s = _field_check(fields.ttl_field, check_ttl_s, fields.ttl_s or 0.0, config,
+                         fields.ttl_field)
+    if not session_id:
+        for name, value in ((fields.next_step_field, next_step_s),
+                            (fields.ttl_field, fields.ttl_s or 0.0)):
+            if value:
+                raise InvalidField(f"{name} needs a session: name one with session_id (HTTP: "
+                                   "or the X-Session-Id header), or leave it unset", name)
+        return engine
+    if not config.enabled:
+        return engine
+    scoped_id = scoped_session_id(api_key, engine.cache_salt, session_id)
+    lease = session_lease(scoped_id, engine.cache_salt, ttl_s, len(engine.prompt_token_ids))
+    return msgspec.structs.replace(engine, session_id=scoped_id,
+                                   expected_next_step_s=next_step_s,
+                                   leases=(*engine.leases, lease))

@@ -16,6 +16,7 @@ from http import HTTPStatus
 import grpc
 
 from conductor.policy import Overloaded
+from gateway.sessions import UnknownSession
 from protos.errors import (
     BatonError,
     ConfigError,
@@ -49,6 +50,8 @@ STATUS_BY_ERROR: dict[type[BatonError], FrontStatus] = {
     UnknownInstance: FrontStatus(grpc.StatusCode.NOT_FOUND, HTTPStatus.NOT_FOUND),
     ScaleRefused: FrontStatus(grpc.StatusCode.FAILED_PRECONDITION, HTTPStatus.CONFLICT),
     DrainTimeout: FrontStatus(grpc.StatusCode.DEADLINE_EXCEEDED, HTTPStatus.GATEWAY_TIMEOUT),
+    # closing an agent session (Admin CloseSession, HTTP DELETE /v1/sessions/{id})
+    UnknownSession: FrontStatus(grpc.StatusCode.NOT_FOUND, HTTPStatus.NOT_FOUND),
 }
 """Error kind → what the fronts answer. ``BatonError``'s row catches every kind not listed."""
 

@@ -169,6 +169,8 @@ async def test_completion_text_and_token_id_prompts(client, router):
         "completion_tokens": 4,
         "total_tokens": 6,
         "prompt_tokens_details": {"cached_tokens": 16},
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 16,
     }
     assert ids.choices[0].text == "abcd"
     assert ids.usage.prompt_tokens == 3
