@@ -49,18 +49,22 @@ def build_request(
     logprobs: int | None = None,
     json_schema: str = "",
     json_object: bool = False,
+    cache_salt_offset: int | None = None,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` for exactly one of ``text`` and ``token_ids``.
 
     With ``chat``, ``text`` is sent as a single user chat message. ``logprobs``, ``json_schema``
-    (JSON text) and ``json_object`` are ``SamplingParams``' fields of those names. Values are
-    sent as given; the gateway validates them.
+    (JSON text) and ``json_object`` are ``SamplingParams``' fields of those names.
+    ``cache_salt_offset``: the token offset from which ``cache_salt`` applies (unset: the whole
+    prompt). Values are sent as given; the gateway validates them.
     """
     if (text is None) == (token_ids is None):
         raise ValueError("pass exactly one of text and token_ids")
     if chat and text is None:
         raise ValueError("chat=True needs text")
     request = pb.GenerateRequest(model=model, cache_salt=cache_salt, request_id=request_id)
+    if cache_salt_offset is not None:
+        request.cache_salt_offset = cache_salt_offset
     if token_ids is not None:
         request.token_ids.ids.extend(token_ids)
     elif chat:
@@ -112,6 +116,7 @@ async def generate(
     timeout_s: float | None = None,
     api_key: str = "",
     tls_ca_file: str | None = None,
+    cache_salt_offset: int | None = None,
 ) -> dict[str, Any]:
     """Run one Generate RPC against ``target`` (``host:port``) and return its result.
 
@@ -139,6 +144,7 @@ async def generate(
         logprobs=logprobs,
         json_schema=json_schema,
         json_object=json_object,
+        cache_salt_offset=cache_salt_offset,
     )
     text_parts: list[str] = []
     all_token_ids: list[int] = []
