@@ -41,15 +41,16 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvstore.keys import BlockKey
-from protos.errors import StoreError
+from protos.errors import InvalidRequest
 
 
 _EXPIRY_SLACK_ENTRIES = 1024
 """Stale expiry entries (of renewed leases) tolerated beyond twice the live leases."""
 
 
-class InvalidLease(StoreError, ValueError):
-    """A lease the caller got wrong (a TTL that is not a positive number of seconds, no id)."""
+class InvalidLease(InvalidRequest):
+    """A lease the caller got wrong (a TTL that is not a positive number of seconds, no id):
+    the request that named it is at fault, as the fronts answer (400 / INVALID_ARGUMENT)."""
 
 
 def check_lease(lease_id: str, ttl_s: float) -> None:
