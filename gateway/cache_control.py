@@ -22,7 +22,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from gateway.anthropic_models import CountTokensRequest, Message, ToolResultBlock, joined
+from gateway.anthropic_models import (
+    CountTokensRequest,
+    Message,
+    ToolResultBlock,
+    joined,
+)
 from gateway.anthropic_requests import _assistant_turn, _user_turns
 from gateway.openai_models import ChatMessage
 from gateway.sessions import InvalidField, breakpoint_lease, cache_control_ttl_s
