@@ -13,8 +13,10 @@ Wire mapping, in one place:
   RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, anything else 500); 429 and 503 carry
   ``Retry-After``. Malformed JSON and wrong field types are 400, not FastAPI's 422
   (``gateway.openai_errors``).
-* Baton's own request fields ride as extra body fields (``cache_salt``, ``tenant``); its own
-  response fields sit under a top-level ``baton`` key (placement, loaded tokens, TTFT).
+* Baton's own request fields ride as extra body fields (``cache_salt``, ``tenant``, the agent
+  session's ``session_id``/``session_ttl_s``/``expected_next_step_s``, ``cache_control`` on chat
+  messages: ``gateway.session_http``); its own response fields sit under a top-level ``baton``
+  key (placement, loaded tokens, TTFT).
 * An ``X-Request-Id`` header plays the gRPC ``request_id`` field's part; every answer echoes
   the id in ``X-Request-Id`` and in its ``id`` (``chatcmpl-<id>`` / ``cmpl-<id>``).
 

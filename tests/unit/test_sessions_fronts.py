@@ -379,6 +379,38 @@ async def test_a_tool_breakpoint_leases_the_tools_with_the_system_turn(http, rou
     assert "get_weather" in tokenizer._tokenizer.decode(prompt[:lease.num_tokens])
 
 
+async def test_a_mark_inside_a_tool_result_leases_the_whole_result(http, router, tokenizer):
+    tool = {"name": "get_weather", "description": "Weather of a city.",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                           "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                {"type": "text", "text": "18 C, sunny", "cache_control": FIVE_MINUTES}]},
+            {"type": "text", "text": "Thanks. Shorts?"}]},
+    ]
+    unmarked = [dict(m) for m in messages]
+    unmarked[2] = {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C, sunny"}]}
+
+    response = await http.post("/v1/messages", json=anthropic_body(messages=messages,
+                                                                   tools=[tool]))
+    counted = await http.post("/v1/messages/count_tokens", json={
+        "model": SERVED, "messages": unmarked, "tools": [tool]})
+
+    assert response.status_code == 200, response.text
+    [request] = router.requests
+    prompt = list(request.prompt_token_ids)
+    generation = (len(rendered_ids(tokenizer, HI, generation=True))
+                  - len(rendered_ids(tokenizer, HI, generation=False)))
+    through_result = counted.json()["input_tokens"] - generation
+    assert tokenizer._tokenizer.decode(prompt[:through_result]).endswith(
+        "18 C, sunny\n</tool_response><|im_end|>\n")
+    assert request.leases == (breakpoint_lease("", prompt, through_result, 300.0),)
+
+
 async def test_the_request_level_mark_leases_the_whole_conversation(http, router, tokenizer):
     response = await http.post("/v1/messages", json=anthropic_body(cache_control=ONE_HOUR))
 
