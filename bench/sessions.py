@@ -77,6 +77,11 @@ class Step(msgspec.Struct):
     reply_tokens: int
     ceiling_cached_tokens: int = 0
 
+    @property
+    def prefilled_s(self) -> float:
+        """When its prompt's KV existed (its first token came back)."""
+        return self.started_s + self.ttft_ms / 1000.0
+
 
 class SessionsRun(msgspec.Struct):
     retention: bool
@@ -143,21 +148,29 @@ def working_set_tokens(workload: Workload) -> int:
 
 def ceiling_tokens(steps: list[Step], prompts: dict[tuple[int, int], list[int]],
                    replies: dict[tuple[int, int], list[int]]) -> None:
-    """Fill each step's ``ceiling_cached_tokens``: the leading full blocks of its prompt that a
-    step finished before it began had computed (its prompt's or its reply's), as an infinite
-    cache would have them, and at most all but the prompt's last token (vLLM computes it)."""
+    """Fill each step's ``ceiling_cached_tokens``: the leading full blocks of its prompt that an
+    infinite cache would hold for it, and at most all but the prompt's last token (vLLM computes
+    it). A block exists once computed: an earlier step's prompt blocks once its prefill was
+    done, before this step's own prefill was (a step that arrives while they are computed can
+    wait for them, as the conductor's coalescing does), and its reply's blocks once it
+    finished, before this step began."""
     extras = KeyExtras("bench")
-    done = sorted(steps, key=lambda s: s.finished_s)
+    prompt_keys = {key: block_keys(prompts[key], BLOCK_TOKENS, extras) for key in prompts}
+    reply_keys = {key: block_keys(prompts[key] + replies[key], BLOCK_TOKENS, extras)
+                  for key in prompts}
     for step in steps:
+        me = (step.session, step.index)
         known: set[bytes] = set()
-        for earlier in done:
-            if earlier.finished_s > step.started_s:
-                break
+        for earlier in steps:
             key = (earlier.session, earlier.index)
-            known.update(block_keys(prompts[key] + replies[key], BLOCK_TOKENS, extras))
-        keys = block_keys(prompts[(step.session, step.index)], BLOCK_TOKENS, extras)
+            if key == me:
+                continue
+            if earlier.finished_s <= step.started_s:
+                known.update(reply_keys[key])
+            elif earlier.prefilled_s <= step.prefilled_s and earlier.started_s <= step.started_s:
+                known.update(prompt_keys[key])
         hit = 0
-        for k in keys:
+        for k in prompt_keys[me]:
             if k not in known:
                 break
             hit += 1

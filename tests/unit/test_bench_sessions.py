@@ -16,25 +16,29 @@ def test_the_workload_is_a_function_of_its_seed():
     assert working_set_tokens(a) == 256 + sum(len(x) + 16 for t in a.tools for x in t)
 
 
-def step(session, index, prompt, started, finished):
-    return Step(session, index, len(prompt), 0, 0, 0.0, started, finished, 0)
+def step(session, index, prompt, started, finished, ttft_ms=0.0):
+    return Step(session, index, len(prompt), 0, 0, ttft_ms, started, finished, 0)
 
 
-def test_the_ceiling_reuses_only_blocks_computed_by_steps_finished_before():
+def test_the_ceiling_reuses_only_blocks_computed_before():
     b = BLOCK_TOKENS
     trunk = list(range(2 * b))  # two blocks every prompt shares
     p00 = trunk + [7] * b + [8] * 10        # session 0, step 0: 3 full blocks and a tail
     r00 = [9] * (b - 10)                    # its reply completes the 4th block
     p01 = p00 + r00 + [5] * (b + 3)         # step 1: 5 full blocks
-    p10 = trunk + [6] * b                   # session 1 starts before step 0 of session 0 ends
-    steps = [step(0, 0, p00, 0.0, 1.0), step(0, 1, p01, 2.0, 3.0), step(1, 0, p10, 0.5, 1.5)]
-    prompts = {(0, 0): p00, (0, 1): p01, (1, 0): p10}
-    replies = {(0, 0): r00, (0, 1): [1] * 4, (1, 0): [2] * 4}
+    p10 = trunk + [6] * b                   # its prefill was done before (0, 0)'s was
+    p20 = trunk + [4] * b                   # its prefill was done after (0, 0)'s was
+    steps = [step(0, 0, p00, 0.0, 1.0, ttft_ms=800.0), step(0, 1, p01, 2.0, 3.0),
+             step(1, 0, p10, 0.5, 1.5, ttft_ms=100.0), step(2, 0, p20, 0.6, 1.6, ttft_ms=400.0)]
+    prompts = {(0, 0): p00, (0, 1): p01, (1, 0): p10, (2, 0): p20}
+    replies = {(0, 0): r00, (0, 1): [1] * 4, (1, 0): [2] * 4, (2, 0): [3] * 4}
     ceiling_tokens(steps, prompts, replies)
     by_key = {(s.session, s.index): s.ceiling_cached_tokens for s in steps}
-    # nothing had finished when the first two began; step (0, 1) reuses step (0, 0)'s prompt
-    # and the block its reply completed: 4 blocks, not the 5th (computed by no one before)
-    assert by_key == {(0, 0): 0, (1, 0): 0, (0, 1): 4 * b}
+    # (1, 0) and (2, 0) arrived while (0, 0) prefilled the trunk: (2, 0) could wait for it,
+    # (1, 0) was done first; (0, 0) began before anyone had computed anything. Step (0, 1)
+    # reuses its session's last prompt and the block that step's reply completed: 4 blocks,
+    # not the 5th (computed by no one before).
+    assert by_key == {(0, 0): 0, (1, 0): 0, (2, 0): 2 * b, (0, 1): 4 * b}
 
 
 def test_the_ceiling_leaves_the_last_token_to_compute():
