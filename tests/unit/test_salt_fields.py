@@ -149,3 +149,19 @@ def test_anthropic_tool_results_are_turns_of_their_message(tokenizer):
     before = tokenizer.encode_conversation(rendered.messages, add_generation_prompt=False)
     assert engine.cache_salt_offset == len(before)
     assert engine.prompt_token_ids[:len(before)] == tuple(before)
+
+
+@pytest.mark.parametrize("offset", [0, 130, 300])
+def test_the_gateways_keys_and_a_continuations_follow_the_segments(offset):
+    from gateway.live_router import continuation, prompt_blocks
+    from kvstore.keys import KeyExtras, first_salted_block, pack_keys, prompt_block_keys
+    from protos.wire import EngineRequest, SamplingOptions
+
+    prompt, generated = tuple(range(1000, 1300)), [7] * 100
+    extras = KeyExtras("tiny", "A", "", "f32:128", first_salted_block(offset, 128))
+    blocks = prompt_blocks(prompt, "A", "tiny", "f32:128", 128, cache_salt_offset=offset)
+    assert blocks.keys == pack_keys(prompt_block_keys(prompt, 128, extras))
+    request = EngineRequest("r", prompt, SamplingOptions(max_tokens=200), cache_salt="A",
+                            cache_salt_offset=offset, blocks=blocks)
+    moved = continuation(request, generated)
+    assert moved.blocks.keys == pack_keys(prompt_block_keys(prompt + tuple(generated), 128, extras))
