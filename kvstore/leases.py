@@ -145,6 +145,7 @@ class LeaseRegistry:
         self._expiry: list[tuple[float, int, str]] = []  # (expires_at, renewal, id), lazy
         self._renewals = itertools.count(1)
         self._touched: dict[BlockKey, bool] = {}  # this call's keys -> leased before it
+        self._change = LeaseChange()  # this call's answer (``_begin``)
         self.cap_evicted_leases = 0
 
     # -- the API ---------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ host tier (``KVStoreNode.pull`` and ``execute``, the transfer plan's execution).
 Whoever knows where the blocks are decides the source (``TransferPlan``); the node reads the
 blocks after its own leading run over the transfer engine into reserved slots, and commits
 what arrived whole. The source's leases on the pulled blocks come with them (same id, tenant and
-remaining TTL; joined to the lease if this node holds it already). A pull fails soft (``PullResult.error``): the rest is recomputed.
+remaining TTL; joined to the lease if this node holds it already; a lease naming the first block
+read covers the leading blocks this node already had, as on the source). A pull fails soft (``PullResult.error``): the rest is recomputed.
 
 A mixin of ``kvstore.node.KVStoreNode``, whose ``__init__`` sets the attributes declared below
 and whose ``commit`` and lock it uses. Its messages are logged as the node's.
@@ -178,8 +179,11 @@ class NodePulls:
         got = result.num_blocks
         with self._lock:
             for grant in result.leases:  # the lease travels with its blocks
+                # a lease names a prompt's leading blocks, and a key names its whole chain:
+                # one naming the first block read names the blocks this node had before it too
+                local = keys[:num_local] if 0 in grant.block_indices else []
                 self._extend_lease(grant.lease_id, grant.tenant,
-                                   [wanted[i] for i in grant.block_indices if i < got],
+                                   local + [wanted[i] for i in grant.block_indices if i < got],
                                    grant.ttl_s)
             self.commit(wanted[:got])
             self.store.abort(wanted[got:])

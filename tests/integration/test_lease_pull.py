@@ -102,12 +102,13 @@ def test_a_pull_carries_the_lease_and_the_dead_nodes_leases_go_with_it(nodes) ->
     assert ray.get(a.tier_counters.remote()).demoted_blocks == 2
     assert ray.get(a.stats.remote()).leased_blocks == 6  # all of them still in host memory
 
+    nodes.write("b", session[:2])  # b computed the session's first blocks itself, plain
     pulled = ray.get(b.pull.remote(session, "a"))
-    assert (pulled.num_pulled, pulled.error) == (6, "")
+    assert (pulled.num_local, pulled.num_pulled, pulled.error) == (2, 4, "")
     pulled = ray.get(b.pull.remote(trunk, "a"))  # a plain prefix: it arrives plain
     assert (pulled.num_pulled, pulled.error) == (6, "")
 
-    stats = ray.get(b.lease_stats.remote())
+    stats = ray.get(b.lease_stats.remote())  # the lease covers b's own leading blocks too
     assert (stats.leased_blocks, stats.leased_bytes, stats.num_leases) == (6, 6 * BLOCK_BYTES, 1)
     assert stats.by_tenant == {"acme": 6 * BLOCK_BYTES}
     # the same lease, with the time it had left on a: naming it again on b renews it there
