@@ -58,7 +58,7 @@ TOOL_TOKENS = (128, 384)
 MAX_THINK_S = 30.0
 """Longest tool pause drawn (the log-normal's tail is cut here)."""
 THINK_SIGMA = 0.8
-"""Log-normal shape of the pauses: with median 4 s, p90 ≈ 11 s."""
+"""Log-normal shape of the pauses: with median 8 s, p90 ≈ 22 s (cut at ``MAX_THINK_S``)."""
 VOCAB = (1000, 40000)
 """Token ids the prompts are drawn from (inside SmolLM2's and the tiny model's vocabularies)."""
 BLOCK_TOKENS = 128
@@ -325,9 +325,9 @@ def bench_config(config: ClusterConfig, workload: Workload, device_blocks: int,
 
 
 async def run_sessions(config: ClusterConfig, sessions: int = 6, steps: int = 6,
-                       trunk_tokens: int = 1024, think_s: float = 4.0, max_tokens: int = 32,
-                       noise_clients: int = 1, noise_tokens: int = 1024, device_blocks: int = 48,
-                       host_factor: float = 1.25, order: str = "off,on", repeats: int = 1,
+                       trunk_tokens: int = 1024, think_s: float = 8.0, max_tokens: int = 32,
+                       noise_clients: int = 1, noise_tokens: int = 512, device_blocks: int = 48,
+                       host_factor: float = 1.0, order: str = "off,on", repeats: int = 1,
                        seed: int = 0, progress: Callable[[str], None] = lambda _m: None) -> dict:
     first = [part.strip() for part in order.split(",") if part.strip()]
     if sorted(first) != ["off", "on"]:

@@ -251,15 +251,15 @@ def bench_sessions(
     sessions: int = typer.Option(6, help="Concurrent agent sessions."),
     steps: int = typer.Option(6, help="Steps per session (a tool pause between two)."),
     trunk_tokens: int = typer.Option(1024, help="Tokens of the system prompt every session shares."),
-    think: float = typer.Option(4.0, help="Median tool pause (s; log-normal, long-tailed)."),
+    think: float = typer.Option(8.0, help="Median tool pause (s; log-normal, long-tailed)."),
     max_tokens: int = typer.Option(32, help="Tokens of each step's reply."),
     noise_clients: int = typer.Option(1, help="Background clients sending unique prompts back "
                                       "to back (they churn the caches)."),
-    noise_tokens: int = typer.Option(1024, help="Tokens of each background prompt."),
+    noise_tokens: int = typer.Option(512, help="Tokens of each background prompt."),
     device_blocks: int = typer.Option(48, help="Blocks of each engine's own KV cache (fewer "
                                       "than the sessions' working set)."),
-    host_factor: float = typer.Option(1.25, help="The store's host tier, as a multiple of the "
-                                      "sessions' working set."),
+    host_factor: float = typer.Option(1.0, help="The store's host tier, as a multiple of the "
+                                      "sessions' working set (the lease caps are the whole tier)."),
     order: str = typer.Option("off,on", help="Which configuration runs first."),
     repeats: int = typer.Option(1, help="Runs of each configuration (ABBA order)."),
     seed: int = typer.Option(0, help="Seed of the workload."),
