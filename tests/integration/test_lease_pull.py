@@ -140,3 +140,9 @@ def test_a_pull_carries_the_lease_and_the_dead_nodes_leases_go_with_it(nodes) ->
     assert (stats.leased_blocks, stats.num_leases, stats.lease_evictions) == (2, 1, 0)
     nodes.write("b", synthetic_chain(6, 12))  # plain blocks make room; c-2's stay
     assert nodes.read("b", fresh[:2]) == 2 and nodes.read("b", session) == 0
+    client.release_lease("c-2")  # fire and forget
+    deadline = time.monotonic() + 10
+    while ray.get(b.stats.remote()).leased_blocks:
+        assert time.monotonic() < deadline, "the fire-and-forget release never landed"
+        time.sleep(0.05)
+    assert ray.get(b.lease_stats.remote()).num_leases == 0
