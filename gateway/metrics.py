@@ -49,14 +49,19 @@ KV_TRANSFER_SECONDS = Counter("baton_kv_transfer_seconds",
                               "Seconds engines spent loading KV from the KV store, by path "
                               "(from the workers' connector counters).", ["path"])
 STORE_BLOCKS = Gauge("baton_kv_store_blocks", "Blocks a store node holds, by tier (host, disk; "
-                     "host_soft_pinned: of host, those of operator-pinned prefixes).",
+                     "host_soft_pinned: of host, those of operator-pinned prefixes; leased: in "
+                     "any tier, those a live session or cache_control lease names).",
                      ["node", "tier"])
+STORE_LEASED_BYTES = Gauge("baton_kv_store_leased_bytes",
+                           "Bytes of blocks a store node holds under live leases (sessions, "
+                           "cache_control prefixes).", ["node"])
 STORE_EVENTS = Gauge(
     "baton_kv_store_events",
     "Store node counts since it started: host_full_rejected_blocks (arena full of pinned blocks: "
     "not stored, recomputed later), disk_rejected_puts / disk_write_errors (disk tier full or "
     "failing: dropped instead of demoted), disk_corrupt_blocks (failed checksum: recomputed), "
-    "pulled_blocks / pull_failures (cross-node transfers), promoted / demoted blocks.",
+    "pulled_blocks / pull_failures (cross-node transfers), promoted / demoted blocks, "
+    "lease_evictions (leases that gave way to a cap, leased blocks evicted anyway).",
     ["node", "event"])
 RETRIES = Counter("baton_request_retries",
                   "Requests placed again because their worker died before answering, by reason.",
@@ -179,8 +184,11 @@ def set_pool_gauges(status) -> None:
         STORE_BLOCKS.labels(store.node_id, "disk").set(store.disk_used_blocks)
         STORE_BLOCKS.labels(store.node_id, "host_soft_pinned").set(
             store.counters.soft_pinned_blocks)
+        if store.counters.leased_blocks is not None:
+            STORE_BLOCKS.labels(store.node_id, "leased").set(store.counters.leased_blocks)
+            STORE_LEASED_BYTES.labels(store.node_id).set(store.counters.leased_bytes or 0)
         for event, count in store.counters.as_dict().items():
-            if event not in ("disk_blocks", "soft_pinned_blocks"):
+            if event not in ("disk_blocks", "soft_pinned_blocks", "leased_blocks", "leased_bytes"):
                 STORE_EVENTS.labels(store.node_id, event).set(count)
 
 

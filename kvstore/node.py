@@ -253,6 +253,10 @@ class KVStoreNode(NodePulls, NodeLeases):
             host_full_rejected_blocks=stats.reserve_rejected_blocks,
             soft_pinned_blocks=stats.soft_pinned_blocks, pulled_blocks=self.pulled_blocks,
             pulled_bytes=self.pulled_bytes, pull_failures=self.pull_failures)
+        leases = self.lease_stats()
+        counters = msgspec.structs.replace(
+            counters, leased_blocks=leases.leased_blocks, leased_bytes=leases.leased_bytes,
+            lease_evictions=leases.lease_evictions)
         if self.disk is None:
             return counters
         disk = self.disk.stats()

@@ -422,6 +422,13 @@ class TierCounters(msgspec.Struct, frozen=True, omit_defaults=True):
     disk_write_errors: int | None = None
     disk_rejected_puts: int | None = None
     """Blocks the disk tier refused: no room could be made for them."""
+    leased_blocks: int | None = None
+    """Blocks in the node's tiers that a live session or cache_control lease names (a level;
+    None from a node older than leases)."""
+    leased_bytes: int | None = None
+    """... in bytes (a level)."""
+    lease_evictions: int | None = None
+    """Leases that gave way to a cap, and leased blocks that left the node anyway."""
 
     def as_dict(self) -> dict[str, int]:
         """The counters present, by name, in field order: what the Admin proto's map and the

@@ -70,9 +70,37 @@ def test_evicted_host_blocks_are_demoted_and_promoted_back_intact(node):
     assert list(counters.as_dict()) == [  # the names and order `baton status` always showed
         "promoted_blocks", "demoted_blocks", "host_full_rejected_blocks", "soft_pinned_blocks",
         "pulled_blocks", "pulled_bytes", "pull_failures", "disk_blocks", "disk_hits",
-        "disk_corrupt_blocks", "disk_evictions", "disk_write_errors", "disk_rejected_puts"]
+        "disk_corrupt_blocks", "disk_evictions", "disk_write_errors", "disk_rejected_puts",
+        "leased_blocks", "leased_bytes", "lease_evictions"]  # new names only ever at the end
     node.store.check_invariants()
     node.disk.check_invariants()
+
+
+def test_the_tier_counters_and_the_store_gauges_show_the_leases(tmp_path):
+    from gateway import metrics
+    from protos.wire import PoolStatus, StoreRow
+
+    config = KVStoreConfig(host_capacity_bytes=4 * BLOCK_BYTES, arena_dir=str(tmp_path),
+                           lease_max_bytes_per_tenant=4 * BLOCK_BYTES)
+    node = KVStoreNode("node0", "t", config, BLOCK_BYTES, redis_url=None)
+    a = chain(1, 3)
+    node.lease("s-1", "acme", a[:2], ttl_s=60)  # before the blocks land: leased on commit
+    write(node, a)
+    counters = node.tier_counters()
+    assert (counters.leased_blocks, counters.leased_bytes, counters.lease_evictions) == (
+        2, 2 * BLOCK_BYTES, 0)
+    stats = node.stats()
+    status = PoolStatus("baton", {}, [], [StoreRow("node0", stats.capacity_blocks,
+                                                   stats.used_blocks, stats.pinned_blocks, 0,
+                                                   stats.evicted_blocks, counters)],
+                        None, [])
+    metrics.set_pool_gauges(status)
+    assert metrics.STORE_BLOCKS.labels("node0", "leased")._value.get() == 2
+    assert metrics.STORE_LEASED_BYTES.labels("node0")._value.get() == 2 * BLOCK_BYTES
+    assert metrics.STORE_EVENTS.labels("node0", "lease_evictions")._value.get() == 0
+    assert node.release_lease("s-1") == 2
+    assert node.tier_counters().leased_blocks == 0
+    node.shutdown()
 
 
 def test_a_corrupt_disk_block_ends_the_run_and_is_never_served(node):
@@ -107,11 +135,13 @@ def test_without_a_disk_tier_evicted_blocks_are_dropped(tmp_path):
         counters = node.tier_counters()
         assert counters == TierCounters(promoted_blocks=0, demoted_blocks=0,
                                         host_full_rejected_blocks=0, soft_pinned_blocks=0,
-                                        pulled_blocks=0, pulled_bytes=0, pull_failures=0)
+                                        pulled_blocks=0, pulled_bytes=0, pull_failures=0,
+                                        leased_blocks=0, leased_bytes=0, lease_evictions=0)
         # without a disk tier the disk counters are absent from the encoded form, as before
         assert msgspec.json.encode(counters) == (
             b'{"promoted_blocks":0,"demoted_blocks":0,"host_full_rejected_blocks":0,'
-            b'"soft_pinned_blocks":0,"pulled_blocks":0,"pulled_bytes":0,"pull_failures":0}')
+            b'"soft_pinned_blocks":0,"pulled_blocks":0,"pulled_bytes":0,"pull_failures":0,'
+            b'"leased_blocks":0,"leased_bytes":0,"lease_evictions":0}')
     finally:
         node.shutdown()
 
