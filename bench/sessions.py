@@ -12,8 +12,8 @@ workload, from the same seed:
   think time drawn from a long-tailed (log-normal) distribution with median ``think_s``.
   Sessions start at staggered times.
 - Background traffic that churns the caches: ``noise_clients`` clients sending unique prompts
-  of ``noise_tokens`` tokens back to back (one generated token each), as the rest of a fleet
-  would.
+  of ``noise_tokens`` tokens (one generated token each) at about ``noise_rate`` a second each
+  (0: back to back), as the rest of a fleet would.
 - The caches under pressure: each engine's own KV cache is ``device_blocks`` blocks (less than
   the sessions' working set, so a paused session's blocks leave the device), and the store
   node's host tier is ``host_factor`` times the sessions' working set (so the background
@@ -213,13 +213,24 @@ async def _session(stub, workload: Workload, session: int, t0: float, steps: lis
         prompt = prompt + reply + workload.tools[session][index + 1]
 
 
-async def _noise(stub, rng: random.Random, tokens: int, stop: asyncio.Event, count: list[int]) -> None:
+async def _noise(stub, rng: random.Random, tokens: int, rate: float, stop: asyncio.Event,
+                 count: list[int]) -> None:
+    """Unique prompts, one at a time: back to back (``rate`` 0), else at about ``rate`` a second
+    (exponential gaps), so the caches churn without the background work taking every core."""
     while not stop.is_set():
+        sent = time.perf_counter()
         prompt = [rng.randrange(*VOCAB) for _ in range(tokens)]
         async for _ in stub.Generate(build_request(token_ids=prompt, max_tokens=1,
                                                    temperature=0.0), timeout=600):
             pass
         count[0] += 1
+        if rate > 0:
+            gap = rng.expovariate(rate) - (time.perf_counter() - sent)
+            if gap > 0:
+                try:
+                    await asyncio.wait_for(stop.wait(), gap)
+                except asyncio.TimeoutError:
+                    pass
 
 
 async def _lease_sampler(server: BatonServer, peak: list[int], stop: asyncio.Event) -> None:
@@ -233,7 +244,8 @@ async def _lease_sampler(server: BatonServer, peak: list[int], stop: asyncio.Eve
 
 
 async def measure(config: ClusterConfig, workload: Workload, noise_clients: int,
-                  noise_tokens: int, seed: int, progress: Callable[[str], None]) -> SessionsRun:
+                  noise_tokens: int, noise_rate: float, seed: int,
+                  progress: Callable[[str], None]) -> SessionsRun:
     retention = config.sessions.enabled
     label = "on" if retention else "off"
     server = BatonServer(config, progress=lambda m: progress(f"[{label}] {m}"))
@@ -249,7 +261,7 @@ async def measure(config: ClusterConfig, workload: Workload, noise_clients: int,
             peak = [0]
             rng = random.Random(seed + 1)
             helpers = [asyncio.create_task(_noise(stub, random.Random(rng.randrange(1 << 30)),
-                                                  noise_tokens, stop, noise_count))
+                                                  noise_tokens, noise_rate, stop, noise_count))
                        for _ in range(noise_clients)]
             helpers.append(asyncio.create_task(_lease_sampler(server, peak, stop)))
             progress(f"[{label}] {len(workload.tools)} sessions of {len(workload.thinks[0]) + 1} "
@@ -326,7 +338,8 @@ def bench_config(config: ClusterConfig, workload: Workload, device_blocks: int,
 
 async def run_sessions(config: ClusterConfig, sessions: int = 6, steps: int = 6,
                        trunk_tokens: int = 1024, think_s: float = 8.0, max_tokens: int = 32,
-                       noise_clients: int = 1, noise_tokens: int = 512, device_blocks: int = 48,
+                       noise_clients: int = 1, noise_tokens: int = 512, noise_rate: float = 1.0,
+                       device_blocks: int = 48,
                        host_factor: float = 1.0, order: str = "off,on", repeats: int = 1,
                        seed: int = 0, progress: Callable[[str], None] = lambda _m: None) -> dict:
     first = [part.strip() for part in order.split(",") if part.strip()]
@@ -340,7 +353,7 @@ async def run_sessions(config: ClusterConfig, sessions: int = 6, steps: int = 6,
     for label in labels:
         sessions_config = base.sessions.model_copy(update={"enabled": label == "on"})
         runs.append(await measure(base.model_copy(update={"sessions": sessions_config}), workload,
-                                  noise_clients, noise_tokens, seed, progress))
+                                  noise_clients, noise_tokens, noise_rate, seed, progress))
     off = summary([r for r in runs if not r.retention])
     on = summary([r for r in runs if r.retention])
     ttft_ratio = (on["ttft_after_pause_p90_ms"] / off["ttft_after_pause_p90_ms"]
@@ -356,7 +369,7 @@ async def run_sessions(config: ClusterConfig, sessions: int = 6, steps: int = 6,
             "model": base.engine.model, "sessions": sessions, "steps": steps,
             "trunk_tokens": trunk_tokens, "think_median_s": think_s, "think_sigma": THINK_SIGMA,
             "max_tokens": max_tokens, "noise_clients": noise_clients,
-            "noise_tokens": noise_tokens, "device_blocks": base.engine.num_kv_blocks,
+            "noise_tokens": noise_tokens, "noise_rate_per_s": noise_rate, "device_blocks": base.engine.num_kv_blocks,
             "host_capacity_bytes": base.kvstore.host_capacity_bytes,
             "working_set_tokens": working_set_tokens(workload), "order": labels, "seed": seed},
         "runs": msgspec.to_builtins(runs),

@@ -256,6 +256,8 @@ def bench_sessions(
     noise_clients: int = typer.Option(1, help="Background clients sending unique prompts back "
                                       "to back (they churn the caches)."),
     noise_tokens: int = typer.Option(512, help="Tokens of each background prompt."),
+    noise_rate: float = typer.Option(1.0, help="Background prompts a second per client "
+                                     "(0: back to back)."),
     device_blocks: int = typer.Option(48, help="Blocks of each engine's own KV cache (fewer "
                                       "than the sessions' working set)."),
     host_factor: float = typer.Option(1.0, help="The store's host tier, as a multiple of the "
@@ -278,7 +280,7 @@ def bench_sessions(
     _live("sessions", None, overrides, lambda cfg, progress: run_sessions(
         cfg, json_path, progress, sessions=sessions, steps=steps, trunk_tokens=trunk_tokens,
         think_s=think, max_tokens=max_tokens, noise_clients=noise_clients,
-        noise_tokens=noise_tokens, device_blocks=device_blocks, host_factor=host_factor,
+        noise_tokens=noise_tokens, noise_rate=noise_rate, device_blocks=device_blocks, host_factor=host_factor,
         order=order, repeats=repeats, seed=seed), json_path)
 
 

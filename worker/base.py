@@ -94,27 +94,28 @@ class EngineWorker:
             kv_layout_tag(dtype, block_size), events.replay_endpoint,
         )))
 
+    def key_extras(self, request: EngineRequest):
+        """The ``KeyExtras`` this engine's connector keys ``request``'s blocks under (its salt
+        and where the salt's segment starts)."""
+        from kvstore.keys import KeyExtras, first_salted_block, kv_layout_tag
+
+        dtype, block_size = self.runner.kv_layout()
+        return KeyExtras(model_id=self.model.name, cache_salt=request.cache_salt,
+                         kv_layout=kv_layout_tag(dtype, block_size),
+                         salt_from_block=first_salted_block(request.cache_salt_offset, block_size))
+
     def prompt_keys(self, request: EngineRequest) -> list[bytes]:
         """The store keys of ``request``'s prompt blocks, as this engine's connector names them
         (full blocks, then the partial tail): the ones the request carries from the gateway,
         hashed here only when it carries none under this engine's key scheme."""
-        from kvstore.keys import (
-            KeyExtras,
-            first_salted_block,
-            kv_layout_tag,
-            prompt_block_keys,
-            unpack_keys,
-        )
+        from kvstore.keys import kv_layout_tag, prompt_block_keys, unpack_keys
 
         dtype, block_size = self.runner.kv_layout()
-        layout = kv_layout_tag(dtype, block_size)
         blocks = request.blocks
         if blocks is not None and (blocks.model_id, blocks.kv_layout, blocks.block_size_tokens) == (
-                self.model.name, layout, block_size):
+                self.model.name, kv_layout_tag(dtype, block_size), block_size):
             return unpack_keys(blocks.keys)
-        extras = KeyExtras(model_id=self.model.name, cache_salt=request.cache_salt, kv_layout=layout,
-                           salt_from_block=first_salted_block(request.cache_salt_offset, block_size))
-        return prompt_block_keys(request.prompt_token_ids, block_size, extras)
+        return prompt_block_keys(request.prompt_token_ids, block_size, self.key_extras(request))
 
     def _store_actor(self):
         """This node's store actor (looked up once; None without a store)."""
@@ -137,17 +138,17 @@ class EngineWorker:
         keys named."""
         if not request.leases or self._store is None:
             return 0
-        from kvstore.keys import chain_keys
+        from kvstore.keys import continue_keys
 
         _, block_size = self.runner.kv_layout()
         prompt_keys = self.prompt_keys(request)[:len(request.prompt_token_ids) // block_size]
         named = 0
         for lease in request.leases:
             keys = prompt_keys[:min(lease.num_tokens, len(request.prompt_token_ids)) // block_size]
-            if lease.include_output and generated and keys and len(keys) == len(prompt_keys):
+            if lease.include_output and generated and len(keys) == len(prompt_keys):
                 tokens = (*request.prompt_token_ids, *generated)
                 rest = tokens[len(keys) * block_size:]
-                keys = [*keys, *chain_keys(keys[-1], rest, block_size)]
+                keys = [*keys, *continue_keys(keys, rest, block_size, self.key_extras(request))]
             if not keys:
                 continue
             try:
