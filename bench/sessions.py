@@ -100,6 +100,8 @@ class SessionsRun(msgspec.Struct):
     prefetches: int
     wall_s: float
     step_log: list[Step]
+    label: str = ""
+    """off, on, or for ``--prefetch``: disk+prefetch, disk-no-prefetch."""
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -245,9 +247,9 @@ async def _lease_sampler(server: BatonServer, peak: list[int], stop: asyncio.Eve
 
 async def measure(config: ClusterConfig, workload: Workload, noise_clients: int,
                   noise_tokens: int, noise_rate: float, seed: int,
-                  progress: Callable[[str], None]) -> SessionsRun:
+                  progress: Callable[[str], None], label: str = "") -> SessionsRun:
     retention = config.sessions.enabled
-    label = "on" if retention else "off"
+    label = label or ("on" if retention else "off")
     server = BatonServer(config, progress=lambda m: progress(f"[{label}] {m}"))
     await server.start()
     try:
@@ -292,7 +294,7 @@ async def measure(config: ClusterConfig, workload: Workload, noise_clients: int,
         recomputed_tokens=prompt_total - cached, prompt_tokens=prompt_total,
         leased_bytes_peak=max(peak[0], lease.leased_bytes), lease_evictions=lease.lease_evictions,
         noise_requests=noise_count[0], prefetches=sessions.prefetches, wall_s=round(wall, 1),
-        step_log=sorted(steps, key=lambda s: s.started_s))
+        step_log=sorted(steps, key=lambda s: s.started_s), label=label)
     progress(f"[{label}] hit ratio {run.hit_ratio:.3f} of ceiling {run.ceiling:.3f}; TTFT after a "
              f"pause mean {run.ttft_after_pause_mean_ms:.0f} ms, p90 {run.ttft_after_pause_p90_ms:.0f} ms")
     return run
@@ -341,7 +343,8 @@ async def run_sessions(config: ClusterConfig, sessions: int = 6, steps: int = 6,
                        noise_clients: int = 1, noise_tokens: int = 512, noise_rate: float = 1.0,
                        device_blocks: int = 48,
                        host_factor: float = 1.0, order: str = "off,on", repeats: int = 1,
-                       seed: int = 0, progress: Callable[[str], None] = lambda _m: None) -> dict:
+                       seed: int = 0, prefetch: bool = False,
+                       progress: Callable[[str], None] = lambda _m: None) -> dict:
     first = [part.strip() for part in order.split(",") if part.strip()]
     if sorted(first) != ["off", "on"]:
         raise ValueError(f"--order must name off and on once each, got {order!r}")
@@ -354,8 +357,12 @@ async def run_sessions(config: ClusterConfig, sessions: int = 6, steps: int = 6,
         sessions_config = base.sessions.model_copy(update={"enabled": label == "on"})
         runs.append(await measure(base.model_copy(update={"sessions": sessions_config}), workload,
                                   noise_clients, noise_tokens, noise_rate, seed, progress))
-    off = summary([r for r in runs if not r.retention])
-    on = summary([r for r in runs if r.retention])
+    prefetch_report = None
+    if prefetch:
+        prefetch_report = await _prefetch_pair(base, workload, noise_clients, noise_tokens,
+                                               noise_rate, seed, progress, runs)
+    off = summary([r for r in runs if r.label == "off"])
+    on = summary([r for r in runs if r.label == "on"])
     ttft_ratio = (on["ttft_after_pause_p90_ms"] / off["ttft_after_pause_p90_ms"]
                   if off["ttft_after_pause_p90_ms"] else None)
     ok = (on["share_of_ceiling"] >= TARGET_CEILING_SHARE and ttft_ratio is not None
@@ -365,6 +372,7 @@ async def run_sessions(config: ClusterConfig, sessions: int = 6, steps: int = 6,
         "ttft_after_pause_p90_ratio": round(ttft_ratio, 3) if ttft_ratio is not None else None,
         "targets": {"share_of_ceiling": TARGET_CEILING_SHARE, "ttft_p90_ratio": TARGET_TTFT_RATIO},
         "ok": ok,
+        "prefetch": prefetch_report,
         "configuration": {
             "model": base.engine.model, "sessions": sessions, "steps": steps,
             "trunk_tokens": trunk_tokens, "think_median_s": think_s, "think_sigma": THINK_SIGMA,
@@ -376,6 +384,38 @@ async def run_sessions(config: ClusterConfig, sessions: int = 6, steps: int = 6,
     }
 
 
+async def _prefetch_pair(base: ClusterConfig, workload: Workload, noise_clients: int,
+                         noise_tokens: int, noise_rate: float, seed: int,
+                         progress: Callable[[str], None], runs: list[SessionsRun]) -> dict:
+    """What the prefetch saves: retention on with a disk tier and a host tier of half the
+    sessions' working set (so leased blocks are demoted to disk during their pauses), with the
+    conductor's session prefetch on and off."""
+    import tempfile
+
+    half = max(1 << 20, base.kvstore.host_capacity_bytes // 2)
+    results = {}
+    for label, enabled in (("disk+prefetch", True), ("disk-no-prefetch", False)):
+        with tempfile.TemporaryDirectory(prefix="baton-sessions-disk-") as disk:
+            kv = base.kvstore.model_copy(update={
+                "host_capacity_bytes": half, "disk_dir": disk,
+                "lease_max_bytes": base.kvstore.host_capacity_bytes,
+                "lease_max_bytes_per_tenant": base.kvstore.host_capacity_bytes})
+            conductor = base.conductor.model_copy(update={"session_prefetch": enabled})
+            sessions_config = base.sessions.model_copy(update={"enabled": True})
+            run = await measure(base.model_copy(update={"kvstore": kv, "conductor": conductor,
+                                                        "sessions": sessions_config}),
+                                workload, noise_clients, noise_tokens, noise_rate, seed, progress,
+                                label)
+        runs.append(run)
+        results[label] = summary([run])
+    with_, without = results["disk+prefetch"], results["disk-no-prefetch"]
+    return {**results, "host_capacity_bytes": half,
+            "saved_ttft_after_pause_mean_ms": round(without["ttft_after_pause_mean_ms"]
+                                                    - with_["ttft_after_pause_mean_ms"], 1),
+            "saved_ttft_after_pause_p90_ms": round(without["ttft_after_pause_p90_ms"]
+                                                   - with_["ttft_after_pause_p90_ms"], 1)}
+
+
 class SessionsReport(msgspec.Struct):
     ok: bool
     data: dict
@@ -385,7 +425,7 @@ def main(config: ClusterConfig, json_path: Path | None, progress: Callable[[str]
          **options) -> SessionsReport:
     data = asyncio.run(run_sessions(config, progress=progress, **options))
     print(json.dumps({k: data[k] for k in ("ceiling", "off", "on", "ttft_after_pause_p90_ratio",
-                                           "ok")}, indent=1))
+                                           "prefetch", "ok")}, indent=1))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(data, indent=2) + "\n")

@@ -265,6 +265,9 @@ def bench_sessions(
     order: str = typer.Option("off,on", help="Which configuration runs first."),
     repeats: int = typer.Option(1, help="Runs of each configuration (ABBA order)."),
     seed: int = typer.Option(0, help="Seed of the workload."),
+    prefetch: bool = typer.Option(False, help="Also measure what the session prefetch saves: "
+                                  "retention on with a disk tier and half the host tier, the "
+                                  "prefetch on and off (two more runs)."),
     set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
 ) -> None:
     """LIVE: agent sessions with tool pauses on a cluster whose caches are under pressure,
@@ -281,7 +284,7 @@ def bench_sessions(
         cfg, json_path, progress, sessions=sessions, steps=steps, trunk_tokens=trunk_tokens,
         think_s=think, max_tokens=max_tokens, noise_clients=noise_clients,
         noise_tokens=noise_tokens, noise_rate=noise_rate, device_blocks=device_blocks, host_factor=host_factor,
-        order=order, repeats=repeats, seed=seed), json_path)
+        order=order, repeats=repeats, seed=seed, prefetch=prefetch), json_path)
 
 
 @bench_app.command("fuzz")
