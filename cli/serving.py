@@ -75,6 +75,8 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="Sampling seed."),
     stop: List[str] = typer.Option([], help="Stop string (repeatable)."),
     cache_salt: str = typer.Option("", help="Tenant salt: isolates this tenant's KV cache."),
+    session_id: str = typer.Option("", help="Agent session this request is a step of: its KV "
+                                   "is kept (leased) through the pause before the next step."),
     model: str = typer.Option("", help="Model name to check against the served one."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a stream."),
     timeout: float = typer.Option(300.0, help="Seconds before giving up."),
@@ -98,6 +100,7 @@ def generate(
         result = asyncio.run(run_generate(
             target, text=text, chat=chat, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt, model=model,
+            session_id=session_id,
             on_delta=on_delta, timeout_s=timeout, api_key=api_key,
             tls_ca_file=str(tls_ca) if tls_ca else None,
         ))

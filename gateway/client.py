@@ -117,12 +117,14 @@ async def generate(
     api_key: str = "",
     tls_ca_file: str | None = None,
     cache_salt_offset: int | None = None,
+    session_id: str = "",
 ) -> dict[str, Any]:
     """Run one Generate RPC against ``target`` (``host:port``) and return its result.
 
     ``on_delta(text, token_ids)`` is called for every streamed delta. The result has the keys
     ``text``, ``token_ids``, ``finish_reason``, ``usage`` (``prompt_tokens``,
-    ``cached_tokens``, ``completion_tokens``, ``loaded_tokens``, ``ttft_ms``, ``e2e_ms``),
+    ``cached_tokens``, ``completion_tokens``, ``loaded_tokens``, ``ttft_ms``, ``e2e_ms``,
+    ``cache_creation_input_tokens``, ``cache_read_input_tokens``),
     ``placement`` (``prefill``, ``decode``, ``policy``, ``reason``) and ``request_id``; with
     ``logprobs`` set also ``logprobs``: one ``{"chosen": entry, "top": [entry, ...]}`` per
     generated token, each entry ``{"token_id", "token", "logprob", "rank"}``.
@@ -146,6 +148,7 @@ async def generate(
         json_object=json_object,
         cache_salt_offset=cache_salt_offset,
     )
+    request.session_id = session_id
     text_parts: list[str] = []
     all_token_ids: list[int] = []
     positions: list[dict[str, Any]] = []
@@ -180,6 +183,8 @@ async def generate(
             "loaded_tokens": usage.loaded_tokens,
             "ttft_ms": usage.ttft_ms,
             "e2e_ms": usage.e2e_ms,
+            "cache_creation_input_tokens": usage.cache_creation_input_tokens,
+            "cache_read_input_tokens": usage.cache_read_input_tokens,
         },
         "placement": {
             "prefill": final.placement.prefill,

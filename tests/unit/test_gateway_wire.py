@@ -406,6 +406,8 @@ async def test_client_generate_returns_the_result_dict(gateway, router, tokenize
         "cached_tokens": 16,
         "completion_tokens": 4,
         "loaded_tokens": 12,
+        "cache_creation_input_tokens": 0,  # no session, no breakpoint: nothing leased
+        "cache_read_input_tokens": 16,
     }
     assert result == {
         "text": "abcd",
@@ -555,3 +557,21 @@ def test_tls_needs_both_files_and_readable_ones(tmp_path):
     missing = GatewayConfig(tls_cert_file=str(tmp_path / "c.pem"), tls_key_file=str(tmp_path / "k.pem"))
     with pytest.raises(ConfigError, match="gateway.tls_key_file: cannot read .*k.pem"):
         missing.tls_credentials()
+
+
+@pytest.mark.asyncio
+async def test_client_generate_names_a_session_and_reports_what_its_lease_wrote(
+        gateway, router, tokenizer):
+    from gateway.sessions import scoped_session_id
+
+    result = await client.generate(f"127.0.0.1:{gateway.port}", text="hi", chat=True,
+                                   max_tokens=4, session_id="agent-7")
+
+    [request] = router.requests
+    prompt = len(tokenizer.encode_chat([("user", "hi")]))
+    assert request.session_id == scoped_session_id("", "", "agent-7")
+    assert [(lease.lease_id, lease.num_tokens, lease.include_output)
+            for lease in request.leases] == [(request.session_id, prompt, True)]
+    usage = result["usage"]
+    assert (usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]) == (
+        16, prompt - 16)
