@@ -63,6 +63,7 @@ class _Prefill:
     expected_cached_blocks: int
     started_s: float
     num_prompt_tokens: int = 0
+    segmented_salt: bool = False
 
 
 @dataclass
@@ -437,7 +438,7 @@ class ConductorState:
             request.request_id, placement.prefill_instance,
             placement.transfer_ms + placement.prefill_ms, request.num_prompt_tokens - cached_tokens,
             request.block_keys, placement.expected_cached_blocks, self._clock(),
-            request.num_prompt_tokens,
+            request.num_prompt_tokens, request.segmented_salt,
         )
         self._instances[placement.prefill_instance].add_prefill(prefill, bs)
         self._busy[placement.prefill_instance] = None
@@ -498,7 +499,7 @@ class ConductorState:
                 del self._inflight_keys[key]
         if inst is None:
             return
-        if num_cached_tokens is not None:
+        if num_cached_tokens is not None and not prefill.segmented_salt:
             bs = self.config.block_size_tokens
             found_blocks = num_cached_tokens // bs
             # vLLM always recomputes the last prompt token, so a full hit reads one block short.

@@ -179,7 +179,8 @@ class LiveRouter:
                                 full_block_keys(request), request.sampling.max_tokens,
                                 session_id=request.session_id,
                                 expected_next_step_s=request.expected_next_step_s,
-                                session_ttl_s=ttl_s)
+                                session_ttl_s=ttl_s,
+                                segmented_salt=bool(request.cache_salt and request.cache_salt_offset))
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[RouterEvent]:
         timer = metrics.RequestTimer(time.perf_counter())

@@ -118,6 +118,10 @@ class PlacementRequest(msgspec.Struct, frozen=True):
     """The client's estimate of the seconds until the session's next step; 0: unknown."""
     session_ttl_s: float = 0.0
     """Seconds the session lives without a step (its lease's TTL); 0: the conductor's default."""
+    segmented_salt: bool = False
+    """The keys are segmented (``EngineRequest.cache_salt_offset``): the engine's own cache holds
+    the prompt's blocks under whole-prompt-salted keys, not these, so a finished prefill does not
+    make these keys device blocks of its instance (its KV events say what it holds)."""
 
 
 class Placement(msgspec.Struct, frozen=True):

@@ -269,3 +269,16 @@ def test_placing_a_session_step_records_its_placement_prefix_and_pause():
     state.place(request("c", PROMPT))
     state.finished("c")
     assert len(state.sessions) == 1 and state.sessions.counters.steps == 2
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_a_finished_prefill_makes_its_keys_device_blocks_unless_they_are_segmented(segmented):
+    state, _ = make()
+    keys = request("a", PROMPT).block_keys
+    state.place(PlacementRequest("a", len(PROMPT), keys, 8, segmented_salt=segmented))
+    state.prefill_done("a", 0)
+    state.finished("a")
+    again = state.place(PlacementRequest("b", len(PROMPT), keys, 8, segmented_salt=segmented))
+    # the engine holds a segmented request's blocks under its whole-prompt-salted keys only
+    # (vLLM salts from the first block): its KV events, not these keys, say what it has
+    assert again.expected_cached_blocks == (0 if segmented else 8)
