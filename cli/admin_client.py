@@ -31,7 +31,7 @@ from protos.baton.v1 import admin_pb2 as apb
 from protos.baton.v1 import admin_pb2_grpc as apb_grpc
 from protos.baton.v1 import inference_pb2 as pb
 from protos.errors import BatonError, ConfigError, InvalidRequest, UnknownInstance
-from protos.wire import DrainResult, PoolSizes, ScaleResult, SoftPin
+from protos.wire import DrainResult, PoolSizes, ScaleResult, SessionEnd, SoftPin
 
 CONNECT_TIMEOUT_S = 10.0
 QUICK_CALL_TIMEOUT_S = 60.0
@@ -103,6 +103,11 @@ class AdminClient:
 
     def unpin(self, pin_name: str) -> SoftPin:
         return soft_pin_from_pb(self._call("Unpin", apb.UnpinRequest(name=pin_name)))
+
+    def close_session(self, session_id: str, tenant: str = "", api_key: str = "") -> SessionEnd:
+        reply = self._call("CloseSession", apb.CloseSessionRequest(
+            session_id=session_id, tenant=tenant, api_key=api_key))
+        return SessionEnd(reply.session_id, reply.num_steps, reply.released_blocks)
 
     def set_autoscale(self, enabled: bool):
         return autoscale_from_pb(self._call("SetAutoscale", apb.SetAutoscaleRequest(enabled=enabled)))

@@ -25,7 +25,7 @@ app.add_typer(bench_app, name="bench")
 for verb in (
     serving.serve, serving.generate, serving.chaos, serving.profile,
     operate.up, operate.down, operate.status, operate.scale, operate.drain, operate.pin,
-    operate.unpin, operate.autoscale,
+    operate.unpin, operate.autoscale, operate.close_session,
 ):
     app.command()(verb)
 

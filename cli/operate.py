@@ -43,6 +43,7 @@ def _fail(exc: BaseException) -> None:
 
     from cli.admin_client import NotAuthorized
     from cluster.deployment import NoRayCluster, NotUp
+    from gateway.sessions import UnknownSession
     from protos.errors import ConfigError, InvalidRequest, UnknownInstance
 
     if isinstance(exc, RayTaskError) and exc.cause is not None:
@@ -52,7 +53,7 @@ def _fail(exc: BaseException) -> None:
         code = EXIT_CONFIG
     elif isinstance(exc, (NoRayCluster, NotUp)):
         code = EXIT_NO_CLUSTER
-    elif isinstance(exc, (UnknownInstance, InvalidRequest)):  # a name or input that is not there
+    elif isinstance(exc, (UnknownInstance, UnknownSession, InvalidRequest)):  # not there
         code = EXIT_UNKNOWN_INSTANCE
     err.print(f"[red]error:[/red] {exc}")
     raise typer.Exit(code)
@@ -377,3 +378,26 @@ def unpin(
     except Exception as exc:  # noqa: BLE001
         _fail(exc)
     print(f"unpinned '{result.name}' ({result.num_blocks} blocks)")
+
+
+def close_session(
+    session_id: str = typer.Argument(..., metavar="SESSION_ID", help="The id the agent's "
+                                     "requests named (X-Session-Id / session_id)."),
+    tenant: str = typer.Option("", help="The cache_salt (tenant) its requests carried."),
+    api_key: str = typer.Option("", envvar="BATON_SESSION_API_KEY", show_default=False,
+                                help="The API key its requests were sent with (a session is "
+                                "scoped to it; '' when the fronts run without keys; or "
+                                "$BATON_SESSION_API_KEY)."),
+    address: Optional[str] = _ADDRESS, name: str = _NAME, namespace: str = _NAMESPACE,
+    endpoint: Optional[str] = _ENDPOINT, admin_key_file: Optional[Path] = _ADMIN_KEY_FILE,
+    tls_ca: Optional[Path] = _ADMIN_TLS_CA,
+) -> None:
+    """End an agent session now: its KV leases are released on every store node and its blocks
+    age out like any others. Exit code 3 when no such session is live."""
+    operator = _operator(address, name, namespace, endpoint, admin_key_file, tls_ca)
+    try:
+        ended = operator.close_session(session_id, tenant, api_key)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    print(f"closed session '{session_id}' after {ended.num_steps} steps; "
+          f"{ended.released_blocks} leased blocks released")

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+import msgspec
 import ray
 
 from cluster.config import ClusterConfig
@@ -224,6 +225,19 @@ class RayOperator:
 
     def set_autoscale(self, enabled: bool):
         return set_autoscale(self.name, self.namespace, enabled)
+
+    def close_session(self, session_id: str, tenant: str = "", api_key: str = ""):
+        """End an agent session (``gateway.sessions``: scoped to the key and tenant its requests
+        carried); ``UnknownSession`` when none is live."""
+        from gateway.sessions import UnknownSession, scoped_session_id
+
+        ended = ray.get(_conductor(self.name, self.namespace).close_session.remote(
+            scoped_session_id(api_key, tenant, session_id)))
+        if ended is None:
+            raise UnknownSession(f"no live session {session_id!r} under that API key and tenant "
+                                 f"{tenant!r}: it was never opened, is closed already, or its TTL "
+                                 "lapsed")
+        return msgspec.structs.replace(ended, session_id=session_id)
 
 
 def down(name: str, namespace: str, progress: Callable[[str], None]) -> list[str]:

@@ -415,3 +415,47 @@ async def test_set_autoscale_turns_the_planner_off_and_on_without_ray(stub, cond
         assert reply.enabled and conductor.target.autoscaler.config.enabled
     finally:
         conductor.target.autoscaler.stop()
+
+
+class _SessionsRouter(FakeRouter):
+    """The fronts' router as far as closing a session goes: it asks the conductor."""
+
+    def __init__(self, conductor) -> None:
+        super().__init__()
+        self._conductor = conductor
+
+    async def close_session(self, session_id: str):
+        return await self._conductor.close_session.remote(session_id)
+
+
+async def test_cli_close_session_ends_a_live_session_through_the_admin_service(
+        conductor, tokenizer, tmp_path, monkeypatch):
+    from gateway.sessions import scoped_session_id
+    from protos.wire import PlacementRequest
+
+    monkeypatch.setattr(admin_client, "CONNECT_TIMEOUT_S", 2.0)
+    scoped = scoped_session_id("sk-agent", "acme", "agent-1")
+    for step in ("a", "b"):  # two steps of the session, placed by the real conductor state
+        conductor.target.state.place(PlacementRequest(step, 10, (), 4, session_id=scoped))
+        conductor.target.state.finished(step)
+    inference = InferenceServicer(FakeRouter(), tokenizer, SERVED, MAX_MODEL_LEN)
+    admin = AdminServicer(conductor, tokenizer, KeySet({ADMIN_KEY}), "admintest",
+                          fronts=lambda: FRONTS, router=_SessionsRouter(conductor))
+    running = await start_gateway(inference, "127.0.0.1", 0, admin=admin)
+    try:
+        with_key = ["--endpoint", f"127.0.0.1:{running.port}"]
+        env = {"BATON_ADMIN_KEY": ADMIN_KEY, "RAY_ADDRESS": ""}
+        wrong_key = await _baton("close-session", "agent-1", "--tenant", "acme",
+                                 "--api-key", "sk-other", *with_key, env=env)
+        closed = await _baton("close-session", "agent-1", "--tenant", "acme",
+                              "--api-key", "sk-agent", *with_key, env=env)
+        again = await _baton("close-session", "agent-1", "--tenant", "acme",
+                             "--api-key", "sk-agent", *with_key, env=env)
+    finally:
+        await running.stop(None)
+    assert wrong_key.exit_code == 4, wrong_key.output  # another key names another session
+    assert closed.exit_code == 0, closed.output
+    assert closed.stdout.strip() == ("closed session 'agent-1' after 2 steps; "
+                                     "0 leased blocks released")  # no store node here
+    assert again.exit_code == 4 and "no live session 'agent-1'" in again.stderr
+    assert scoped not in conductor.target.state.sessions
