@@ -4,16 +4,19 @@ Starts a whole local cluster (as ``baton serve`` does) and runs ``sessions`` age
 ``duration_s``: each agent's prompt is its history (a shared system trunk, then every earlier
 step's user turn and answer), growing by a step after a think time drawn from a long-tailed
 (log-normal) distribution, and starting over as a new session once it would pass
-``max_history_tokens``. Some steps are cancelled by the client after their first tokens (gRPC)
+``max_history_tokens``. Every step names its session (``session_id``: its blocks are leased in
+the store), and an agent closes a session (``DELETE /v1/sessions/{id}``) when it starts the next
+one and when the run ends. Some steps are cancelled by the client after their first tokens (gRPC)
 and some are HTTP streams the client disconnects from; the rest complete.
 
 Every ``sample_every_s`` it samples what could leak: the resident memory and open file
 descriptors of every process of the cluster (this one and its descendants: Ray, the engines, the
-store node, Redis), the store node's used and pinned blocks, the Redis keys, the conductor's
-indexed blocks and its booked requests. ``growth`` reports each series' slope per hour over the
+store node, Redis), the store node's used, pinned and leased blocks, the Redis keys, the
+conductor's indexed blocks, booked requests and live sessions. ``growth`` reports each series' slope per hour over the
 run's second half (after warm-up; a least-squares line) beside its first, last and peak values,
 and ``live`` what the live data explains (the store's used blocks bound what Redis and the index
-may hold). After the load the books must be empty and nothing pinned (``bench.leaks``).
+may hold). After the load the books must be empty, nothing pinned (``bench.leaks``), no block
+leased and no session live.
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ class Sample(msgspec.Struct):
     redis_keys: int
     indexed_blocks: int
     booked_requests: int
+    store_leased_blocks: int = 0
+    """Blocks the store holds under the agents' session leases."""
+    live_sessions: int = 0
+    """Sessions the conductor's table holds."""
 
 
 class Growth(msgspec.Struct):
@@ -128,15 +135,19 @@ async def _sample(server: BatonServer, processes: _Processes, started: float) ->
     finally:
         await client.aclose()
     rss_mb, fds, count = processes.sample()
+    live = await cluster.conductor.live_sessions.remote()
     return Sample(round(time.monotonic() - started, 1), round(rss_mb, 1), fds, count,
                   store.used_blocks, store.pinned_blocks, redis_keys,
                   sum(books.indexed_blocks.values()),
-                  books.num_in_flight_prefills + books.num_in_flight_decodes)
+                  books.num_in_flight_prefills + books.num_in_flight_decodes,
+                  store.leased_blocks, live)
 
 
-async def _grpc_step(stub, prompt: list[int], max_tokens: int, cancel: bool) -> tuple[str, list[int]]:
-    call = stub.Generate(build_request(token_ids=prompt, max_tokens=max_tokens, temperature=0.0),
-                         timeout=120)
+async def _grpc_step(stub, prompt: list[int], max_tokens: int, cancel: bool,
+                     session_id: str = "") -> tuple[str, list[int]]:
+    request = build_request(token_ids=prompt, max_tokens=max_tokens, temperature=0.0)
+    request.session_id = session_id
+    call = stub.Generate(request, timeout=120)
     answer: list[int] = []
     try:
         async for response in call:
@@ -152,9 +163,12 @@ async def _grpc_step(stub, prompt: list[int], max_tokens: int, cancel: bool) -> 
     return "completed", answer
 
 
-async def _http_disconnect(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> str:
+async def _http_disconnect(http: httpx.AsyncClient, prompt: list[int], max_tokens: int,
+                           session_id: str = "") -> str:
     body = {"model": "", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "temperature": 0.0}
+    if session_id:
+        body["session_id"] = session_id
     try:
         async with http.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -166,22 +180,42 @@ async def _http_disconnect(http: httpx.AsyncClient, prompt: list[int], max_token
     return "failed"
 
 
+async def _close(http: httpx.AsyncClient, session_id: str, steps: dict[str, int]) -> None:
+    """End a session through the HTTP front, as an agent framework would when a task is done."""
+    try:
+        response = await http.delete(f"/v1/sessions/{session_id}")
+        outcome = "sessions_closed" if response.status_code == 200 else "session_close_failed"
+    except httpx.HTTPError:
+        outcome = "session_close_failed"
+    steps[outcome] = steps.get(outcome, 0) + 1
+
+
 async def _agent(stub, http, rng: random.Random, trunk: list[int], deadline: float,
-                 max_tokens: int, max_history_tokens: int, steps: dict[str, int]) -> None:
+                 max_tokens: int, max_history_tokens: int, steps: dict[str, int],
+                 name: str = "agent") -> None:
+    """One agent: steps of a session over a growing history; when it would pass
+    ``max_history_tokens`` the agent closes the session and starts a new one (same trunk)."""
     history = list(trunk)
+    number = 0
+    session_id = f"{name}-{number}"
     while time.monotonic() < deadline:
         history += [rng.randrange(100, 30_000) for _ in range(rng.randrange(16, 96))]
         if len(history) + max_tokens > max_history_tokens:
+            await _close(http, session_id, steps)
+            number += 1
+            session_id = f"{name}-{number}"
             history = list(trunk) + history[len(trunk):][-64:]  # a new session, same trunk
         draw = rng.random()
         if draw < DISCONNECT_SHARE:
-            outcome, answer = await _http_disconnect(http, history, max_tokens), []
+            outcome, answer = await _http_disconnect(http, history, max_tokens, session_id), []
         else:
             outcome, answer = await _grpc_step(stub, history, max_tokens,
-                                               cancel=draw < DISCONNECT_SHARE + CANCEL_SHARE)
+                                               cancel=draw < DISCONNECT_SHARE + CANCEL_SHARE,
+                                               session_id=session_id)
         steps[outcome] = steps.get(outcome, 0) + 1
         history += answer
         await asyncio.sleep(min(30.0, rng.lognormvariate(0.0, 1.0)))  # think time, long-tailed
+    await _close(http, session_id, steps)
 
 
 async def run_soak(config: ClusterConfig, duration_s: float, sessions: int = 8,
@@ -215,12 +249,16 @@ async def run_soak(config: ClusterConfig, duration_s: float, sessions: int = 8,
 
             await asyncio.gather(sampler(), *(
                 _agent(stub, http, random.Random(rng.random()), trunk, deadline, max_tokens,
-                       max_history_tokens, steps) for _ in range(sessions)))
+                       max_history_tokens, steps, f"agent{i}") for i in range(sessions)))
         left = await leaks(server)
+        # every agent closed its last session: no lease and no session may be left
+        left["leased_blocks"] = (await server.cluster.store.stats.remote()).leased_blocks
+        left["live_sessions"] = await server.cluster.conductor.live_sessions.remote()
     finally:
         await server.stop()
     growth = growth_of(samples)
-    ok = not any(left.values()) and steps.get("failed", 0) == 0
+    ok = (not any(left.values()) and steps.get("failed", 0) == 0
+          and steps.get("session_close_failed", 0) == 0)
     return SoakReport(round(duration_s, 1), sessions, steps, samples, growth, left, ok)
 
 

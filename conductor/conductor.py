@@ -486,6 +486,11 @@ class Conductor:
     async def session_counters(self) -> SessionCounters:
         return self.state.sessions.counters
 
+    async def live_sessions(self) -> int:
+        """Sessions the table holds now (those whose TTL lapsed are ended first)."""
+        self.state.sessions.expire()
+        return len(self.state.sessions)
+
     async def _release_leases(self, lease_id: str) -> int:
         released = 0
         for node_id, name in sorted(self._store_actors.items()):
