@@ -71,6 +71,19 @@ class Nodes:
         return len(slots)
 
 
+def wait_until_dead(actor, timeout_s: float = 30.0) -> None:
+    """Until Ray reports ``actor`` dead, then its heartbeat's TTL: gone from the directory too."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.arena_info.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            break
+        assert time.monotonic() < deadline, "the killed store node kept answering"
+        time.sleep(0.1)
+    time.sleep(1.5)  # heartbeat_ttl_s = 1.0
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     redis = start_local_redis()
@@ -126,6 +139,7 @@ def test_a_pull_carries_the_lease_and_the_dead_nodes_leases_go_with_it(nodes) ->
 
     # a dies: its leases are simply gone; b keeps serving, and leasing, and pulling fails soft
     ray.kill(a, no_restart=True)
+    wait_until_dead(a)  # ray.kill only asks: a's block server may still answer for a moment
     failed = ray.get(b.pull.remote(other, "a"))
     assert failed.num_pulled == 0 and failed.error
     assert nodes.read("b", session) == 6
