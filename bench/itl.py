@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import math
 import random
 import statistics
 import time
@@ -47,6 +46,7 @@ from typing import Callable
 import grpc
 import msgspec
 
+from bench.stats import percentile
 from cluster.config import ClusterConfig
 from cluster.serve import BatonServer
 from gateway.client import build_request
@@ -111,22 +111,16 @@ class ItlReport(msgspec.Struct):
     ok: bool
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
 
 def pool_size(config: ClusterConfig, prompt_tokens: int) -> int:
     """Prompts enough that the decode engine's own KV cache cannot keep them all: a prompt has
     been evicted (LRU) by the time it comes round again."""
+    from cluster.local import kv_block_bytes
     from engine.builder import dtype_bytes, effective_dtype
     from engine.models import prepare_model
 
     model = prepare_model(config.engine.model)
-    per_token = (2 * model.num_layers * model.num_kv_heads * model.head_dim
-                 * dtype_bytes(effective_dtype(config.engine, model)))
+    per_token = kv_block_bytes(model, 1, dtype_bytes(effective_dtype(config.engine, model)))
     capacity_tokens = config.engine.kv_cache_gib * (1 << 30) / per_token
     return int(capacity_tokens // prompt_tokens) + 6 + BUSY_POOL
 
@@ -264,23 +258,23 @@ async def measure(config: ClusterConfig, streams: int, prompts: list[list[int]],
     busy_loads = [o for o in busy_outcomes if o.loaded_tokens >= len(prompts[0]) // 2]
     seconds = after.load_seconds - before.load_seconds
     gbps = (after.loaded_bytes - before.loaded_bytes) / seconds / 1e9 if seconds > 0 else 0.0
-    idle_p99, loaded_p99 = _percentile(idle, 0.99), _percentile(loaded, 0.99)
-    busy_p99 = _percentile(busy, 0.99)
+    idle_p99, loaded_p99 = percentile(idle, 0.99), percentile(loaded, 0.99)
+    busy_p99 = percentile(busy, 0.99)
     run = ItlRun(
         async_kv_transfers=config.engine.async_kv_transfers,
-        idle_itl_p50_ms=round(_percentile(idle, 0.5), 2), idle_itl_p99_ms=round(idle_p99, 2),
-        loaded_itl_p50_ms=round(_percentile(loaded, 0.5), 2),
+        idle_itl_p50_ms=round(percentile(idle, 0.5), 2), idle_itl_p99_ms=round(idle_p99, 2),
+        loaded_itl_p50_ms=round(percentile(loaded, 0.5), 2),
         loaded_itl_p99_ms=round(loaded_p99, 2),
         ratio=round(loaded_p99 / idle_p99, 3) if idle_p99 else 0.0,
         idle_max_gap_ms=round(max(idle, default=0.0), 2),
         loaded_max_gap_ms=round(max(loaded, default=0.0), 2),
         idle_gaps=len(idle), loaded_gaps=len(loaded), loads=len(loads),
         loads_per_s=round(len(loads) / loaded_s, 2), load_gbps=round(gbps, 3),
-        loaded_ttft_p50_ms=round(_percentile([o.ttft_ms for o in in_window], 0.5), 1),
+        loaded_ttft_p50_ms=round(percentile([o.ttft_ms for o in in_window], 0.5), 1),
         loaded_tokens_generated_mean=round(statistics.fmean(
             o.completion_tokens for o in in_window), 2) if in_window else 0.0,
         decode_batch_size=round(statistics.fmean(batch), 2) if batch else 0.0,
-        busy_itl_p50_ms=round(_percentile(busy, 0.5), 2), busy_itl_p99_ms=round(busy_p99, 2),
+        busy_itl_p50_ms=round(percentile(busy, 0.5), 2), busy_itl_p99_ms=round(busy_p99, 2),
         ratio_vs_busy=round(loaded_p99 / busy_p99, 3) if busy_p99 else 0.0,
         busy_requests_per_s=round(len(busy_outcomes) / loaded_s, 2),
         busy_loads=len(busy_loads),

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Callable
 import grpc
 import msgspec
 
+from bench.stats import percentile
 from cluster.config import ClusterConfig
 from cluster.serve import BatonServer
 from gateway.client import build_request
@@ -96,12 +96,6 @@ def prompts(seed: int, count: int = 32) -> list[list[int]]:
     return [trunks[i % 4] + [rng.randrange(100, 30_000) for _ in range(rng.randrange(20, 120))]
             for i in range(count)]
 
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
 async def _one(stub, prompt: list[int], max_tokens: int) -> Outcome:
@@ -189,9 +183,9 @@ async def drive(stub, pool: list[list[int]], rate_rps: float, duration_s: float,
         slo_attainment_admitted=share(len(met)),
         ttft_attainment_admitted=share(sum(o.ttft_ms <= ttft_slo_ms for o in admitted)),
         tbt_attainment_admitted=share(sum(o.tbt_ms <= tbt_slo_ms for o in admitted)),
-        p50_ttft_ms_admitted=round(_percentile(ttfts, 0.5), 1),
-        p99_ttft_ms_admitted=round(_percentile(ttfts, 0.99), 1),
-        p99_tbt_ms_admitted=round(_percentile([o.tbt_ms for o in admitted], 0.99), 1),
+        p50_ttft_ms_admitted=round(percentile(ttfts, 0.5), 1),
+        p99_ttft_ms_admitted=round(percentile(ttfts, 0.99), 1),
+        p99_tbt_ms_admitted=round(percentile([o.tbt_ms for o in admitted], 0.99), 1),
         peak_rss_mb=round(rss.peak_mb, 1),
     )
 

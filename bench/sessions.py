@@ -45,6 +45,7 @@ from typing import Callable
 import grpc
 import msgspec
 
+from bench.stats import percentile
 from cluster.config import ClusterConfig
 from cluster.serve import BatonServer
 from gateway.client import build_request
@@ -103,12 +104,6 @@ class SessionsRun(msgspec.Struct):
     label: str = ""
     """off, on, or for ``--prefetch``: disk+prefetch, disk-no-prefetch."""
 
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 class Workload(msgspec.Struct, frozen=True):
@@ -289,7 +284,7 @@ async def measure(config: ClusterConfig, workload: Workload, noise_clients: int,
         retention=retention, steps=len(steps), hit_ratio=round(hit, 4), ceiling=round(ceiling, 4),
         share_of_ceiling=round(hit / ceiling, 4) if ceiling else 0.0,
         ttft_after_pause_mean_ms=round(statistics.fmean(after), 1) if after else 0.0,
-        ttft_after_pause_p90_ms=round(_percentile(after, 0.9), 1),
+        ttft_after_pause_p90_ms=round(percentile(after, 0.9), 1),
         ttft_first_step_mean_ms=round(statistics.fmean(first), 1) if first else 0.0,
         recomputed_tokens=prompt_total - cached, prompt_tokens=prompt_total,
         leased_bytes_peak=max(peak[0], lease.leased_bytes), lease_evictions=lease.lease_evictions,
@@ -317,12 +312,12 @@ def summary(runs: list[SessionsRun]) -> dict:
 def bench_config(config: ClusterConfig, workload: Workload, device_blocks: int,
                  host_factor: float) -> ClusterConfig:
     """The cluster as shipped, with the caches sized to be under pressure (see the module)."""
+    from cluster.local import kv_block_bytes
     from engine.builder import dtype_bytes, effective_dtype
     from engine.models import prepare_model
 
     model = prepare_model(config.engine.model)
-    per_token = (2 * model.num_layers * model.num_kv_heads * model.head_dim
-                 * dtype_bytes(effective_dtype(config.engine, model)))
+    per_token = kv_block_bytes(model, 1, dtype_bytes(effective_dtype(config.engine, model)))
     working = working_set_tokens(workload)
     host = max(1 << 20, int(host_factor * working * per_token))
     longest = max(len(workload.trunk) + sum(len(t) for t in tools)
@@ -331,9 +326,7 @@ def bench_config(config: ClusterConfig, workload: Workload, device_blocks: int,
     engine = config.engine.model_copy(update={
         "num_kv_blocks": max(device_blocks, max_len // BLOCK_TOKENS + 1),
         "max_model_len_tokens": max_len})
-    kv = {"host_capacity_bytes": host}
-    if "lease_max_bytes" in type(config.kvstore).model_fields:
-        kv |= {"lease_max_bytes": host, "lease_max_bytes_per_tenant": host}
+    kv = {"host_capacity_bytes": host, "lease_max_bytes": host, "lease_max_bytes_per_tenant": host}
     return config.model_copy(update={"engine": engine,
                                      "kvstore": config.kvstore.model_copy(update=kv)})
 
