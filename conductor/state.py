@@ -426,6 +426,10 @@ class ConductorState:
         return placement
 
     def _book(self, request: PlacementRequest, placement: Placement) -> None:
+        if request.request_id in self._decodes or request.request_id in self._prefills:
+            # placed again (a continuation, a retried prefill) before the end of its earlier
+            # placement reached us: that one is over, close its books first
+            self.finished(request.request_id)
         c = self.counters
         c.placed += 1
         c.by_prefill_instance[placement.prefill_instance] = c.by_prefill_instance.get(

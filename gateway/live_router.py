@@ -118,6 +118,12 @@ class LiveRouter:
         self.calls.count("conductor.finished", "sent")
         self._conductor.finished.remote(request_id)
 
+    async def _finished_before_placing_again(self, request_id: str) -> None:
+        """Close the books of a placement that failed before placing the request again: an async
+        actor need not run one caller's calls in the order sent (only on a worker's death)."""
+        self.calls.count("conductor.finished")
+        await self._conductor.finished.remote(request_id)
+
     def start(self) -> None:
         """Begin polling the conductor for readiness (call from the serving event loop)."""
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
@@ -213,7 +219,7 @@ class LiveRouter:
                                            "continue elsewhere") from exc
                 # Tokens already reached the client: continue the stream from them on another
                 # decode instance instead of failing it.
-                self._finished(request.request_id)
+                await self._finished_before_placing_again(request.request_id)
                 if len(generated) >= request.sampling.max_tokens:  # died before its last word
                     yield TokenChunk((), "", finish_reason="length")
                     return
@@ -240,7 +246,7 @@ class LiveRouter:
                 return placement, await self._prefill(request, placement)
             except PrefillWorkerDied as exc:
                 # nothing reached the client yet: close the books and place it again elsewhere
-                self._finished(request.request_id)
+                await self._finished_before_placing_again(request.request_id)
                 metrics.RETRIES.labels("prefill_worker_died").inc()
                 if attempt + 1 == MAX_PREFILL_ATTEMPTS:
                     raise WorkerFailed(f"{exc}; gave up after {MAX_PREFILL_ATTEMPTS} placements") from exc

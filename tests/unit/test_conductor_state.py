@@ -282,3 +282,24 @@ def test_a_finished_prefill_makes_its_keys_device_blocks_unless_they_are_segment
     # the engine holds a segmented request's blocks under its whole-prompt-salted keys only
     # (vLLM salts from the first block): its KV events, not these keys, say what it has
     assert again.expected_cached_blocks == (0 if segmented else 8)
+
+
+def test_placing_a_request_again_before_its_end_arrived_closes_the_earlier_books():
+    """A stream moved to another decode instance is placed again under its own id; an async
+    actor may run that placement before the router's ``finished`` for the failed one."""
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=BS, prefill_cost=COST,
+                                                 short_prefill_tokens=0))
+    for instance_id in ("d0", "d1"):
+        state.register(instance_id, "decode", "n0", "m", "L")
+        state.set_ready(instance_id, True)
+    first = state.place(request("a", PROMPT))
+    state.set_ready(first.decode_instance, False)  # its worker died mid-stream
+    again = state.place(request("a", PROMPT))
+    assert again.decode_instance != first.decode_instance
+    assert state.in_flight_on(first.decode_instance) == (0, 0)
+    assert state.in_flight_on(again.decode_instance) == (1, 1)
+    assert state.num_in_flight() == (1, 1)
+    state.finished("a")  # the late end of the first placement, then the stream's own end
+    state.finished("a")
+    assert state.num_in_flight() == (0, 0)
+    assert state.in_flight_on(again.decode_instance) == (0, 0)
