@@ -106,6 +106,19 @@ def vllm_server_argv(model: PreparedModel, config: EngineConfig, port: int) -> l
     return argv
 
 
+def vllm_server_env(config: EngineConfig, omp_bind: str) -> dict[str, str]:
+    """Baton's engine environment plus one OpenMP thread per server, as each Baton engine runs.
+
+    vLLM 0.32's CPU engine binds its OpenMP threads only in the multiprocess executor; a
+    one-process server ignores ``VLLM_CPU_OMP_THREADS_BIND`` and starts one thread per core
+    (and skips ``torch.set_num_threads``). Two servers on two cores then run four spinning
+    OpenMP threads: measured here, each server's decode step ran 5-10x slower than alone.
+    Baton's engines run in Ray actors, which Ray starts with ``OMP_NUM_THREADS=1``
+    (``ray._private.utils.set_omp_num_threads_if_unset``, no CPUs assigned), so each server
+    gets the same: one thread, one core's worth of work."""
+    return {**engine_env(config, omp_bind), "OMP_NUM_THREADS": "1"}
+
+
 def smg_argv(policy: str, port: int, worker_urls: Sequence[str]) -> list[str]:
     exe = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
     if exe is None:
@@ -184,7 +197,7 @@ class Stack:
                  else [self.vllm_omp_bind] * len(ports))
         for i, (port, bind) in enumerate(zip(ports, binds)):
             self._spawn(f"vllm{i}", vllm_server_argv(self.model, config, port),
-                        engine_env(config, bind))
+                        vllm_server_env(config, bind))
         for i, url in enumerate(urls):
             self._wait_ready(url, deadline, f"vLLM server {i}")
         self._spawn("smg", smg_argv(self.spec.smg_policy, router_port, urls))
