@@ -1,5 +1,5 @@
 """Baton's placement policy: Mooncake's Algorithm 1 priced in milliseconds with the pull threshold
-derived rather than set, a replication margin, and conditional disaggregation.
+derived rather than set, a replication margin, and priced colocation.
 
 ``baton(snapshot, request, config) -> Placement`` is pure like every policy (``conductor.baselines``
 states the contract); it prices with ``conductor.pricing`` and leaves rejection to
@@ -12,7 +12,18 @@ from functools import partial
 
 from conductor.picking import decode_by_load, decode_terms, ready
 from conductor.policy_config import PolicyConfig
-from conductor.pricing import Pricer, best_hit_source, cheapest, price
+from conductor.pricing import (
+    Pricer,
+    PrefillPrice,
+    best_hit_source,
+    cheapest,
+    cheapest_colocated,
+    colocated_price,
+    decode_step_ms,
+    handoff_ms,
+    num_prefill_chunks,
+    price,
+)
 from conductor.snapshot import ClusterSnapshot, InstanceView
 from protos.wire import Placement, PlacementRequest
 
@@ -40,19 +51,37 @@ def _pull_source(pricer: Pricer, best: InstanceView | None, best_len: int,
     return best if pricer.total(view, best)[0] < pricer.total(view)[0] else None
 
 
-def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
-    """Algorithm 1 priced in ms with an adaptive pull threshold, plus conditional disaggregation.
+def _pool_option(snapshot: ClusterSnapshot, pricer: Pricer,
+                 prefill: tuple[InstanceView, ...]) -> PrefillPrice:
+    """Algorithm 1 over the ready prefill pool: each instance's local prefix or the longest run
+    held by any ready instance (either pool) pulled to it, whichever is faster; the least T,
+    except that the fastest option without a pull wins when within
+    ``baton_replication_margin_frac`` of it."""
+    best = best_hit_source(snapshot, include_decode=True)
+    best_len = snapshot.hit(best.instance_id).num_blocks if best is not None else 0
+    view, best_t, local_view, local_t = cheapest(
+        prefill, pricer, best, partial(_pull_candidate, snapshot, best, best_len), always_pull=False)
+    if local_view is not None and local_t <= best_t * (1 + pricer.config.baton_replication_margin_frac):
+        view = local_view
+    return pricer.price(view, _pull_source(pricer, best, best_len, view))
 
-    Each ready prefill instance's option is its local prefix, or the longest run held by any
-    ready instance (either pool) pulled to it, whichever is faster (``_pull_source``). Takes the
-    least T over those options, except that the fastest option without a pull wins when it is
-    within ``baton_replication_margin_frac`` of it: the chosen T never exceeds (1 + margin) × the
-    least. The decode instance is chosen by load; when the prompt's uncached suffix on that
-    decode instance (its own leading run) is shorter than ``short_prefill_tokens``, it prefills
-    there too, saving the KV hand-off. With an empty prefill pool every request prefills on its
-    decode instance (co-located serving).
-    """
-    prefill = ready(snapshot, "prefill") if snapshot.prefill else ()
+
+def _colocated_terms(request: PlacementRequest, config: PolicyConfig, view: InstanceView,
+                     chosen: PrefillPrice) -> str:
+    """The co-located price explained, its decode-batch term spelled out when it has one."""
+    text = chosen.describe()
+    if chosen.decode_batch_ms:
+        chunks = num_prefill_chunks(request, config, chosen.num_cached_blocks)
+        text += (f"; decode batch {chosen.decode_batch_ms:.1f} ms = {chunks} chunks x step "
+                 f"{decode_step_ms(view, config):.1f} ms ({view.num_running_reqs} running)")
+    return text
+
+
+def _short(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
+           prefill: tuple[InstanceView, ...]) -> Placement:
+    """The older rule (``baton_colocation`` 'short'): the decode instance by load, and the
+    prefill on it when the uncached suffix there is shorter than ``short_prefill_tokens`` or
+    there is no prefill pool; else Algorithm 1 over the prefill pool."""
     d = decode_by_load(snapshot)
     cached_on_decode = min(snapshot.hit(d.instance_id).num_blocks * config.block_size_tokens,
                            request.num_prompt_tokens)
@@ -63,12 +92,58 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
                f"uncached suffix {suffix_tokens} tokens < short_prefill_tokens {config.short_prefill_tokens}")
         reason = f"colocated: {why}; {chosen.describe()}; {decode_terms(d)}"
         return chosen.placement(d.instance_id, "baton", reason)
-    best = best_hit_source(snapshot, include_decode=True)
-    best_len = snapshot.hit(best.instance_id).num_blocks if best is not None else 0
-    pricer = Pricer(snapshot, request, config)
-    view, best_t, local_view, local_t = cheapest(
-        prefill, pricer, best, partial(_pull_candidate, snapshot, best, best_len), always_pull=False)
-    if local_view is not None and local_t <= best_t * (1 + config.baton_replication_margin_frac):
-        view = local_view
-    chosen = pricer.price(view, _pull_source(pricer, best, best_len, view))
+    chosen = _pool_option(snapshot, Pricer(snapshot, request, config), prefill)
     return chosen.placement(d.instance_id, "baton", f"{chosen.describe()}; {decode_terms(d)}")
+
+
+def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig) -> Placement:
+    """Algorithm 1 priced in ms with an adaptive pull threshold, against prefilling on a decode
+    instance (``baton_colocation`` 'priced'; 'short' is ``_short``'s older rule).
+
+    Disaggregated, the prefill takes ``_pool_option`` and the decode instance is chosen by load;
+    its total adds the KV hand-off to that decode instance (``handoff_ms``). Co-located, every
+    ready decode instance is priced at ``colocated_price`` (its own prefix, its queue, the steps
+    its running batch adds) and the least wins, ties to the least loaded; with ``tbt_slo_ms``,
+    instances whose batch step with the prompt's first chunk would exceed it are left out. The
+    least total wins, ties co-located (no hand-off). With an empty prefill pool every request
+    prefills on the decode instance of least ``colocated_price`` (no instance left out), so a
+    warm agent stays where its prefix is unless the queue there makes moving cheaper.
+    """
+    prefill = ready(snapshot, "prefill") if snapshot.prefill else ()
+    if config.baton_colocation_mode == "short":
+        return _short(snapshot, request, config, prefill)
+    pricer = Pricer(snapshot, request, config)
+    decode = ready(snapshot, "decode")
+    view, colocated_t = cheapest_colocated(pricer, decode, exclude_over_tbt=bool(prefill))
+    if not prefill:
+        chosen = colocated_price(snapshot, request, config, view)
+        reason = (f"colocated: no prefill pool; {_colocated_terms(request, config, view, chosen)}; "
+                  f"{decode_terms(view)}")
+        return chosen.placement(view.instance_id, "baton", reason)
+    pooled = _pool_option(snapshot, pricer, prefill)
+    d = decode_by_load(snapshot)
+    handoff = handoff_ms(snapshot, request, config, _view_of(snapshot, pooled.instance_id), d)
+    disaggregated_t = pooled.total_ms + handoff
+    disaggregated = (f"{pooled.describe()} + hand-off {handoff:.1f} ms to {d.instance_id} = "
+                     f"{disaggregated_t:.1f} ms")
+    if view is not None and colocated_t <= disaggregated_t:
+        chosen = colocated_price(snapshot, request, config, view)
+        reason = (f"colocated: {colocated_t:.1f} ms <= disaggregated {disaggregated_t:.1f} ms; "
+                  f"{_colocated_terms(request, config, view, chosen)}; disaggregated: {disaggregated}; "
+                  f"{decode_terms(view)}")
+        return chosen.placement(view.instance_id, "baton", reason)
+    if view is None:
+        why = "disaggregated: no decode instance within tbt_slo_ms to prefill on"
+    else:
+        why = f"disaggregated: {disaggregated_t:.1f} ms < colocated {colocated_t:.1f} ms"
+    reason = f"{why}; {disaggregated}; {decode_terms(d)}"
+    return pooled.placement(d.instance_id, "baton", reason)
+
+
+def _view_of(snapshot: ClusterSnapshot, instance_id: str) -> InstanceView:
+    """The prefill pool's view of ``instance_id``, through the maker's pool index when it has one."""
+    if snapshot.pool_index is not None:
+        where = snapshot.pool_index.get(instance_id)
+        if where is not None and where[0] == 0:
+            return snapshot.prefill[where[1]]
+    return next(v for v in snapshot.prefill if v.instance_id == instance_id)

@@ -7,9 +7,16 @@ Each policy reads only its own fields (prefixed by its name) plus the shared pri
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import logging
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conductor.cost_model import DecodeCostModel, PrefillCostModel, TransferModel
+
+log = logging.getLogger(__name__)
+
+_warned_short_prefill_tokens = False
 
 
 class PolicyConfig(BaseModel):
@@ -59,9 +66,22 @@ class PolicyConfig(BaseModel):
         0.05, ge=0, description="Baton: keep a local-prefix choice unless a pull is faster by more "
         "than this fraction of its TTFT (avoids replicating a prefix for a marginal gain)."
     )
+    baton_colocation: Literal["priced", "short"] = Field(
+        "priced", description="Baton: where a prompt prefills. 'priced': every ready decode "
+        "instance is a prefill candidate priced like the prefill pool's (plus the steps its running "
+        "decode batch adds), against the cheapest disaggregated option plus its KV hand-off; the "
+        "least total wins. 'short': the older rule, an uncached suffix shorter than "
+        "short_prefill_tokens prefills on the decode instance chosen by load."
+    )
+    baton_prefill_chunk_tokens: int = Field(
+        2048, gt=0, description="Baton: the prompt tokens an engine prefills per step beside its "
+        "running decodes (vLLM's max_num_batched_tokens with chunked prefill; 2048 is its default "
+        "for engines built from EngineArgs, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS) (tokens)."
+    )
     short_prefill_tokens: int = Field(
-        256, ge=0, description="Baton: an uncached suffix shorter than this prefills on the decode "
-        "instance (tokens); 0 always disaggregates."
+        256, ge=0, description="Baton, baton_colocation 'short' only: an uncached suffix shorter "
+        "than this prefills on the decode instance (tokens); 0 always disaggregates. Deprecated: "
+        "setting it selects 'short' whatever baton_colocation says."
     )
     ttft_slo_ms: float | None = Field(
         None, gt=0, description="Reject when the chosen placement's predicted TTFT exceeds this "
@@ -73,3 +93,23 @@ class PolicyConfig(BaseModel):
     )
     decode_cost: DecodeCostModel = Field(DecodeCostModel(), description="Predicted decode step time.")
     min_retry_after_s: float = Field(1.0, ge=0, description="Least retry-after hint on rejection (s).")
+
+    @property
+    def baton_colocation_mode(self) -> Literal["priced", "short"]:
+        """The colocation rule Baton applies: ``baton_colocation``, except that a config which
+        sets ``short_prefill_tokens`` keeps the old rule ('short'), whatever else sets
+        ``baton_colocation`` (deploy/local.yaml does; an override of the old key still wins)."""
+        if "short_prefill_tokens" in self.model_fields_set:
+            return "short"
+        return self.baton_colocation
+
+    @model_validator(mode="after")
+    def _warn_short_prefill_tokens(self) -> "PolicyConfig":
+        global _warned_short_prefill_tokens
+        if ("short_prefill_tokens" in self.model_fields_set and self.baton_colocation != "short"
+                and not _warned_short_prefill_tokens):
+            _warned_short_prefill_tokens = True
+            log.warning("short_prefill_tokens is deprecated: setting it keeps Baton's old colocation "
+                        "rule; say so with baton_colocation: short, or drop short_prefill_tokens for "
+                        "baton_colocation: priced (the default)")
+        return self

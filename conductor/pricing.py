@@ -13,6 +13,12 @@ sum. The rest of this module implements that definition faster and must agree wi
   priced runs and one pass, not a Python loop over the holders.
   ``tests/unit/policy_oracles.py`` prices every instance with ``price`` and the tests hold both
   to it.
+
+A decode instance prefills a prompt itself at ``colocated_price``: ``price`` with its own run, its
+running batch's decode step added to the queue once per prefill chunk (the steps the prefill
+shares with that batch). ``cheapest_colocated`` is the least of it over the decode pool, through
+the same C pass; the other way, disaggregated, hands the prompt's KV to the decode instance
+(``handoff_ms``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from array import array
 from typing import Callable, Sequence
 
 import msgspec
+import numpy as np
 
 from conductor import _scan
 from conductor.policy_config import PolicyConfig
@@ -30,6 +37,7 @@ from conductor.snapshot import (
     ClusterSnapshot,
     GroupedHits,
     InstanceView,
+    LoadArrays,
     PoolArrays,
     PrefixHit,
     has_unpriced_queue,
@@ -53,6 +61,9 @@ class PrefillPrice(msgspec.Struct, frozen=True):
     num_cached_blocks: int
     num_pulled_blocks: int = 0
     pulled_from: str = ""
+    decode_batch_ms: float = 0.0
+    """Of ``queue_ms``, the decode steps of the instance's running batch the prefill shares
+    (``colocated_price``; 0 elsewhere)."""
 
     @property
     def total_ms(self) -> float:
@@ -61,7 +72,8 @@ class PrefillPrice(msgspec.Struct, frozen=True):
     def describe(self) -> str:
         where = (f"pulled {self.num_pulled_blocks} blocks from {self.pulled_from}" if self.num_pulled_blocks
                  else f"local prefix {self.num_cached_blocks} blocks")
-        return (f"{self.instance_id}: T=transfer {self.transfer_ms:.1f} + queue {self.queue_ms:.1f} + "
+        batch = f" (decode batch {self.decode_batch_ms:.1f} of it)" if self.decode_batch_ms else ""
+        return (f"{self.instance_id}: T=transfer {self.transfer_ms:.1f} + queue {self.queue_ms:.1f}{batch} + "
                 f"prefill {self.prefill_ms:.1f} = {self.total_ms:.1f} ms ({where})")
 
     def placement(self, decode_instance: str, policy: str, reason: str) -> Placement:
@@ -280,6 +292,132 @@ def cheapest(prefill: Sequence[InstanceView], pricer: Pricer, best: InstanceView
                                            array("d", terms), bytes(modes))
     assert pool[i].ready, "a ready instance's T is finite, so one of them is the least"
     return pool[i], best_t, (pool[j] if j >= 0 else None), local_t
+
+
+def num_prefill_chunks(request: PlacementRequest, config: PolicyConfig, num_cached_blocks: int) -> int:
+    """The steps a prefill over ``num_cached_blocks`` takes beside a running batch: its uncached
+    suffix in chunks of ``baton_prefill_chunk_tokens``, at least one (a full hit still computes
+    the last token)."""
+    cached_tokens = min(num_cached_blocks * config.block_size_tokens, request.num_prompt_tokens)
+    return max(1, -(-(request.num_prompt_tokens - cached_tokens) // config.baton_prefill_chunk_tokens))
+
+
+def decode_step_ms(view: InstanceView, config: PolicyConfig) -> float:
+    """One decode step of ``view``'s running batch (ms)."""
+    return config.decode_cost.t_step_ms(view.num_running_reqs,
+                                        view.num_active_decode_blocks * config.block_size_tokens)
+
+
+def colocated_price(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
+                    view: InstanceView) -> PrefillPrice:
+    """The prefill on decode instance ``view`` itself: ``price`` with its own run (no pull), and,
+    when it runs sequences, its batch's decode step once per prefill chunk added to the queue
+    (``decode_batch_ms``): each chunk's step also steps that batch. The sum is
+    ``queue_ms(view) + chunks × decode_step_ms`` (the fast scan adds the same way)."""
+    own = price(snapshot, request, config, view)
+    batch_ms = 0.0
+    if view.num_running_reqs > 0:
+        batch_ms = num_prefill_chunks(request, config, own.num_cached_blocks) * decode_step_ms(view, config)
+    return msgspec.structs.replace(own, queue_ms=own.queue_ms + batch_ms, decode_batch_ms=batch_ms)
+
+
+def first_chunk_ms(request: PlacementRequest, config: PolicyConfig, num_cached_blocks: int) -> float:
+    """The prefill of the prompt's first chunk past ``num_cached_blocks`` (ms)."""
+    cached_tokens = min(num_cached_blocks * config.block_size_tokens, request.num_prompt_tokens)
+    chunk_tokens = min(config.baton_prefill_chunk_tokens, request.num_prompt_tokens - cached_tokens)
+    return config.prefill_cost.t_prefill_ms(chunk_tokens, cached_tokens)
+
+
+def over_tbt_slo(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
+                 view: InstanceView) -> bool:
+    """Whether prefilling here breaks ``tbt_slo_ms`` for ``view``'s running batch: its step with
+    the prompt's first chunk (``decode_step_ms + first_chunk_ms``) is predicted over it. Never
+    without an SLO or a running batch."""
+    slo = config.tbt_slo_ms
+    if slo is None or view.num_running_reqs <= 0:
+        return False
+    num_cached = snapshot.hit(view.instance_id).num_blocks
+    return decode_step_ms(view, config) + first_chunk_ms(request, config, num_cached) > slo
+
+
+def handoff_ms(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
+               prefill: InstanceView, decode: InstanceView) -> float:
+    """The KV hand-off of a disaggregated prefill: the prompt's blocks past ``decode``'s own
+    device run, over ``same_node`` when both instances share a non-empty ``node_id``, else
+    ``remote_host``."""
+    num_blocks = -(-request.num_prompt_tokens // config.block_size_tokens)
+    num_moved = max(0, num_blocks - snapshot.hit(decode.instance_id).num_blocks_device)
+    same_node = bool(prefill.node_id) and prefill.node_id == decode.node_id
+    return config.transfer.t_transfer_ms(num_moved * config.block_size_tokens * config.kv_bytes_per_token,
+                                         "same_node" if same_node else "remote_host")
+
+
+def decode_load_order(snapshot: ClusterSnapshot) -> np.ndarray:
+    """Positions of the decode pool in ``picking.decode_by_load``'s order: fewest running +
+    waiting, then lowest KV use, then fewest active blocks, then pool order."""
+    arrays = snapshot.decode_arrays if snapshot.decode_arrays is not None else LoadArrays.of(snapshot.decode)
+    return np.lexsort((arrays.active_blocks, arrays.kv_usage_frac, arrays.load))
+
+
+def cheapest_colocated(pricer: Pricer, decode: Sequence[InstanceView],
+                       exclude_over_tbt: bool) -> tuple[InstanceView | None, float]:
+    """(view, T) of the least ``colocated_price(...).total_ms`` over ``decode``, the ready
+    instances of the snapshot's decode pool, ties to ``decode_load_order``; with
+    ``exclude_over_tbt``, without the instances ``over_tbt_slo``. (None, inf) when none is left.
+
+    One C pass like ``cheapest``: each class (no hit, or one run) is priced once, the queues and
+    batch terms are arrays over the pool (``chunks[class] × step`` added to the queue where the
+    instance runs sequences), visited in load order, so the first listed of equal T is the
+    least loaded.
+    """
+    snapshot, request, config = pricer.snapshot, pricer.request, pricer.config
+    pool = snapshot.decode
+    if not decode:
+        return None, math.inf
+    n = len(pool)
+    q = np.fromiter([v.queued_prefill_ms for v in pool], np.float64, n)
+    idle = np.flatnonzero(q <= 0)
+    if idle.size:  # queue_ms of the unpriced queues, elementwise
+        tokens = np.fromiter([pool[p].num_queued_prefill_tokens for p in idle.tolist()], np.int64, idle.size)
+        unpriced = tokens > 0
+        if unpriced.any():
+            q[idle[unpriced]] = config.prefill_cost.t_prefill_ms_many(tokens[unpriced], 0)
+    running = np.fromiter([v.num_running_reqs for v in pool], np.int64, n)
+    loads = snapshot.decode_arrays if snapshot.decode_arrays is not None else LoadArrays.of(pool)
+    groups = grouped_hits(snapshot)
+    run_of = np.frombuffer(groups.decode_run_of, dtype=np.int64) if n else np.zeros(0, np.int64)
+    # class 0: no hit; class 1 + r: run r (zeros for a run no decode instance holds)
+    runs = [NO_HIT] + [groups.runs[r] if p >= 0 else None for r, p in enumerate(groups.first_positions(1))]
+    terms, chunks, chunk_ms = array("d"), [], []
+    for hit in runs:
+        if hit is None:
+            terms.extend((0.0,) * 6)
+            chunks.append(0.0)
+            chunk_ms.append(0.0)
+            continue
+        transfer_ms, prefill_ms, num_cached, _ = pricer.terms(hit, None, False)
+        terms.extend((transfer_ms, prefill_ms, 0.0, 0.0, 0.0, 0.0))
+        chunks.append(float(num_prefill_chunks(request, config, num_cached)))
+        chunk_ms.append(first_chunk_ms(request, config, num_cached))
+    classes = run_of + 1
+    busy = running > 0
+    ready_mask = np.ones(n, dtype=bool) if decode is pool else np.fromiter(
+        [v.ready for v in pool], bool, n)
+    if busy.any():
+        cost = config.decode_cost
+        step = (cost.step_ms_base + cost.step_ms_per_seq * running.astype(np.float64)
+                + cost.step_ms_per_kv_token * (loads.active_blocks * config.block_size_tokens).astype(np.float64))
+        q = q + np.where(busy, np.asarray(chunks)[classes] * step, 0.0)
+        if exclude_over_tbt and config.tbt_slo_ms is not None:
+            ready_mask &= ~(busy & (step + np.asarray(chunk_ms)[classes] > config.tbt_slo_ms))
+    order = decode_load_order(snapshot)
+    ready_in_order = ready_mask[order]
+    if not ready_in_order.any():
+        return None, math.inf
+    i, best_t, _, _ = _scan.cheapest(np.ascontiguousarray(q[order]), None, np.ascontiguousarray(classes[order] - 1),
+                                     None if ready_in_order.all() else ready_in_order.tobytes(),
+                                     terms, bytes(len(runs)))
+    return pool[int(order[i])], best_t
 
 
 def with_prices(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,

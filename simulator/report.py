@@ -24,8 +24,9 @@ def _knobs(knobs: dict) -> str:
     short = {"mooncake_kvcache_balancing_threshold": "threshold", "dynamo_overlap_score_weight": "weight",
              "dynamo_temperature": "temp", "sglang_cache_threshold": "cache", "sglang_balance_abs_threshold": "abs",
              "sglang_balance_rel_threshold": "rel", "baton_replication_margin_frac": "margin",
-             "short_prefill_tokens": "short"}
-    return ", ".join(f"{short.get(k, k)} {v:g}" for k, v in knobs.items()) or "-"
+             "short_prefill_tokens": "short", "baton_colocation": "colocation"}
+    return ", ".join(f"{short.get(k, k)} {v if isinstance(v, str) else format(v, 'g')}"
+                     for k, v in knobs.items()) or "-"
 
 
 def markdown_table(outcome: ReplayOutcome, meta: dict) -> str:

@@ -3,8 +3,9 @@ the trace held apart from the one the race runs on.
 
 Every policy with knobs gets a grid around its authors' defaults (the default first, so a tie
 keeps it): Mooncake's balancing threshold, Dynamo's overlap weight and temperature, SGLang's
-cache and balance thresholds, and Baton's own two (its replication margin and the short-prefill
-cut), no more points for Baton than for the others. The best is the highest goodput on the
+cache and balance thresholds, and Baton's own two (its replication margin and where it prefills:
+priced colocation, or the older short-prefill cut at its old values), no more points for Baton
+than for Dynamo or SGLang. The best is the highest goodput on the
 tuning slice, then the lowest mean TTFT at the trace's rate.
 """
 
@@ -24,8 +25,10 @@ TUNING_GRIDS: dict[str, list[Knobs]] = {
     "sglang_cache_aware": [
         {"sglang_cache_threshold": c, "sglang_balance_abs_threshold": a, "sglang_balance_rel_threshold": r}
         for c, (a, r) in itertools.product((0.3, 0.1, 0.5, 0.7), ((64, 1.5), (16, 1.25), (256, 2.0)))],
-    "baton": [{"baton_replication_margin_frac": m, "short_prefill_tokens": s}
-              for m, s in itertools.product((0.05, 0.0, 0.2), (256, 0, 1024))],
+    "baton": [{"baton_replication_margin_frac": m, **colocation}
+              for m, colocation in itertools.product((0.05, 0.0, 0.2), (
+                  {"baton_colocation": "priced"},
+                  *({"baton_colocation": "short", "short_prefill_tokens": s} for s in (256, 0, 1024))))],
 }
 """Per policy, the knob settings tried (``PolicyConfig`` fields), the authors' default first.
 Policies absent here (random, round_robin, least_loaded) have no knobs."""

@@ -2,15 +2,25 @@
 
 Every ready prefill instance is priced with ``conductor.pricing.price``, the one definition of
 the prefill price, in pool order; the policies' one-pass scan (``conductor.pricing.cheapest``)
-must choose exactly what the least of these options is, to the last bit.
+must choose exactly what the least of these options is, to the last bit. Baton's priced
+colocation the same way: every ready decode instance priced with ``colocated_price``
+(``baton_priced_choice``), which the decode-pool scan (``conductor.pricing.cheapest_colocated``)
+must match.
 """
 
 from __future__ import annotations
 
 from conductor.picking import ready
 from conductor.policy_config import PolicyConfig
-from conductor.pricing import PrefillPrice, best_source, price
-from conductor.snapshot import ClusterSnapshot, InstanceView
+from conductor.pricing import (
+    PrefillPrice,
+    best_source,
+    colocated_price,
+    handoff_ms,
+    over_tbt_slo,
+    price,
+)
+from conductor.snapshot import ClusterSnapshot, InstanceView, load
 from protos.wire import PlacementRequest
 
 
@@ -68,3 +78,37 @@ def reference_choice(name: str, snapshot: ClusterSnapshot, request: PlacementReq
         if best_local.total_ms <= chosen.total_ms * (1 + config.baton_replication_margin_frac):
             chosen = best_local
     return chosen
+
+
+def colocated_options(snapshot: ClusterSnapshot, request: PlacementRequest,
+                      config: PolicyConfig, exclude_over_tbt: bool) -> list[PrefillPrice]:
+    """Each ready decode instance's ``colocated_price``, in ``decode_by_load`` order (the key
+    sorted the slow way; pool order on equal keys), without those ``over_tbt_slo`` when
+    ``exclude_over_tbt``."""
+    views = sorted((v for v in snapshot.decode if v.ready),
+                   key=lambda v: (load(v), v.kv_usage_frac, v.num_active_decode_blocks))
+    return [colocated_price(snapshot, request, config, v) for v in views
+            if not (exclude_over_tbt and over_tbt_slo(snapshot, request, config, v))]
+
+
+def baton_priced_choice(snapshot: ClusterSnapshot, request: PlacementRequest,
+                        config: PolicyConfig) -> tuple[PrefillPrice, str]:
+    """Baton's priced choice the slow way: (the prefill option taken, the decode instance).
+
+    The co-located options are every ready decode instance priced (``colocated_options``), the
+    least first in load order. Without a prefill pool it wins. Else the disaggregated option is
+    ``reference_choice`` with the hand-off to the least loaded decode instance added, and the
+    co-located one wins unless the disaggregated total is strictly less."""
+    has_pool = bool(snapshot.prefill)
+    options = colocated_options(snapshot, request, config, exclude_over_tbt=has_pool)
+    colocated = min(options, key=lambda o: o.total_ms) if options else None
+    if not has_pool:
+        return colocated, colocated.instance_id
+    pooled = reference_choice("baton", snapshot, request, config)
+    decode = min((v for v in snapshot.decode if v.ready),
+                 key=lambda v: (load(v), v.kv_usage_frac, v.num_active_decode_blocks))
+    prefill_view = next(v for v in snapshot.prefill if v.instance_id == pooled.instance_id)
+    disaggregated_t = pooled.total_ms + handoff_ms(snapshot, request, config, prefill_view, decode)
+    if colocated is not None and colocated.total_ms <= disaggregated_t:
+        return colocated, colocated.instance_id
+    return pooled, decode.instance_id

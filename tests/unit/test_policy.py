@@ -82,7 +82,7 @@ def test_every_policy_raises_no_worker_ready_for_an_empty_pool(name, empty):
 
 # --- shared properties, every registered policy --------------------------------------------------
 
-LONG = PlacementRequest("long", 1000)  # longer than short_prefill_tokens: baton disaggregates
+LONG = PlacementRequest("long", 1000)  # longer than the old short_prefill_tokens (256)
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -104,7 +104,9 @@ def test_every_policy_never_picks_an_instance_that_is_not_ready(name, num_placed
         {"p0": PrefixHit(60), "d0": PrefixHit(62)},
     )
     placement = POLICIES[name](s, LONG, PolicyConfig())
-    assert (placement.prefill_instance, placement.decode_instance) == ("p1", "d1")
+    # baton: p1's 900 ms queue makes prefilling on d1 itself cheaper
+    expected = ("d1", "d1") if name == "baton" else ("p1", "d1")
+    assert (placement.prefill_instance, placement.decode_instance) == expected
 
 
 def test_the_registry_holds_exactly_the_named_policies():
@@ -118,6 +120,11 @@ def test_the_registry_holds_exactly_the_named_policies():
 # 16-token blocks of 1,000 bytes/token: 16,000 bytes a block. Prefill costs 1 ms per uncached token
 # (16 ms a block); a remote pull costs 1 ms a block (FAST) or 32 ms a block (SLOW); no setup cost.
 UNIT_PREFILL = PrefillCostModel(intercept_ms=0, per_token_ms=1.0, per_token_sq_ms=0, per_token_cached_ms=0)
+
+
+ALGORITHM_1 = {"short_prefill_tokens": 0}
+"""Baton's older colocation rule turned off: every prompt prefills in the prefill pool, so a test
+sees Algorithm 1's choice alone."""
 
 
 def unit_config(remote_bytes_per_s=16e6, **overrides):
@@ -298,7 +305,7 @@ def test_admission_rejects_a_mooncake_placement_predicted_to_miss_the_ttft_slo()
 
 def test_baton_pulls_when_the_transfer_beats_recompute_whatever_the_ratio():
     # 10 / 8 = 1.25, below Mooncake's threshold; pulling 2 blocks costs 2 ms and saves 32 ms.
-    placement = baton(hot_prefix_snapshot(8), REQ20, unit_config())
+    placement = baton(hot_prefix_snapshot(8), REQ20, unit_config(**ALGORITHM_1))
     assert placement.prefill_instance == "p1"
     assert placement.reason.startswith(
         "p1: T=transfer 2.0 + queue 0.0 + prefill 160.0 = 162.0 ms (pulled 2 blocks from p0)"
@@ -310,7 +317,7 @@ def test_baton_pulls_when_the_transfer_beats_recompute_whatever_the_ratio():
 
 def test_baton_recomputes_when_the_transfer_is_slower_than_recompute():
     # 32 ms a block to pull against 16 ms to compute: p1 computes its 16 missing blocks.
-    placement = baton(hot_prefix_snapshot(4), REQ20, unit_config(remote_bytes_per_s=SLOW))
+    placement = baton(hot_prefix_snapshot(4), REQ20, unit_config(remote_bytes_per_s=SLOW, **ALGORITHM_1))
     assert placement.prefill_instance == "p1"
     assert placement.reason.startswith(
         "p1: T=transfer 0.0 + queue 0.0 + prefill 256.0 = 256.0 ms (local prefix 4 blocks)"
@@ -323,7 +330,7 @@ def test_baton_pulls_over_the_same_node_path_when_the_nodes_match():
         (InstanceView("d0"),), 0, {"p0": PrefixHit(8, 2)},
     )
     # 10 blocks at 0.5 ms each over same_node.
-    placement = baton(s, REQ20, unit_config(remote_bytes_per_s=SLOW))
+    placement = baton(s, REQ20, unit_config(remote_bytes_per_s=SLOW, **ALGORITHM_1))
     assert placement.reason.startswith("p1: T=transfer 5.0 + queue 0.0 + prefill 160.0")
 
 
@@ -335,20 +342,21 @@ def test_baton_keeps_a_local_prefix_within_the_replication_margin():
     assert baton(s, REQ20, unit_config(baton_replication_margin_frac=0.0)).prefill_instance == "p1"
 
 
-def test_baton_prefills_a_short_uncached_suffix_on_the_decode_instance():
+def test_baton_short_prefills_a_short_uncached_suffix_on_the_decode_instance():
     s = ClusterSnapshot((InstanceView("p0"),), (InstanceView("d0", 3, 0), InstanceView("d1", 1, 0)), 0,
                         {"d1": PrefixHit(50)})
-    # 1,000 tokens, 800 cached on d1: a 200-token suffix.
-    placement = baton(s, LONG, unit_config())
+    # 1,000 tokens, 800 cached on d1: a 200-token suffix (the old rule, set by short_prefill_tokens).
+    placement = baton(s, LONG, unit_config(short_prefill_tokens=256))
     assert (placement.prefill_instance, placement.decode_instance) == ("d1", "d1")
     assert placement.reason.startswith("colocated: uncached suffix 200 tokens < short_prefill_tokens 256; "
                                        "d1: T=transfer 0.0 + queue 0.0 + prefill 200.0 = 200.0 ms")
-    assert baton(s, PlacementRequest("short", 100), unit_config()).prefill_instance == "d1"
+    assert baton(s, PlacementRequest("short", 100), unit_config(short_prefill_tokens=256)).prefill_instance == "d1"
+    assert baton(s, PlacementRequest("short", 100), unit_config(baton_colocation="short")).prefill_instance == "d1"
 
 
-def test_baton_disaggregates_a_long_uncached_suffix_and_when_turned_off():
+def test_baton_short_disaggregates_a_long_uncached_suffix_and_when_turned_off():
     s = ClusterSnapshot((InstanceView("p0"),), (InstanceView("d0"),), 0, {"d0": PrefixHit(50)})
-    assert baton(s, PlacementRequest("r", 1200), unit_config()).prefill_instance == "p0"
+    assert baton(s, PlacementRequest("r", 1200), unit_config(short_prefill_tokens=256)).prefill_instance == "p0"
     assert baton(s, LONG, unit_config(short_prefill_tokens=0)).prefill_instance == "p0"
 
 

@@ -22,7 +22,7 @@ from conductor.state import ConductorState
 from kvstore.keys import KeyExtras, block_keys
 from protos.errors import NoWorkerReady
 from protos.wire import PlacementRequest
-from tests.unit.policy_oracles import reference_choice
+from tests.unit.policy_oracles import baton_priced_choice, reference_choice
 
 BS = 16
 EXTRAS = KeyExtras("m", "", "", "L")
@@ -46,8 +46,10 @@ def trunk_states(draw):
     some nodes hold parts in their host tier, with booked work, and a request: a warm agent
     (trunk, part of a tail, new tokens) or a new one (trunk, new tokens)."""
     clock = Clock()
+    colocation = draw(st.sampled_from([{"short_prefill_tokens": 0}, {"short_prefill_tokens": 256}, {},
+                                       {"tbt_slo_ms": 40.0}]))  # old rule, priced, priced with an SLO
     config = PolicyConfig(block_size_tokens=BS, kv_bytes_per_token=draw(st.sampled_from([1024, 160 * 1024])),
-                          short_prefill_tokens=draw(st.sampled_from([0, 256])))
+                          **colocation)
     name = draw(st.sampled_from(["baton", "mooncake"]))
     state = ConductorState(name, config, clock=clock)
     num_prefill, num_decode = draw(st.integers(1, 24)), draw(st.integers(1, 6))
@@ -117,15 +119,20 @@ def test_the_grouped_fast_path_picks_exactly_what_pricing_every_instance_picks(s
             POLICIES[name](bare, request, config)
         return
     assert POLICIES[name](bare, request, config) == placement  # the plain-dict path agrees too
-    if placement.prefill_instance == placement.decode_instance and placement.prefill_instance[0] == "d":
-        return  # Baton's colocated branch: priced on the decode instance, no pool scan
-    chosen = reference_choice(name, bare, request, config)
+    if name == "baton" and config.baton_colocation_mode == "priced":  # both pools priced
+        chosen, decode_instance = baton_priced_choice(bare, request, config)
+        assert placement.decode_instance == decode_instance
+    elif placement.prefill_instance == placement.decode_instance and placement.prefill_instance[0] == "d":
+        return  # the old rule's colocated branch: the decode instance by load, no scan
+    else:
+        chosen = reference_choice(name, bare, request, config)
     assert placement.prefill_instance == chosen.instance_id
     assert (placement.transfer_ms, placement.queue_ms, placement.prefill_ms) == (
         chosen.transfer_ms, chosen.queue_ms, chosen.prefill_ms)
     assert placement.expected_cached_blocks == chosen.num_cached_blocks
     assert placement.pulled_from == chosen.pulled_from
     assert state.place(request) == placement  # what the conductor's own call decides
+    event(f"{name}: {'colocated' if placement.prefill_instance[0] == 'd' else 'disaggregated'}")
     event(f"{name}: {len(fast.prefix_hits.runs) if fast.prefix_hits else 0} runs, "
           f"{'pulled' if placement.pulled_from else 'local'}, "
           f"{'first' if placement.prefill_instance == fast.prefill[0].instance_id else 'other'}")

@@ -119,8 +119,11 @@ def test_replay_writes_results_table_and_plots(tmp_path):
     oracle = results.pop("oracle")
     assert set(oracle["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and oracle["goodput_rate_scale"] > 0
     assert results["least_loaded"]["tuned"] == {}  # no knobs
-    assert set(results["baton"]["tuned"]) == {"baton_replication_margin_frac", "short_prefill_tokens"}
-    assert len(results["baton"]["tuning"]) == 9
+    tuned = results["baton"]["tuned"]
+    assert tuned["baton_colocation"] in ("priced", "short")
+    assert set(tuned) == {"baton_replication_margin_frac", "baton_colocation",
+                          *(["short_prefill_tokens"] if tuned["baton_colocation"] == "short" else [])}
+    assert len(results["baton"]["tuning"]) == 12
     for entry in results.values():
         lo, hi = entry["goodput_ci"]
         assert lo == entry["goodput_rate_scale"] and hi <= lo * 1.02
