@@ -4,8 +4,8 @@ accept, as pydantic models FastAPI parses the JSON into.
 Contract: the declared fields are the ones served; any other field the body carries is kept
 (``model_extra``) for ``gateway.openai_fields`` to accept at its neutral value or refuse by name,
 so nothing is silently ignored. Baton's own request fields (``cache_salt``, ``tenant``, the
-session fields, ``cache_control`` on messages and content parts) ride as extra body fields of the
-``openai`` client. Parsing only checks types (and the seed's int64 range);
+session fields, ``cache_control`` on messages, content parts and tools) ride as extra body
+fields of the ``openai`` client. Parsing only checks types (and the seed's int64 range);
 ``gateway.openai_requests`` checks values against the served model.
 """
 
@@ -103,6 +103,8 @@ class FunctionSpec(BaseModel):
 class ToolSpec(BaseModel):
     type: Literal["function"]
     function: FunctionSpec
+    cache_control: dict | None = Field(None, description="Baton: an Anthropic-style breakpoint "
+                                       "after this tool's definition (gateway.cache_control).")
 
 
 class ChatCompletionRequest(_Body):

@@ -99,7 +99,7 @@ class HttpSessions:
             fields = session_fields(headers.get(SESSION_HEADER), body.session_id, body.user,
                                     "user", body.session_ttl_s, body.expected_next_step_s,
                                     self.config)
-            marks = (openai_breakpoints(body.messages, prepared.turns)
+            marks = (openai_breakpoints(body.messages, prepared.turns, body.tools or ())
                      if isinstance(body, ChatCompletionRequest) else [])
             return self._built(prepared, fields, marks, offered_key(headers, self.api_keys))
         except InvalidField as e:
