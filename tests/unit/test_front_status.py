@@ -7,6 +7,7 @@ the statuses end to end; this pins the table, the nearest-listed-class rule and 
 from __future__ import annotations
 
 import ast
+import asyncio
 from http import HTTPStatus
 from pathlib import Path
 
@@ -142,6 +143,14 @@ class _Method:
         return self.fn(*args)
 
 
+def _answered(*args):
+    """A remote call's answer, already there: awaitable, and silent when not awaited (the
+    router awaits ``finished`` only before placing a request again)."""
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future
+
+
 class _Actor:
     def __init__(self, **methods) -> None:
         for name, fn in methods.items():
@@ -155,7 +164,7 @@ async def test_a_prefill_the_engine_rejects_is_the_clients_error_not_a_dead_work
         raise _remote_error(EngineRejected("request_id 'r' is already in flight on this instance"))
 
     conductor = _Actor(report_failure=lambda *args: failures.append(args),
-                       prefill_done=lambda *args: None, finished=lambda *args: None)
+                       prefill_done=lambda *args: None, finished=_answered)
     router = LiveRouter(conductor, "test")
     router._handles["p0"] = _Actor(prefill=prefill)
     request = EngineRequest("r", (1, 2, 3), SamplingOptions(max_tokens=2))
@@ -179,7 +188,7 @@ async def test_a_structured_output_stream_is_not_continued_after_its_decode_died
     async def no_scheme():
         return None
 
-    conductor = _Actor(key_scheme=no_scheme, finished=lambda *args: None)
+    conductor = _Actor(key_scheme=no_scheme, finished=_answered)
     router = LiveRouter(conductor, "test")
     placement = Placement("p0", "d0", "baton")
     served: list[EngineRequest] = []
