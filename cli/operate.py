@@ -247,10 +247,27 @@ def status(
     c = pools.counters
     out.print(f"placements: {c.placed} placed, {c.rejected} rejected early, {c.coalesced} coalesced, "
               f"{c.colocated} colocated, {c.pulled} pulled, {c.index_corrections} index corrections")
+    if pools.cost_model is not None:
+        out.print(cost_model_line(pools.cost_model), highlight=False)
     for line in autoscale_lines(pools.autoscale):
         out.print(line, highlight=False)
     for line in pools.recent_events[-5:]:
         out.print(f"[dim]{line}[/dim]")
+
+
+def cost_model_line(cost_model) -> str:
+    """The cost model for ``baton status``: calibrating or fixed, and its error on requests it
+    was not fitted on."""
+    def error(name: str, e) -> str:
+        if e is None:
+            return f"{name} not measured yet"
+        return (f"{name} error median {e.median_pct:.1f}%, p90 {e.p90_pct:.1f}% "
+                f"(last {e.num_predictions} held out)")
+
+    if not cost_model.calibrating:
+        return "cost model: fixed (conductor.calibrate_cost_model false); error not measured"
+    return (f"cost model: calibrating from measured timings; {error('prefill', cost_model.prefill)}; "
+            f"{error('decode', cost_model.decode)}")
 
 
 def autoscale_lines(autoscale) -> list[str]:

@@ -19,6 +19,7 @@ from conductor.policy import PolicyConfig
 from protos.errors import ScaleRefused
 from protos.wire import (
     AutoscaleStatus,
+    CostModelStatus,
     DrainResult,
     InstanceRow,
     PoolSizes,
@@ -98,7 +99,12 @@ class ClusterConductor(Conductor):
                 stats.num_prompt_tokens if stats else 0, stats.num_cached_tokens if stats else 0,
                 stats.recent_ttft_ms if stats else None, stats.recent_itl_ms if stats else None,
                 stats.kv_load_seconds if stats else 0.0))
+        calibration = self.state.calibration
+        cost_model = CostModelStatus(calibration is not None,
+                                     calibration.prefill_error() if calibration else None,
+                                     calibration.decode_error() if calibration else None)
         return PoolStatus(self._config.policy, sizes, rows, await self._store_rows(),
                           self.state.counters, self.pools.log[-20:],
-                          self.autoscaler.status() if self.autoscaler is not None else None)
+                          self.autoscaler.status() if self.autoscaler is not None else None,
+                          cost_model)
 

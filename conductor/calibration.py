@@ -19,15 +19,9 @@ import msgspec
 import numpy as np
 
 from conductor.cost_model import DecodeCostModel, PrefillCostModel, PrefillSample
+from protos.wire import PredictionError
 
-
-class PredictionError(msgspec.Struct, frozen=True):
-    """Absolute percentage errors of predictions made before fitting on what they predicted."""
-
-    median_pct: float
-    p90_pct: float
-    num_predictions: int
-    """How many predictions the figures are over (the last ``error_window`` at most)."""
+__all__ = ["CostCalibration", "PredictionError"]
 
 
 def _summary(errors: deque) -> PredictionError | None:

@@ -26,8 +26,11 @@ class ConductorConfig(BaseModel):
         "block size, KV bytes per token and the cost models are set from the model and the profile."
     )
     calibrate_cost_model: bool = Field(
-        False, description="Refit the prefill cost model online from the prefill times the router "
-        "reports (conductor.calibration), starting from the profile's fit or the placeholders."
+        True, description="Refit the prefill cost model online from the engines' own prefill "
+        "times (vLLM's request stats: scheduled to first token), starting from the profile's fit "
+        "or, without one, the placeholders (the first refit, after 8 prefills, is the warm-up); "
+        "its error on prefills it was not fitted on shows in `baton status` and as "
+        "baton_cost_model_error_pct (conductor.calibration)."
     )
     coalesce: bool = Field(
         True, description="Requests sharing a prefix that is being prefilled right now wait for it "

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
-from protos.wire import EngineRequest, PositionLogprobs, TokenChunk, TokenLogprob
+from engine.runner import engine_prefill_ms
+from protos.wire import EngineRequest, EnginePrefill, PositionLogprobs, TokenChunk, TokenLogprob
 from worker.base import EngineWorker
 
 
@@ -57,9 +58,13 @@ class DecodeWorker(EngineWorker):
             generated.extend(completion.token_ids)
             logprobs = position_logprobs(completion.token_ids, completion.logprobs, num_top)
             now = time.perf_counter()
+            engine_prefill = None
             if completion.token_ids:
                 if first_token_ms is None:
                     first_token_ms = (now - started) * 1000.0
+                    prefill_ms = engine_prefill_ms(output)
+                    if prefill_ms is not None:
+                        engine_prefill = EnginePrefill(output.num_cached_tokens or 0, prefill_ms)
                 num_tokens += len(completion.token_ids)
                 last = now
             if output.finished:
@@ -78,7 +83,8 @@ class DecodeWorker(EngineWorker):
                     num_pulled_blocks=num_pulled,
                     logprobs=logprobs,
                     stop_sequence=_matched_stop(completion.stop_reason),
+                    engine_prefill=engine_prefill,
                 )
             elif completion.token_ids or completion.text:
                 yield TokenChunk(token_ids=tuple(completion.token_ids), text=completion.text,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, engine_prefill=engine_prefill)

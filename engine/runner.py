@@ -49,6 +49,17 @@ class _Abort:
     request_id: str
 
 
+def engine_prefill_ms(output) -> float | None:
+    """The engine's own prefill time of a ``RequestOutput`` (ms): from when its scheduler
+    first scheduled the request to its first token, both engine-core timestamps of vLLM's
+    request stats; None before the first token or with stats off."""
+    stats = getattr(output, "metrics", None)
+    scheduled, first = getattr(stats, "scheduled_ts", 0.0), getattr(stats, "first_token_ts", 0.0)
+    if not scheduled or not first or first < scheduled:
+        return None
+    return (first - scheduled) * 1000.0
+
+
 def _structured_outputs(sampling: SamplingOptions):
     """vLLM's structured-output constraint for ``sampling`` (None: unconstrained). The grammar
     acts on sampling only: the prompt, its KV and its reuse are the same as without it."""

@@ -13,11 +13,13 @@ from conductor.state import PlacementCounters
 from protos.baton.v1 import admin_pb2 as apb
 from protos.wire import (
     AutoscaleStatus,
+    CostModelStatus,
     DrainResult,
     FrontAddresses,
     InstanceRow,
     PoolDecision,
     PoolStatus,
+    PredictionError,
     ScaleResult,
     SoftPin,
     StoreRow,
@@ -65,7 +67,24 @@ def status_to_pb(view: StatusView) -> apb.StatusResponse:
             fronts.http_port = view.fronts.http_port
     if pools.autoscale is not None:
         reply.autoscale.CopyFrom(autoscale_to_pb(pools.autoscale))
+    if pools.cost_model is not None:
+        reply.cost_model.calibrating = pools.cost_model.calibrating
+        for name in ("prefill", "decode"):
+            error = getattr(pools.cost_model, name)
+            if error is not None:
+                getattr(reply.cost_model, name).CopyFrom(
+                    apb.PredictionError(**msgspec.structs.asdict(error)))
     return reply
+
+
+def _cost_model(m: apb.CostModelStatus) -> CostModelStatus:
+    def error(name: str) -> PredictionError | None:
+        if not m.HasField(name):
+            return None
+        e = getattr(m, name)
+        return PredictionError(e.median_pct, e.p90_pct, e.num_predictions)
+
+    return CostModelStatus(m.calibrating, error("prefill"), error("decode"))
 
 
 def autoscale_to_pb(a: AutoscaleStatus) -> apb.AutoscaleStatus:
@@ -106,7 +125,8 @@ def status_from_pb(reply: apb.StatusResponse) -> StatusView:
         pool_sizes={pool: dict(p.instances_by_phase) for pool, p in reply.pool_sizes.items()},
         instances=instances, stores=stores, counters=counters,
         recent_events=list(reply.recent_events),
-        autoscale=autoscale_from_pb(reply.autoscale) if reply.HasField("autoscale") else None)
+        autoscale=autoscale_from_pb(reply.autoscale) if reply.HasField("autoscale") else None,
+        cost_model=_cost_model(reply.cost_model) if reply.HasField("cost_model") else None)
     fronts = None
     if reply.HasField("fronts"):
         f = reply.fronts

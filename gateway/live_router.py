@@ -302,13 +302,15 @@ class LiveRouter:
         except RayTaskError as exc:
             raise _unwrap(exc) from exc
         self.calls.count("conductor.prefill_done", "sent")
-        self._conductor.prefill_done.remote(request.request_id, result.num_cached_tokens)
+        self._conductor.prefill_done.remote(request.request_id, result.num_cached_tokens,
+                                            result.engine_prefill_ms)
         return result
 
     async def _serve(self, request: EngineRequest, placement: Placement,
                      prefilled: PrefillResult, first: bool = True) -> AsyncIterator[RouterEvent]:
         if first:  # a continuation keeps the stream's one Placed
             yield Placed(placement, prefilled)
+        colocated = placement.prefill_instance == placement.decode_instance
         if placement.prefill_instance == placement.decode_instance:
             if placement.pulled_from_node:  # it prefills itself: the conductor's transfer plan
                 request = msgspec.structs.replace(
@@ -329,6 +331,12 @@ class LiveRouter:
             async for ref in chunks:
                 chunk: TokenChunk = await ref
                 finished = chunk.finish_reason is not None
+                if chunk.engine_prefill is not None and colocated:
+                    # the prefill it ran itself is over: the queue book and the cost model hear of it
+                    self.calls.count("conductor.prefill_done", "sent")
+                    self._conductor.prefill_done.remote(
+                        request.request_id, chunk.engine_prefill.num_cached_tokens,
+                        chunk.engine_prefill.prefill_ms)
                 yield chunk
         except RayActorError as exc:
             self._report_dead(placement.decode_instance, exc)

@@ -78,6 +78,10 @@ AUTOSCALE_TARGET = Gauge("baton_autoscale_target_instances",
                          "The pool size the planner's latest decision asks for.", ["pool"])
 AUTOSCALE_ENABLED = Gauge("baton_autoscale_enabled",
                           "1 when the planner's decisions are applied, 0 when it only decides.")
+COST_MODEL_ERROR = Gauge(
+    "baton_cost_model_error_pct",
+    "The conductor's cost model's absolute percentage error on requests it was not fitted on "
+    "(model: prefill, decode; stat: median, p90); absent until measured.", ["model", "stat"])
 REQUESTS_FINISHED = Counter("baton_request_success",
                             "Requests that streamed to their end, by finish reason.",
                             ["finished_reason"])
@@ -90,6 +94,7 @@ METRIC_NAMES = (
     "baton_placement_decisions_total",
     "baton_early_rejections_total", "baton_request_success_total",
     "baton_kv_store_blocks", "baton_kv_store_events", "baton_request_retries_total",
+    "baton_cost_model_error_pct",
 )
 """The series names as exposed (counters gain ``_total``; histograms add ``_bucket`` etc.)."""
 
@@ -179,6 +184,7 @@ def set_pool_gauges(status) -> None:
         for phase in ("starting", "ready", "draining", "not_ready"):
             POOL_INSTANCES.labels(pool, phase).set(status.pool_sizes.get(pool, {}).get(phase, 0))
     _set_autoscale(status.autoscale)
+    _set_cost_model(status.cost_model)
     for store in status.stores:
         STORE_BLOCKS.labels(store.node_id, "host").set(store.host_used_blocks)
         STORE_BLOCKS.labels(store.node_id, "disk").set(store.disk_used_blocks)
@@ -190,6 +196,16 @@ def set_pool_gauges(status) -> None:
         for event, count in store.counters.as_dict().items():
             if event not in ("disk_blocks", "soft_pinned_blocks", "leased_blocks", "leased_bytes"):
                 STORE_EVENTS.labels(store.node_id, event).set(count)
+
+
+def _set_cost_model(cost_model) -> None:
+    if cost_model is None:
+        return
+    for name in ("prefill", "decode"):
+        error = getattr(cost_model, name)
+        if error is not None:
+            COST_MODEL_ERROR.labels(name, "median").set(error.median_pct)
+            COST_MODEL_ERROR.labels(name, "p90").set(error.p90_pct)
 
 
 _decisions_seen: dict[str, int] = {}

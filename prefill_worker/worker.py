@@ -12,6 +12,7 @@ import time
 
 import msgspec
 
+from engine.runner import engine_prefill_ms
 from protos.wire import EngineRequest, PrefillResult
 from worker.base import EngineWorker
 
@@ -62,6 +63,7 @@ class PrefillWorker(EngineWorker):
             num_loaded_tokens=min(num_loaded_tokens, num_cached_tokens),
             node_id=self.node_id,
             num_pulled_blocks=num_pulled,
+            engine_prefill_ms=engine_prefill_ms(last),
         )
 
     async def _saves_readable(self) -> None:

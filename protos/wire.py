@@ -163,6 +163,9 @@ class PrefillResult(msgspec.Struct, frozen=True):
     """The store node now holding the prompt's blocks (the prefill instance's node)."""
     num_pulled_blocks: int = 0
     """Blocks pulled from another node's store before the prefill (``kv_source_node``)."""
+    engine_prefill_ms: float | None = None
+    """The engine's own prefill time: from first scheduled to its first token (vLLM's request
+    stats), without the queue, pulls and saves ``prefill_ms`` includes; None: not measured."""
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):
@@ -186,6 +189,15 @@ class PositionLogprobs(msgspec.Struct, frozen=True):
     them when it ranks that high)."""
 
 
+class EnginePrefill(msgspec.Struct, frozen=True):
+    """A prefill the decode engine ran itself (co-located), as it measured it."""
+
+    num_cached_tokens: int
+    """Prompt tokens it did not compute (its prefix cache plus loaded KV)."""
+    prefill_ms: float
+    """From first scheduled to the first token (vLLM's request stats; no queue wait)."""
+
+
 class TokenChunk(msgspec.Struct, frozen=True):
     """A slice of the decode stream: new token ids and their text delta.
 
@@ -207,6 +219,9 @@ class TokenChunk(msgspec.Struct, frozen=True):
     stop_sequence: str = ""
     """The stop string (one of ``SamplingOptions.stop``) whose match ended the request; '' when
     none did (end of sequence, length, no stop strings). Last chunk only."""
+    engine_prefill: EnginePrefill | None = None
+    """The first chunk with tokens: the engine's own measure of the prefill it ran (None where
+    it was not measured)."""
 
 
 class InstanceStats(msgspec.Struct, frozen=True):
@@ -322,6 +337,24 @@ class AutoscaleStatus(msgspec.Struct, frozen=True):
     """``pool/action`` → decisions made since the conductor started."""
 
 
+class PredictionError(msgspec.Struct, frozen=True):
+    """Absolute percentage errors of predictions made before fitting on what they predicted."""
+
+    median_pct: float
+    p90_pct: float
+    num_predictions: int
+    """How many predictions the figures are over (the last ``error_window`` at most)."""
+
+
+class CostModelStatus(msgspec.Struct, frozen=True):
+    """The conductor's cost model as it prices now: whether it refits itself from the engines'
+    measured timings, and its error on requests it was not fitted on (None: nothing measured)."""
+
+    calibrating: bool
+    prefill: PredictionError | None = None
+    decode: PredictionError | None = None
+
+
 class PoolStatus(msgspec.Struct, frozen=True):
     policy: str
     pool_sizes: dict[str, dict[str, int]]
@@ -334,6 +367,8 @@ class PoolStatus(msgspec.Struct, frozen=True):
     autoscale: AutoscaleStatus | None = None
     """The autoscaling planner's last decisions; None on a cluster that cannot resize itself
     (``baton serve``)."""
+    cost_model: CostModelStatus | None = None
+    """The cost model's calibration and held-out error; None from a conductor older than it."""
 
 
 class FrontAddresses(msgspec.Struct, frozen=True):

@@ -157,3 +157,23 @@ async def test_tight_slos_reject_early_without_spending_prefill(server):
         await server.cluster.conductor.set_admission.remote(None, None)
     assert info.value.status == "RESOURCE_EXHAUSTED" and "tbt_slo_ms 1" in info.value.details
     assert await finished_prefills() == before_prefills
+
+
+async def test_the_engines_own_prefill_times_calibrate_the_cost_model_on_held_out_prefills(server):
+    async def predictions() -> int:
+        cost_model = (await server.cluster.conductor.pool_status.remote()).cost_model
+        assert cost_model.calibrating  # on by default
+        return cost_model.prefill.num_predictions if cost_model.prefill else 0
+
+    before = await predictions()
+    for seed in (601, 602, 603):  # disaggregated (short_prefill_tokens 0): each is one prefill
+        await client.generate(server.target, token_ids=random_prompt(3 * BLOCK, seed=seed), max_tokens=2)
+    # prefill_done is sent without waiting: give it a moment to land
+    await wait_until(lambda: _at_least(predictions, before + 3), what="three more predictions")
+    error = (await server.cluster.conductor.pool_status.remote()).cost_model.prefill
+    assert error.num_predictions == before + 3
+    assert error.median_pct >= 0.0 and error.p90_pct >= error.median_pct
+
+
+async def _at_least(count, n: int) -> bool:
+    return await count() >= n

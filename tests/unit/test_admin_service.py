@@ -12,6 +12,7 @@ import json
 import logging
 
 import grpc
+import msgspec
 import pytest
 import pytest_asyncio
 from ray.exceptions import RayTaskError
@@ -170,7 +171,7 @@ async def test_status_is_the_conductors_pool_status(stub, conductor):
 
 def test_status_round_trips_every_field():
     from conductor.state import PlacementCounters
-    from protos.wire import InstanceRow, PoolStatus, StoreRow, TierCounters
+    from protos.wire import CostModelStatus, InstanceRow, PoolStatus, PredictionError, StoreRow, TierCounters
 
     pools = PoolStatus(
         "baton", {"prefill": {"ready": 2, "draining": 1}, "decode": {}},
@@ -183,6 +184,10 @@ def test_status_round_trips_every_field():
         ["12:00:00 scale prefill 1 -> 2"])
     for fronts in (None, FrontAddresses("h", None, 8000, False)):
         view = StatusView(pools, fronts, "c")
+        assert status_from_pb(status_to_pb(view)) == view
+    for cost_model in (CostModelStatus(False), CostModelStatus(True, PredictionError(7.5, 21.25, 40)),
+                       CostModelStatus(True, PredictionError(1.0, 2.0, 3), PredictionError(4.0, 5.0, 6))):
+        view = StatusView(msgspec.structs.replace(pools, cost_model=cost_model), None, "c")
         assert status_from_pb(status_to_pb(view)) == view
     # the proto's counters map holds what the node reported: no disk counters without a disk
     stores = status_to_pb(StatusView(pools, None, "c")).stores
@@ -459,3 +464,15 @@ async def test_cli_close_session_ends_a_live_session_through_the_admin_service(
                                      "0 leased blocks released")  # no store node here
     assert again.exit_code == 4 and "no live session 'agent-1'" in again.stderr
     assert scoped not in conductor.target.state.sessions
+
+
+def test_the_cost_models_error_reaches_its_gauges():
+    from conductor.state import PlacementCounters
+    from gateway import metrics
+    from protos.wire import CostModelStatus, PoolStatus, PredictionError
+
+    status = PoolStatus("baton", {}, [], [], PlacementCounters(), [],
+                        cost_model=CostModelStatus(True, PredictionError(6.5, 19.0, 12)))
+    metrics.set_pool_gauges(status)
+    assert metrics.COST_MODEL_ERROR.labels("prefill", "median")._value.get() == 6.5
+    assert metrics.COST_MODEL_ERROR.labels("prefill", "p90")._value.get() == 19.0

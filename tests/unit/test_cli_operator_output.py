@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 from typer.testing import CliRunner
 
@@ -79,3 +80,16 @@ def test_fronts_print_where_they_listen():
     old_gateway = FrontAddresses("10.0.0.7", 50051, 8000)  # no bound hosts reported
     assert operate.front_lines(old_gateway)[0] == "gRPC  10.0.0.7:50051"
     assert operate.loopback_warning(old_gateway) is None
+
+
+def test_status_shows_the_cost_models_held_out_error(monkeypatch):
+    from protos.wire import CostModelStatus, PredictionError
+
+    pools = msgspec.structs.replace(POOLS, cost_model=CostModelStatus(True, PredictionError(7.5, 21.25, 40)))
+    monkeypatch.setattr(operate, "_operator", lambda *args: SimpleNamespace(
+        status=lambda: StatusView(pools, FRONTS, "opstest")))
+    out = CliRunner().invoke(app, ["status", "--wide"], env={"COLUMNS": "200"}).output
+    assert ("cost model: calibrating from measured timings; prefill error median 7.5%, p90 21.2% "
+            "(last 40 held out); decode not measured yet") in out
+    assert operate.cost_model_line(CostModelStatus(False)) == (
+        "cost model: fixed (conductor.calibrate_cost_model false); error not measured")

@@ -38,7 +38,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cluster_name", "policy", "pool_sizes", "instances", "stores", "placement_counters", "placements_by_prefill_instance", "recent_events", "fronts", "autoscale")
+    __slots__ = ("cluster_name", "policy", "pool_sizes", "instances", "stores", "placement_counters", "placements_by_prefill_instance", "recent_events", "fronts", "autoscale", "cost_model")
     class PoolSizesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class StatusResponse(_message.Message):
     RECENT_EVENTS_FIELD_NUMBER: _ClassVar[int]
     FRONTS_FIELD_NUMBER: _ClassVar[int]
     AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
+    COST_MODEL_FIELD_NUMBER: _ClassVar[int]
     cluster_name: str
     policy: str
     pool_sizes: _containers.MessageMap[str, PhaseCounts]
@@ -80,7 +81,28 @@ class StatusResponse(_message.Message):
     recent_events: _containers.RepeatedScalarFieldContainer[str]
     fronts: Fronts
     autoscale: AutoscaleStatus
-    def __init__(self, cluster_name: _Optional[str] = ..., policy: _Optional[str] = ..., pool_sizes: _Optional[_Mapping[str, PhaseCounts]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., placement_counters: _Optional[_Mapping[str, int]] = ..., placements_by_prefill_instance: _Optional[_Mapping[str, int]] = ..., recent_events: _Optional[_Iterable[str]] = ..., fronts: _Optional[_Union[Fronts, _Mapping]] = ..., autoscale: _Optional[_Union[AutoscaleStatus, _Mapping]] = ...) -> None: ...
+    cost_model: CostModelStatus
+    def __init__(self, cluster_name: _Optional[str] = ..., policy: _Optional[str] = ..., pool_sizes: _Optional[_Mapping[str, PhaseCounts]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., placement_counters: _Optional[_Mapping[str, int]] = ..., placements_by_prefill_instance: _Optional[_Mapping[str, int]] = ..., recent_events: _Optional[_Iterable[str]] = ..., fronts: _Optional[_Union[Fronts, _Mapping]] = ..., autoscale: _Optional[_Union[AutoscaleStatus, _Mapping]] = ..., cost_model: _Optional[_Union[CostModelStatus, _Mapping]] = ...) -> None: ...
+
+class CostModelStatus(_message.Message):
+    __slots__ = ("calibrating", "prefill", "decode")
+    CALIBRATING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    calibrating: bool
+    prefill: PredictionError
+    decode: PredictionError
+    def __init__(self, calibrating: _Optional[bool] = ..., prefill: _Optional[_Union[PredictionError, _Mapping]] = ..., decode: _Optional[_Union[PredictionError, _Mapping]] = ...) -> None: ...
+
+class PredictionError(_message.Message):
+    __slots__ = ("median_pct", "p90_pct", "num_predictions")
+    MEDIAN_PCT_FIELD_NUMBER: _ClassVar[int]
+    P90_PCT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    median_pct: float
+    p90_pct: float
+    num_predictions: int
+    def __init__(self, median_pct: _Optional[float] = ..., p90_pct: _Optional[float] = ..., num_predictions: _Optional[int] = ...) -> None: ...
 
 class AutoscaleStatus(_message.Message):
     __slots__ = ("enabled", "last", "changes", "decisions_total")
