@@ -25,6 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import numpy as np
 
@@ -189,6 +190,8 @@ def _run_stack(spec: StackSpec, run: int, model, workloads: dict[str, Workload],
             records, duration_s = asyncio.run(run_workload(
                 stack.base_url, model.name, workload, options.request_timeout_s))
             report = summarise(records, duration_s, ceilings[wname].hit_ratio)
+            if spec.kind == "baton":
+                report["cost_model_error_pct"] = cost_model_error(stack.base_url)
             reports.append({"run": run, "stack": spec.name, "workload": wname,
                             "started_unix": t0, "stack_start_s": stack.start_s, **report})
             with records_path.open("a") as f:
@@ -199,7 +202,31 @@ def _run_stack(spec: StackSpec, run: int, model, workloads: dict[str, Workload],
                  f"{report['p90_ttft_ms']:.0f} ms, TPOT {report['mean_tpot_ms']:.0f} ms, "
                  f"hit {report['hit_ratio']:.3f}, {report['completed']} ok, "
                  f"{report['failed']} failed {report['first_error'][:120]}")
+            if report.get("cost_model_error_pct"):
+                e = report["cost_model_error_pct"].get("prefill") or {}
+                echo(f"    cost model, prefill error on held-out prefills: median "
+                     f"{e.get('median', float('nan')):.1f}%, p90 {e.get('p90', float('nan')):.1f}%")
     return reports
+
+
+def cost_model_error(base_url: str) -> dict[str, dict[str, float]]:
+    """Baton's live cost-model error as its front exposes it (``baton_cost_model_error_pct``
+    on ``/metrics``): model -> {median, p90}; empty when not measured or not reachable."""
+    try:
+        return parse_cost_model_error(httpx.get(base_url + "/metrics", timeout=10).text)
+    except httpx.HTTPError:
+        return {}
+
+
+def parse_cost_model_error(text: str) -> dict[str, dict[str, float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    errors: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "baton_cost_model_error_pct":
+            for sample in family.samples:
+                errors.setdefault(sample.labels["model"], {})[sample.labels["stat"]] = sample.value
+    return errors
 
 
 def aggregate(runs: Sequence[dict[str, Any]], options: PeersOptions, ceilings) -> dict[str, Any]:

@@ -172,3 +172,14 @@ def test_each_vllm_server_runs_one_openmp_thread_as_each_baton_engine_does():
     assert server_cores("1") == [1] and server_cores("0-1") == [0, 1] and server_cores("nobind") is None
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_the_live_cost_model_error_is_read_from_the_fronts_metrics():
+    from bench.peers import parse_cost_model_error
+
+    text = ('# HELP baton_cost_model_error_pct x\n# TYPE baton_cost_model_error_pct gauge\n'
+            'baton_cost_model_error_pct{model="prefill",stat="median"} 6.5\n'
+            'baton_cost_model_error_pct{model="prefill",stat="p90"} 19.25\n'
+            '# TYPE baton_request_success counter\nbaton_request_success_total{finished_reason="stop"} 3.0\n')
+    assert parse_cost_model_error(text) == {"prefill": {"median": 6.5, "p90": 19.25}}
+    assert parse_cost_model_error("") == {}
