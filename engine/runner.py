@@ -13,11 +13,12 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from protos.errors import InvalidRequest, WorkerFailed
-from protos.wire import EngineRequest, SamplingOptions
+from protos.wire import DecodeStep, EngineRequest, SamplingOptions
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,10 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+DECODE_STEPS_KEPT = 32
+"""Decode-step timings a runner keeps between two ``take_decode_steps`` (the newest)."""
 
 
 def engine_prefill_ms(output) -> float | None:
@@ -91,6 +96,7 @@ class EngineRunner:
         self._dead: BaseException | None = None
         self._stopping = False
         self.num_finished_reqs = 0
+        self._decode_steps: deque[DecodeStep] = deque(maxlen=DECODE_STEPS_KEPT)
         self._thread = threading.Thread(target=self._loop, name="baton-engine", daemon=True)
         self._thread.start()
 
@@ -172,7 +178,12 @@ class EngineRunner:
                 busy = self._busy()
                 self._drain_commands(block=not busy)
                 if busy or self.engine.has_unfinished_requests():
+                    decoding = self._decode_only()
+                    started = time.perf_counter()
                     outputs = self.engine.step()
+                    if decoding is not None and outputs:
+                        self._decode_steps.append(
+                            DecodeStep(*decoding, (time.perf_counter() - started) * 1000.0))
                     for output in outputs:
                         self._deliver(output)
                     if not outputs and self._only_transfers():
@@ -185,6 +196,28 @@ class EngineRunner:
             self._sinks.clear()
             return
         self._dead = EngineDead("engine shut down")
+
+    def _decode_only(self) -> tuple[int, int] | None:
+        """(sequences, context tokens) when the next step can only decode: every running
+        request is past its prompt and none waits to be scheduled; else None (a step with a
+        prefill in it is not a decode step)."""
+        scheduler = self._scheduler()
+        if (scheduler is None or not scheduler.running or scheduler.waiting
+                or getattr(scheduler, "kv_holding_waiting", None)):
+            return None
+        context = 0
+        for request in scheduler.running:
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                return None
+            context += request.num_computed_tokens
+        return len(scheduler.running), context
+
+    def take_decode_steps(self) -> list[DecodeStep]:
+        """The decode-only steps timed since the last call (at most ``DECODE_STEPS_KEPT``)."""
+        steps = []
+        while self._decode_steps:
+            steps.append(self._decode_steps.popleft())
+        return steps
 
     def _busy(self) -> bool:
         """Requests to step, or KV transfers the connector has not reported finished (a load a

@@ -224,6 +224,15 @@ class TokenChunk(msgspec.Struct, frozen=True):
     it was not measured)."""
 
 
+class DecodeStep(msgspec.Struct, frozen=True, array_like=True):
+    """One engine step that only decoded, as the engine's thread timed it."""
+
+    num_seqs: int
+    context_tokens: int
+    """Tokens the batch attended over (every sequence's computed tokens)."""
+    step_ms: float
+
+
 class InstanceStats(msgspec.Struct, frozen=True):
     """A worker's load, as the conductor's snapshot holds it."""
 
@@ -249,6 +258,9 @@ class InstanceStats(msgspec.Struct, frozen=True):
     """Median time to first token over its recent requests, as the instance sees it (ms)."""
     recent_itl_ms: float | None = None
     """Median inter-token latency over its recent requests (decode instances; ms)."""
+    decode_steps: tuple[DecodeStep, ...] = ()
+    """Decode-only engine steps timed since the previous ``stats`` call (the newest few): what
+    the conductor refits its decode-step model from."""
 
 
 # ---------------------------------------------------------------- operations (pools, fronts)

@@ -232,6 +232,7 @@ class EngineWorker:
             num_cached_tokens=self.num_cached_tokens,
             recent_ttft_ms=statistics.median(self._recent_ttft_ms) if self._recent_ttft_ms else None,
             recent_itl_ms=statistics.median(self._recent_itl_ms) if self._recent_itl_ms else None,
+            decode_steps=tuple(self.runner.take_decode_steps()),
         )
 
     def _record_request(self, num_prompt_tokens: int, num_cached_tokens: int,

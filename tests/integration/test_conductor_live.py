@@ -167,12 +167,18 @@ async def test_the_engines_own_prefill_times_calibrate_the_cost_model_on_held_ou
 
     before = await predictions()
     for seed in (601, 602, 603):  # disaggregated (short_prefill_tokens 0): each is one prefill
-        await client.generate(server.target, token_ids=random_prompt(3 * BLOCK, seed=seed), max_tokens=2)
+        await client.generate(server.target, token_ids=random_prompt(3 * BLOCK, seed=seed), max_tokens=12)
     # prefill_done is sent without waiting: give it a moment to land
     await wait_until(lambda: _at_least(predictions, before + 3), what="three more predictions")
-    error = (await server.cluster.conductor.pool_status.remote()).cost_model.prefill
-    assert error.num_predictions == before + 3
-    assert error.median_pct >= 0.0 and error.p90_pct >= error.median_pct
+    cost_model = (await server.cluster.conductor.pool_status.remote()).cost_model
+    assert cost_model.prefill.num_predictions == before + 3
+    assert cost_model.prefill.median_pct >= 0.0 and cost_model.prefill.p90_pct >= cost_model.prefill.median_pct
+
+    async def decode_steps() -> int:  # the decode engine's timed steps arrive with its stats
+        decode = (await server.cluster.conductor.pool_status.remote()).cost_model.decode
+        return decode.num_predictions if decode else 0
+
+    await wait_until(lambda: _at_least(decode_steps, 1), what="timed decode steps")
 
 
 async def _at_least(count, n: int) -> bool:

@@ -22,3 +22,36 @@ def test_scheduled_to_first_token_without_the_queue():
                                    {"scheduled_ts": 10.0, "first_token_ts": 9.0}])
 def test_no_figure_before_the_first_token_or_without_stats(stats):
     assert engine_prefill_ms(output(**stats)) is None
+
+
+def _runner_over(running, waiting=()):
+    from collections import deque
+
+    from engine.runner import EngineRunner
+
+    runner = EngineRunner.__new__(EngineRunner)  # no engine: only the scheduler is read
+    scheduler = SimpleNamespace(running=list(running), waiting=list(waiting), kv_holding_waiting=[])
+    runner.engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler)))
+    runner._decode_steps = deque(maxlen=4)
+    return runner
+
+
+def req(computed: int, prompt: int):
+    return SimpleNamespace(num_computed_tokens=computed, num_prompt_tokens=prompt)
+
+
+def test_a_step_counts_as_decode_only_when_every_running_request_is_past_its_prompt():
+    assert _runner_over([req(130, 100), req(64, 64)])._decode_only() == (2, 194)
+    assert _runner_over([req(130, 100), req(32, 64)])._decode_only() is None  # one still prefilling
+    assert _runner_over([req(130, 100)], waiting=[req(0, 50)])._decode_only() is None  # one to schedule
+    assert _runner_over([])._decode_only() is None
+
+
+def test_decode_steps_are_taken_once_and_only_the_newest_kept():
+    from protos.wire import DecodeStep
+
+    runner = _runner_over([])
+    for i in range(6):
+        runner._decode_steps.append(DecodeStep(1, i, float(i)))
+    assert [s.context_tokens for s in runner.take_decode_steps()] == [2, 3, 4, 5]
+    assert runner.take_decode_steps() == []
