@@ -96,6 +96,9 @@ def build_engine_args(
                 "store_actor": store.store_actor,
                 "namespace": store.namespace,
                 "async_transfers": config.async_kv_transfers,
+                "sync_load_step_fraction": config.kv_sync_load_step_fraction,
+                "lookup_wait_step_fraction": config.kv_lookup_wait_step_fraction,
+                "lookup_wait_max_s": config.kv_lookup_wait_max_ms / 1000.0,
             },
         )
     max_len = min(config.max_model_len_tokens or model.max_model_len, model.max_model_len)

@@ -58,6 +58,17 @@ class EngineConfig(BaseModel):
         "optional whitespace (vLLM's disable_any_whitespace, on its xgrammar backend): a call "
         "costs about half the tokens; false: any whitespace, and vLLM's own choice of backend."
     )
+    kv_sync_load_step_fraction: float = Field(
+        0.1, ge=0, le=1, description="Asynchronous KV path: a load whose copy would cost the "
+        "running sequences at most this fraction of a step (at the engine's measured copy speed) "
+        "is copied on the step; a longer one is loaded while other sequences step (it costs its "
+        "own request about two steps). 0: every load asynchronous.")
+    kv_lookup_wait_step_fraction: float = Field(
+        0.05, ge=0, le=1, description="Asynchronous KV path: while other sequences step, a new "
+        "request's store lookup is waited for at most this fraction of a step (capped by "
+        "kv_lookup_wait_max_ms) before it is asked again on the next step.")
+    kv_lookup_wait_max_ms: float = Field(
+        3.0, ge=0, description="The cap on kv_lookup_wait_step_fraction's wait (ms).")
     omp_threads_bind: str = Field(
         "auto",
         description="CPU only: cores for an engine's OpenMP threads ('auto': one core per "

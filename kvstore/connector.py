@@ -68,7 +68,13 @@ from kvstore.connector_meta import (
     request_transfer_params,
     save_ledger,
 )
-from kvstore.connector_scheduler import ConnectorSchedulerHalf, _RequestState
+from kvstore.connector_scheduler import (
+    LOOKUP_WAIT_FRACTION,
+    LOOKUP_WAIT_MAX_S,
+    SYNC_LOAD_FRACTION,
+    ConnectorSchedulerHalf,
+    _RequestState,
+)
 from kvstore.connector_worker import ConnectorWorkerHalf, _Transfers
 from kvstore.keys import BlockKey, kv_layout_tag
 
@@ -115,6 +121,9 @@ class BatonConnector(ConnectorSchedulerHalf, ConnectorWorkerHalf, KVConnectorBas
         self._saves = cfg.kv_role in ("kv_producer", "kv_both")
         self._loads = cfg.kv_role in ("kv_consumer", "kv_both")
         self._async = bool(extra.get("async_transfers", True))
+        self._sync_load_fraction = float(extra.get("sync_load_step_fraction", SYNC_LOAD_FRACTION))
+        self._lookup_wait_fraction = float(extra.get("lookup_wait_step_fraction", LOOKUP_WAIT_FRACTION))
+        self._lookup_wait_max_s = float(extra.get("lookup_wait_max_s", LOOKUP_WAIT_MAX_S))
         self._store = shared_store_client(extra["store_actor"], extra["namespace"])
         self.stats = connector_stats(self._engine_id)
         # scheduler half

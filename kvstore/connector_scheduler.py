@@ -60,11 +60,14 @@ log = logging.getLogger("kvstore.connector")
 LOOKUP_WAIT_FRACTION = 0.05
 """While other sequences step, a new request's lookup answer is waited for at most this
 fraction of a step (capped by ``LOOKUP_WAIT_MAX_S``): normally answered within it (a local
-round trip), it saves the request a whole step; else it is asked again next step."""
+round trip), it saves the request a whole step; else it is asked again next step. The
+defaults of ``engine.kv_lookup_wait_step_fraction`` / ``kv_lookup_wait_max_ms``, which the
+connector's extra config carries."""
 LOOKUP_WAIT_MAX_S = 0.003
 SYNC_LOAD_FRACTION = 0.1
 """A load whose copy takes at most this fraction of a step is copied on the step (the running
-sequences wait that long, once); a longer one is loaded asynchronously."""
+sequences wait that long, once); a longer one is loaded asynchronously. The default of
+``engine.kv_sync_load_step_fraction``."""
 ASSUMED_COPY_BYTES_PER_S = 2e9
 """The copy speed assumed until the engine has measured its own."""
 STEP_EWMA = 0.2  # one logger for the connector, whichever half logs
@@ -219,8 +222,8 @@ class ConnectorSchedulerHalf:
             self._lookups_unsent.append(state)
         self._send_lookups()
         pending = state.lookup_sent
-        if self._stepping and not pending.ready(min(LOOKUP_WAIT_FRACTION * self._step_s,
-                                                    LOOKUP_WAIT_MAX_S)):
+        if self._stepping and not pending.ready(min(self._lookup_wait_fraction * self._step_s,
+                                                    self._lookup_wait_max_s)):
             return None  # vLLM asks again next step; the others step meanwhile
         answer = pending.result()[state.lookup_index]
         state.lookup_sent = None
@@ -273,7 +276,7 @@ class ConnectorSchedulerHalf:
             ASSUMED_COPY_BYTES_PER_S)
         arena = self._store.arena  # one slot holds one block of every layer
         nbytes = num_blocks * (arena.slot_bytes if arena is not None else 0)
-        return nbytes / speed <= SYNC_LOAD_FRACTION * self._step_s
+        return nbytes / speed <= self._sync_load_fraction * self._step_s
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int

@@ -211,9 +211,10 @@ class _Slots:
 
 
 def scheduler_half(stepping: bool, step_s: float, loaded_bytes: int = 0,
-                   load_seconds: float = 0.0) -> BatonConnector:
+                   load_seconds: float = 0.0, sync_load_fraction: float = 0.1) -> BatonConnector:
     connector = object.__new__(BatonConnector)
     connector._stepping, connector._step_s = stepping, step_s
+    connector._sync_load_fraction = sync_load_fraction  # engine.kv_sync_load_step_fraction
     connector.stats = ConnectorStats(loaded_bytes=loaded_bytes, load_seconds=load_seconds)
     connector._store = type("S", (), {"arena": _Slots()})()
     return connector
@@ -228,3 +229,21 @@ def test_a_load_goes_on_the_step_only_when_it_costs_the_running_sequences_little
     # before any measurement the assumed speed (2 GB/s) decides
     assert scheduler_half(True, 0.1)._cheap_on_step(20)
     assert not scheduler_half(True, 0.1)._cheap_on_step(21)
+    # the knob moves the line: 5% of the step is half as many blocks; 0 puts every load off it
+    assert scheduler_half(True, 0.1, sync_load_fraction=0.05)._cheap_on_step(10)
+    assert not scheduler_half(True, 0.1, sync_load_fraction=0.05)._cheap_on_step(11)
+    assert not scheduler_half(True, 0.1, sync_load_fraction=0.0)._cheap_on_step(1)
+
+
+def test_the_connector_knobs_reach_the_connectors_extra_config(tiny_model):
+    from engine.builder import build_engine_args
+    from engine.config import EngineConfig
+    from kvstore.attach import StoreWiring
+
+    model = tiny_model
+    config = EngineConfig(kv_sync_load_step_fraction=0.2, kv_lookup_wait_step_fraction=0.01,
+                          kv_lookup_wait_max_ms=7.0)
+    args = build_engine_args(config, model, "decode", "e0", StoreWiring("store", "ns", "node"))
+    extra = args.kv_transfer_config.kv_connector_extra_config
+    assert (extra["sync_load_step_fraction"], extra["lookup_wait_step_fraction"],
+            extra["lookup_wait_max_s"]) == (0.2, 0.01, 0.007)
