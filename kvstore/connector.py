@@ -52,7 +52,10 @@ import threading
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
 
 from kvstore.client import shared_store_client
 from kvstore.connector_meta import (
