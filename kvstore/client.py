@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -129,6 +129,10 @@ class StoreClientStats:
     """Calls that found the store gone (or timed out)."""
     reattaches: int = 0
     """Times the client moved to a new store process (a new arena)."""
+
+
+def _slots_of_each(arena_path: str, answers: list) -> list[StoreSlots]:
+    return [StoreSlots(arena_path, slots) for slots in answers]
 
 
 class StoreClient:
@@ -221,25 +225,14 @@ class StoreClient:
         commits = [sent.ref for sent in list(self._commits)]
         if commits:
             ray.wait(commits, num_returns=len(commits), timeout=self._call_timeout_s)
-        for attempt in range(2):  # a store found gone: a new one already up is asked at once
-            with self._lock:
-                self._reap()
-                if not chains or not self._ensure_attached():
-                    return none
-                path = self.arena_path
-                self.calls.count("store.reserve_many", "deferred")
-                ref = self._actor.reserve_many.remote(chains)
-            try:
-                answers = ray.get(ref, timeout=self._call_timeout_s)
-            except _STORE_GONE as exc:
-                with self._lock:
-                    if path == self.arena_path:
-                        self._detach("reserve_many", exc)
-                    if attempt or not self._attach() or self.arena_path in ("", path):
-                        return none
-                continue
-            return [StoreSlots(path, slots) for slots in answers]
-        return none
+        with self._lock:
+            self._reap()
+            if not chains or not self._ensure_attached():
+                return none
+            path = self.arena_path
+            self.calls.count("store.reserve_many", "deferred")
+            ref = self._actor.reserve_many.remote(chains)
+        return self._answer(ref, path, "reserve_many", (chains,), _slots_of_each, none)
 
     def release(self, keys: Sequence[BlockKey], arena_path: str) -> None:
         """Unpin ``keys``, sent without waiting: nothing waits on an unpin (a failure means the
@@ -343,15 +336,9 @@ class StoreClient:
             self._settle_commits()
             if not self._ensure_attached():
                 return StoreSlots("", [])
-            for attempt in range(2):
-                path = self.arena_path
-                try:
-                    return StoreSlots(path, self._call(method, *args))
-                except _STORE_GONE as exc:
-                    self._detach(method, exc)
-                    if attempt or not self._attach() or self.arena_path == path:
-                        return StoreSlots("", [])  # no new store (yet)
-            raise AssertionError("unreachable")
+            self.calls.count(f"store.{method}")
+            ref = getattr(self._actor, method).remote(*args)
+            return self._answer(ref, self.arena_path, method, args, StoreSlots, StoreSlots("", []))
 
     def _settling(self, method: str, keys: Sequence[BlockKey], arena_path: str) -> bool:
         if not keys:
@@ -385,42 +372,35 @@ class StoreClient:
 
     def _resolve(self, ref, arena_path: str, keys: list[BlockKey],
                  parents: list[BlockKey | None]) -> StoreSlots:
-        """The answer to a reservation sent by ``reserve_later``. When its store was found
-        gone and a new one is already up (the client was idle while the node was replaced), the
-        new one is asked at once and waited for, as ``reserve`` would."""
-        try:
-            return StoreSlots(arena_path, ray.get(ref, timeout=self._call_timeout_s))
-        except _STORE_GONE as exc:
-            with self._lock:
-                if arena_path == self.arena_path:
-                    self._detach("reserve", exc)
-                if self._attach() and self.arena_path not in ("", arena_path):
-                    path = self.arena_path
-                    try:
-                        return StoreSlots(path, self._call("reserve", keys, parents))
-                    except _STORE_GONE as again:
-                        self._detach("reserve", again)
-            return StoreSlots("", [None] * len(keys))
+        """The answer to a reservation sent by ``reserve_later`` (see ``_answer``)."""
+        return self._answer(ref, arena_path, "reserve", (keys, parents), StoreSlots,
+                            StoreSlots("", [None] * len(keys)))
 
     def _resolve_runs(self, ref, arena_path: str, key_lists: list) -> list[StoreSlots]:
-        """The answer to ``acquire_many_later``. When its store was found gone and a new one is
-        already up (the client was idle while the node was replaced), the new one is asked at
-        once and waited for (a rare path: a miss otherwise); else nothing is granted."""
+        """The answer to ``acquire_many_later`` (see ``_answer``; a miss where no store answers)."""
+        return self._answer(ref, arena_path, "acquire_many", (key_lists,), _slots_of_each,
+                            [StoreSlots("", [])] * len(key_lists))
+
+    def _answer(self, ref, arena_path: str, method: str, args: tuple,
+                wrap: Callable[[str, Any], Any], nothing: Any) -> Any:
+        """``wrap(arena_path, answer)`` of a call sent to the store whose arena is
+        ``arena_path``. When that store is found gone (or silent past the call timeout) and a
+        new one is already up (the client was idle while the node was replaced), the new one is
+        asked the same at once and waited for; with no new store, ``nothing``. The one
+        store-gone retry of every call that grants slots."""
         try:
-            return [StoreSlots(arena_path, slots)
-                    for slots in ray.get(ref, timeout=self._call_timeout_s)]
+            return wrap(arena_path, ray.get(ref, timeout=self._call_timeout_s))
         except _STORE_GONE as exc:
             with self._lock:
                 if arena_path == self.arena_path:
-                    self._detach("acquire_many", exc)
+                    self._detach(method, exc)
                 if self._attach() and self.arena_path not in ("", arena_path):
                     path = self.arena_path
                     try:
-                        return [StoreSlots(path, slots)
-                                for slots in self._call("acquire_many", key_lists)]
+                        return wrap(path, self._call(method, *args))
                     except _STORE_GONE as again:
-                        self._detach("acquire_many", again)
-            return [StoreSlots("", [])] * len(key_lists)
+                        self._detach(method, again)
+            return nothing
 
     def _settle_commits(self) -> None:
         """Wait for the commits in flight (normally answered already), then see their answers."""
