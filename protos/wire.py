@@ -147,6 +147,24 @@ class Placement(msgspec.Struct, frozen=True):
     """Queue position within the prefill instance: lower runs first (longest prefix first)."""
 
 
+class CachedByTier(msgspec.Struct, frozen=True):
+    """A request's reused prompt tokens (the ones not computed) by where their KV came from;
+    the four add up to its ``cached_tokens``."""
+
+    device: int = 0
+    """Found in the computing engine's own prefix cache (device memory)."""
+    host: int = 0
+    """Loaded from its node's KV store host tier (DRAM)."""
+    disk: int = 0
+    """Loaded from its node's store after the store brought them back from its disk tier."""
+    pulled: int = 0
+    """Pulled from another node's store before the prefill, then loaded."""
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.disk + self.pulled
+
+
 class PrefillResult(msgspec.Struct, frozen=True):
     """What the prefill worker reports once the prompt's KV is in the store."""
 
@@ -166,6 +184,8 @@ class PrefillResult(msgspec.Struct, frozen=True):
     engine_prefill_ms: float | None = None
     """The engine's own prefill time: from first scheduled to its first token (vLLM's request
     stats), without the queue, pulls and saves ``prefill_ms`` includes; None: not measured."""
+    cached_by_tier: CachedByTier | None = None
+    """``num_cached_tokens`` by tier; None from a worker that does not break it down."""
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):
@@ -222,6 +242,8 @@ class TokenChunk(msgspec.Struct, frozen=True):
     engine_prefill: EnginePrefill | None = None
     """The first chunk with tokens: the engine's own measure of the prefill it ran (None where
     it was not measured)."""
+    cached_by_tier: CachedByTier | None = None
+    """Last chunk: ``num_cached_tokens`` by tier (None: not broken down)."""
 
 
 class DecodeStep(msgspec.Struct, frozen=True, array_like=True):

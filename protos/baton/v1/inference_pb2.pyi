@@ -123,7 +123,7 @@ class Final(_message.Message):
     def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., placement: _Optional[_Union[PlacementInfo, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "e2e_ms", "loaded_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "e2e_ms", "loaded_tokens", "cache_creation_input_tokens", "cache_read_input_tokens", "cached_tokens_by_tier")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class Usage(_message.Message):
     LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_CREATION_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_READ_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -140,7 +141,20 @@ class Usage(_message.Message):
     loaded_tokens: int
     cache_creation_input_tokens: int
     cache_read_input_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., loaded_tokens: _Optional[int] = ..., cache_creation_input_tokens: _Optional[int] = ..., cache_read_input_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens_by_tier: CachedTokensByTier
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., loaded_tokens: _Optional[int] = ..., cache_creation_input_tokens: _Optional[int] = ..., cache_read_input_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Union[CachedTokensByTier, _Mapping]] = ...) -> None: ...
+
+class CachedTokensByTier(_message.Message):
+    __slots__ = ("device", "host", "disk", "pulled")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    host: int
+    disk: int
+    pulled: int
+    def __init__(self, device: _Optional[int] = ..., host: _Optional[int] = ..., disk: _Optional[int] = ..., pulled: _Optional[int] = ...) -> None: ...
 
 class PlacementInfo(_message.Message):
     __slots__ = ("prefill", "decode", "policy", "reason", "transfer_ms", "queue_ms", "prefill_ms", "expected_cached_blocks", "pulled_from")
