@@ -1,12 +1,14 @@
 """The self-calibrating cost model: the prefill and decode-step models refitted from the timings
 the engines report, with the error they make on measurements they were not fitted on.
 
-``CostCalibration`` starts from given models (``baton profile``'s fit, or the placeholders: then
-the first refit, after ``min_samples`` measurements, is the warm-up). Each measurement is first
-predicted with the current model and its absolute percentage error recorded, and only then added
-to the window the next refit uses, so every reported error is on a request the model had not
-seen. Every ``refit_every`` measurements the model is refitted on the last ``window`` of them; a
-window the fit cannot use (too few, or no spread in cached tokens) keeps the current model.
+``CostCalibration`` starts from given models (``baton profile``'s fit, ``fitted``; or the
+placeholders: then the first refit, after ``min_samples`` measurements, is the warm-up, and the
+placeholders' errors are not counted). Each measurement is first predicted with the current
+fitted model and its absolute percentage error recorded, and only then added to the window the
+next refit uses, so every reported error is on a request the model had not seen. Every
+``refit_every`` measurements the model is refitted on the last ``window`` of them
+(``cost_model.nonnegative_relative_fit``); a window the fit cannot use (too few, or no spread)
+keeps the current model, and so does a refit that predicts its own window worse than it.
 
 Pure mechanism, no I/O: the conductor's state feeds it and reads the models back.
 """
@@ -24,6 +26,13 @@ from protos.wire import PredictionError
 __all__ = ["CostCalibration", "PredictionError"]
 
 
+def _window_error(predict, samples) -> float:
+    """Median absolute percentage error of ``predict(a, b)`` over samples of (a, b, ms)."""
+    errors = [abs(predict(s.uncached_tokens, s.cached_tokens) - s.prefill_ms) / s.prefill_ms
+              for s in samples if s.prefill_ms > 0]
+    return float(np.median(errors)) if errors else 0.0
+
+
 def _summary(errors: deque) -> PredictionError | None:
     if not errors:
         return None
@@ -36,7 +45,8 @@ class CostCalibration:
     """Online refits of ``PrefillCostModel`` and ``DecodeCostModel`` (see the module)."""
 
     def __init__(self, prefill: PrefillCostModel, decode: DecodeCostModel, window: int = 256,
-                 min_samples: int = 8, refit_every: int = 8, error_window: int = 256) -> None:
+                 min_samples: int = 8, refit_every: int = 8, error_window: int = 256,
+                 fitted: bool = False) -> None:
         assert window >= min_samples >= 4 and refit_every >= 1 and error_window >= 1
         self.prefill, self.decode = prefill, decode
         self._window, self._min_samples, self._refit_every = window, min_samples, refit_every
@@ -46,13 +56,15 @@ class CostCalibration:
         self._step_errors: deque[float] = deque(maxlen=error_window)
         self._since_prefill_fit = self._since_step_fit = 0
         self.num_prefill_refits = self.num_decode_refits = 0
+        self._prefill_fitted = self._decode_fitted = fitted
 
     def observe_prefill(self, uncached_tokens: int, cached_tokens: int, prefill_ms: float) -> bool:
         """One measured prefill; True when it refitted the prefill model."""
         if prefill_ms <= 0 or uncached_tokens < 0 or cached_tokens < 0:
             return False
-        predicted = self.prefill.t_prefill_ms(uncached_tokens, cached_tokens)
-        self._prefill_errors.append(abs(predicted - prefill_ms) / prefill_ms * 100.0)
+        if self._prefill_fitted:  # the placeholders' errors say nothing about the calibration
+            predicted = self.prefill.t_prefill_ms(uncached_tokens, cached_tokens)
+            self._prefill_errors.append(abs(predicted - prefill_ms) / prefill_ms * 100.0)
         self._prefills.append(PrefillSample(uncached_tokens=uncached_tokens, cached_tokens=cached_tokens,
                                             prefill_ms=prefill_ms))
         self._since_prefill_fit += 1
@@ -60,9 +72,13 @@ class CostCalibration:
             return False
         self._since_prefill_fit = 0
         try:
-            self.prefill = PrefillCostModel.fit(self._prefills)
+            refit = PrefillCostModel.fit(self._prefills)
         except ValueError:  # no spread to fit on yet: keep predicting with what we have
             return False
+        if self._prefill_fitted and _window_error(refit.t_prefill_ms, self._prefills) > _window_error(
+                self.prefill.t_prefill_ms, self._prefills):
+            return False  # worse on its own window than the model it would replace
+        self.prefill, self._prefill_fitted = refit, True
         self.num_prefill_refits += 1
         return True
 
@@ -71,8 +87,9 @@ class CostCalibration:
         True when it refitted the decode model."""
         if step_ms <= 0 or num_seqs < 1 or context_tokens < 0:
             return False
-        predicted = self.decode.t_step_ms(num_seqs, context_tokens)
-        self._step_errors.append(abs(predicted - step_ms) / step_ms * 100.0)
+        if self._decode_fitted:
+            predicted = self.decode.t_step_ms(num_seqs, context_tokens)
+            self._step_errors.append(abs(predicted - step_ms) / step_ms * 100.0)
         self._steps.append((num_seqs, context_tokens, step_ms))
         self._since_step_fit += 1
         if len(self._steps) < self._min_samples or self._since_step_fit < self._refit_every:
@@ -80,7 +97,12 @@ class CostCalibration:
         self._since_step_fit = 0
         if len({n for n, _, _ in self._steps}) < 2 or len({c for _, c, _ in self._steps}) < 2:
             return False  # one batch size or one context only: the terms cannot be told apart
-        self.decode = DecodeCostModel.fit(self._steps)
+        refit = DecodeCostModel.fit(self._steps)
+        steps = [PrefillSample(uncached_tokens=n, cached_tokens=c, prefill_ms=t) for n, c, t in self._steps]
+        if self._decode_fitted and _window_error(refit.t_step_ms, steps) > _window_error(
+                self.decode.t_step_ms, steps):
+            return False
+        self.decode, self._decode_fitted = refit, True
         self.num_decode_refits += 1
         return True
 

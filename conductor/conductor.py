@@ -80,7 +80,8 @@ class Conductor:
         logging.basicConfig(level=logging.INFO)
         self._config = config
         self._namespace = namespace
-        calibration = (CostCalibration(policy_config.prefill_cost, policy_config.decode_cost)
+        calibration = (CostCalibration(policy_config.prefill_cost, policy_config.decode_cost,
+                                       fitted=config.profile_path is not None)
                        if config.calibrate_cost_model else None)
         self.state = ConductorState(config.policy, policy_config, calibration=calibration)
         self._last_stats: dict = {}

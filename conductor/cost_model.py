@@ -40,6 +40,29 @@ class PrefillSample(BaseModel):
     prefill_ms: float = Field(ge=0, description="Measured prefill wall time (ms).")
 
 
+def nonnegative_relative_fit(features: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Coefficients ``x >= 0`` minimising the squared *relative* error ``((features @ x - t)
+    / t)²``: the error the cost model is judged by (a percentage), so a long prompt's
+    milliseconds do not drown a short one's. Non-negative because every term is a cost: clipping
+    an unconstrained fit afterwards (what this replaced) left the other terms compensating for
+    the clipped one, and two collinear terms could swing to +/-1000 ms. Exact over the few
+    columns a cost model has: every subset of columns is solved unconstrained and the best fit
+    whose coefficients are all non-negative wins (2^4 small solves)."""
+    weights = 1.0 / np.where(target > 0, target, 1.0)
+    a, b = features * weights[:, None], target * weights
+    best, best_residual = np.zeros(features.shape[1]), float(np.sum(b * b))
+    for mask in range(1, 1 << features.shape[1]):
+        columns = [j for j in range(features.shape[1]) if mask >> j & 1]
+        solution, *_ = np.linalg.lstsq(a[:, columns], b, rcond=None)
+        if np.any(solution < 0):
+            continue
+        residual = float(np.sum((a[:, columns] @ solution - b) ** 2))
+        if residual < best_residual - 1e-12 * max(1.0, best_residual):
+            best, best_residual = np.zeros(features.shape[1]), residual
+            best[columns] = solution
+    return best
+
+
 class PrefillCostModel(BaseModel):
     """Predicted prefill time, Mooncake-style: a polynomial in uncached (u) and cached (c) tokens.
 
@@ -91,8 +114,7 @@ class PrefillCostModel(BaseModel):
         scaled = features / scale
         if np.linalg.matrix_rank(scaled) < 4:
             raise ValueError("prefill samples must vary in both uncached and cached tokens to fit")
-        coef, *_ = np.linalg.lstsq(scaled, t, rcond=None)
-        coef = coef / scale
+        coef = nonnegative_relative_fit(scaled, t) / scale
         return cls(
             intercept_ms=float(coef[0]), per_token_ms=float(coef[1]),
             per_token_sq_ms=float(coef[2]), per_token_cached_ms=float(coef[3]),
@@ -183,8 +205,7 @@ class DecodeCostModel(BaseModel):
         features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
         scale = np.abs(features).max(axis=0)
         scale[scale == 0] = 1.0
-        coef, *_ = np.linalg.lstsq(features / scale, data[:, 2], rcond=None)
-        coef = np.clip(coef / scale, 0.0, None)
+        coef = nonnegative_relative_fit(features / scale, data[:, 2]) / scale
         return cls(step_ms_base=float(coef[0]), step_ms_per_seq=float(coef[1]),
                     step_ms_per_kv_token=float(coef[2]))
 
