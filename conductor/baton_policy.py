@@ -8,6 +8,7 @@ states the contract); it prices with ``conductor.pricing`` and leaves rejection 
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 from conductor.picking import decode_by_load, decode_terms, ready
@@ -18,7 +19,6 @@ from conductor.pricing import (
     best_hit_source,
     cheapest,
     cheapest_colocated,
-    colocated_price,
     decode_step_ms,
     handoff_ms,
     num_prefill_chunks,
@@ -105,7 +105,9 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
     ready decode instance is priced at ``colocated_price`` (its own prefix, its queue, the steps
     its running batch adds) and the least wins, ties to the least loaded; with ``tbt_slo_ms``,
     instances whose batch step with the prompt's first chunk would exceed it are left out. The
-    least total wins, ties co-located (no hand-off). With an empty prefill pool every request
+    least total wins, ties co-located (no hand-off); when no decode instance could win even
+    without its queue and batch, the decode pool is not scanned and the reason gives that floor
+    (``colocated >= ...``). With an empty prefill pool every request
     prefills on the decode instance of least ``colocated_price`` (no instance left out), so a
     warm agent stays where its prefix is unless the queue there makes moving cheaper.
     """
@@ -114,36 +116,48 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
         return _short(snapshot, request, config, prefill)
     pricer = Pricer(snapshot, request, config)
     decode = ready(snapshot, "decode")
-    view, colocated_t = cheapest_colocated(pricer, decode, exclude_over_tbt=bool(prefill))
     if not prefill:
-        chosen = colocated_price(snapshot, request, config, view)
-        reason = (f"colocated: no prefill pool; {_colocated_terms(request, config, view, chosen)}; "
+        colocated, _ = cheapest_colocated(pricer, decode, exclude_over_tbt=False)
+        view = _decode_view(snapshot, colocated.instance_id)
+        reason = (f"colocated: no prefill pool; {_colocated_terms(request, config, view, colocated)}; "
                   f"{decode_terms(view)}")
-        return chosen.placement(view.instance_id, "baton", reason)
+        return colocated.placement(view.instance_id, "baton", reason)
     pooled = _pool_option(snapshot, pricer, prefill)
     d = decode_by_load(snapshot)
-    handoff = handoff_ms(snapshot, request, config, _view_of(snapshot, pooled.instance_id), d)
+    handoff = handoff_ms(snapshot, request, config, _prefill_view(snapshot, pooled.instance_id), d)
     disaggregated_t = pooled.total_ms + handoff
     disaggregated = (f"{pooled.describe()} + hand-off {handoff:.1f} ms to {d.instance_id} = "
                      f"{disaggregated_t:.1f} ms")
-    if view is not None and colocated_t <= disaggregated_t:
-        chosen = colocated_price(snapshot, request, config, view)
+    colocated, colocated_t = cheapest_colocated(pricer, decode, exclude_over_tbt=True, beat_ms=disaggregated_t)
+    if colocated is not None and colocated_t <= disaggregated_t:
+        view = _decode_view(snapshot, colocated.instance_id)
         reason = (f"colocated: {colocated_t:.1f} ms <= disaggregated {disaggregated_t:.1f} ms; "
-                  f"{_colocated_terms(request, config, view, chosen)}; disaggregated: {disaggregated}; "
+                  f"{_colocated_terms(request, config, view, colocated)}; disaggregated: {disaggregated}; "
                   f"{decode_terms(view)}")
-        return chosen.placement(view.instance_id, "baton", reason)
-    if view is None:
+        return colocated.placement(view.instance_id, "baton", reason)
+    if colocated_t == math.inf:
         why = "disaggregated: no decode instance within tbt_slo_ms to prefill on"
+    elif colocated is None:  # no decode instance could match it, even without queue or batch
+        why = f"disaggregated: {disaggregated_t:.1f} ms < colocated >= {colocated_t:.1f} ms"
     else:
         why = f"disaggregated: {disaggregated_t:.1f} ms < colocated {colocated_t:.1f} ms"
-    reason = f"{why}; {disaggregated}; {decode_terms(d)}"
-    return pooled.placement(d.instance_id, "baton", reason)
+    return pooled.placement(d.instance_id, "baton", f"{why}; {disaggregated}; {decode_terms(d)}")
 
 
-def _view_of(snapshot: ClusterSnapshot, instance_id: str) -> InstanceView:
-    """The prefill pool's view of ``instance_id``, through the maker's pool index when it has one."""
+def _view(snapshot: ClusterSnapshot, pool: int, instance_id: str) -> InstanceView:
+    """The view of ``instance_id`` in the prefill (0) or decode (1) pool, through the maker's
+    pool index when it has one."""
+    views = snapshot.prefill if pool == 0 else snapshot.decode
     if snapshot.pool_index is not None:
         where = snapshot.pool_index.get(instance_id)
-        if where is not None and where[0] == 0:
-            return snapshot.prefill[where[1]]
-    return next(v for v in snapshot.prefill if v.instance_id == instance_id)
+        if where is not None and where[0] == pool:
+            return views[where[1]]
+    return next(v for v in views if v.instance_id == instance_id)
+
+
+def _prefill_view(snapshot: ClusterSnapshot, instance_id: str) -> InstanceView:
+    return _view(snapshot, 0, instance_id)
+
+
+def _decode_view(snapshot: ClusterSnapshot, instance_id: str) -> InstanceView:
+    return _view(snapshot, 1, instance_id)

@@ -31,6 +31,7 @@ import msgspec
 import numpy as np
 
 from conductor import _scan
+from conductor.cost_model import DecodeCostModel
 from conductor.policy_config import PolicyConfig
 from conductor.snapshot import (
     NO_HIT,
@@ -352,72 +353,152 @@ def handoff_ms(snapshot: ClusterSnapshot, request: PlacementRequest, config: Pol
                                          "same_node" if same_node else "remote_host")
 
 
-def decode_load_order(snapshot: ClusterSnapshot) -> np.ndarray:
+class DecodeArrays(LoadArrays):
+    """``LoadArrays`` with the decode pool's queue and batch terms, aligned with
+    ``ClusterSnapshot.decode``: ``ConductorState`` keeps them (patched with the views, like
+    ``PoolArrays``), so ``cheapest_colocated`` reads every decode instance's queue and running
+    batch without a pass over the views. A snapshot without them decides the same (the scan
+    builds them)."""
+
+    running: object  # np.ndarray[float64]: view.num_running_reqs
+    queued_prefill_ms: object  # np.ndarray[float64]: view.queued_prefill_ms
+    queued_prefill_tokens: object  # np.ndarray[int64]: view.num_queued_prefill_tokens
+    unpriced: set[int] = msgspec.field(default_factory=set)
+    """Positions whose view ``has_unpriced_queue``."""
+    step_model: DecodeCostModel | None = None
+    """The model ``batch_step_ms`` was priced with (None: not kept)."""
+    block_size_tokens: int = 0
+    batch_step_ms: object = None
+    """np.ndarray[float64]: ``decode_step_ms`` of each view under ``step_model`` and
+    ``block_size_tokens``, 0.0 where no sequence runs; the scan reads it only when the decision's
+    config has that very model and block size, and prices the steps itself otherwise."""
+
+    @classmethod
+    def of(cls, views: Sequence[InstanceView], config: PolicyConfig | None = None) -> "DecodeArrays":
+        """The arrays of ``views``; with ``config``, ``batch_step_ms`` under its decode model."""
+        loads = LoadArrays.of(views)
+        steps = None
+        if config is not None:
+            steps = np.array([decode_step_ms(v, config) if v.num_running_reqs > 0 else 0.0 for v in views],
+                             dtype=np.float64)
+        return cls(loads.load, loads.kv_usage_frac, loads.active_blocks,
+                   np.array([float(v.num_running_reqs) for v in views], dtype=np.float64),
+                   np.array([v.queued_prefill_ms for v in views], dtype=np.float64),
+                   np.array([v.num_queued_prefill_tokens for v in views], dtype=np.int64),
+                   {i for i, v in enumerate(views) if has_unpriced_queue(v)},
+                   config.decode_cost if config is not None else None,
+                   config.block_size_tokens if config is not None else 0, steps)
+
+    def patch(self, position: int, view: InstanceView) -> None:
+        self.load[position] = view.num_running_reqs + view.num_waiting_reqs
+        self.kv_usage_frac[position] = view.kv_usage_frac
+        self.active_blocks[position] = view.num_active_decode_blocks
+        self.running[position] = view.num_running_reqs
+        self.queued_prefill_ms[position] = view.queued_prefill_ms
+        self.queued_prefill_tokens[position] = view.num_queued_prefill_tokens
+        if has_unpriced_queue(view):
+            self.unpriced.add(position)
+        else:
+            self.unpriced.discard(position)
+        if self.step_model is not None:
+            self.batch_step_ms[position] = (self.step_model.t_step_ms(
+                view.num_running_reqs, view.num_active_decode_blocks * self.block_size_tokens)
+                if view.num_running_reqs > 0 else 0.0)
+
+    def copy(self) -> "DecodeArrays":
+        return msgspec.structs.replace(
+            self, load=self.load.copy(), kv_usage_frac=self.kv_usage_frac.copy(),
+            active_blocks=self.active_blocks.copy(), running=self.running.copy(),
+            queued_prefill_ms=self.queued_prefill_ms.copy(),
+            queued_prefill_tokens=self.queued_prefill_tokens.copy(), unpriced=set(self.unpriced),
+            batch_step_ms=self.batch_step_ms.copy() if self.batch_step_ms is not None else None)
+
+
+def decode_load_order(arrays: LoadArrays) -> np.ndarray:
     """Positions of the decode pool in ``picking.decode_by_load``'s order: fewest running +
     waiting, then lowest KV use, then fewest active blocks, then pool order."""
-    arrays = snapshot.decode_arrays if snapshot.decode_arrays is not None else LoadArrays.of(snapshot.decode)
     return np.lexsort((arrays.active_blocks, arrays.kv_usage_frac, arrays.load))
 
 
-def cheapest_colocated(pricer: Pricer, decode: Sequence[InstanceView],
-                       exclude_over_tbt: bool) -> tuple[InstanceView | None, float]:
-    """(view, T) of the least ``colocated_price(...).total_ms`` over ``decode``, the ready
-    instances of the snapshot's decode pool, ties to ``decode_load_order``; with
-    ``exclude_over_tbt``, without the instances ``over_tbt_slo``. (None, inf) when none is left.
+def cheapest_colocated(pricer: Pricer, decode: Sequence[InstanceView], exclude_over_tbt: bool,
+                       beat_ms: float = math.inf) -> tuple[PrefillPrice | None, float]:
+    """(the least ``colocated_price`` over ``decode``, the ready instances of the snapshot's
+    decode pool, ties to ``decode_load_order``; its total). With ``exclude_over_tbt`` the
+    instances ``over_tbt_slo`` are left out: (None, inf) when none is left. When no instance can
+    cost ``beat_ms`` or less, (None, a lower bound over ``beat_ms``): the least total over the
+    classes without queues or batches, which never exceed their own (a queue is a sum of
+    predicted times, never negative), so the pool is not scanned for an option that loses.
 
     One C pass like ``cheapest``: each class (no hit, or one run) is priced once, the queues and
-    batch terms are arrays over the pool (``chunks[class] × step`` added to the queue where the
-    instance runs sequences), visited in load order, so the first listed of equal T is the
-    least loaded.
+    batch terms are arrays over the pool (``DecodeArrays``; ``chunks[class] × step`` added to
+    the queue where the instance runs sequences), visited in load order, so the first listed of
+    equal T is the least loaded. The price is built from the same arrays, equal to
+    ``colocated_price``'s to the bit.
     """
     snapshot, request, config = pricer.snapshot, pricer.request, pricer.config
     pool = snapshot.decode
-    if not decode:
-        return None, math.inf
     n = len(pool)
-    q = np.fromiter([v.queued_prefill_ms for v in pool], np.float64, n)
-    idle = np.flatnonzero(q <= 0)
-    if idle.size:  # queue_ms of the unpriced queues, elementwise
-        tokens = np.fromiter([pool[p].num_queued_prefill_tokens for p in idle.tolist()], np.int64, idle.size)
-        unpriced = tokens > 0
-        if unpriced.any():
-            q[idle[unpriced]] = config.prefill_cost.t_prefill_ms_many(tokens[unpriced], 0)
-    running = np.fromiter([v.num_running_reqs for v in pool], np.int64, n)
-    loads = snapshot.decode_arrays if snapshot.decode_arrays is not None else LoadArrays.of(pool)
+    arrays = snapshot.decode_arrays
+    if not isinstance(arrays, DecodeArrays):  # a snapshot made without them: built here
+        arrays = DecodeArrays.of(pool)
+    q = arrays.queued_prefill_ms
+    if arrays.unpriced:  # queue_ms of those, elementwise
+        unpriced = sorted(arrays.unpriced)
+        q = q.copy()
+        q[unpriced] = config.prefill_cost.t_prefill_ms_many(arrays.queued_prefill_tokens[unpriced], 0)
     groups = grouped_hits(snapshot)
     run_of = np.frombuffer(groups.decode_run_of, dtype=np.int64) if n else np.zeros(0, np.int64)
-    # class 0: no hit; class 1 + r: run r (zeros for a run no decode instance holds)
-    runs = [NO_HIT] + [groups.runs[r] if p >= 0 else None for r, p in enumerate(groups.first_positions(1))]
-    terms, chunks, chunk_ms = array("d"), [], []
-    for hit in runs:
-        if hit is None:
-            terms.extend((0.0,) * 6)
-            chunks.append(0.0)
-            chunk_ms.append(0.0)
-            continue
-        transfer_ms, prefill_ms, num_cached, _ = pricer.terms(hit, None, False)
-        terms.extend((transfer_ms, prefill_ms, 0.0, 0.0, 0.0, 0.0))
-        chunks.append(float(num_prefill_chunks(request, config, num_cached)))
-        chunk_ms.append(first_chunk_ms(request, config, num_cached))
-    classes = run_of + 1
-    busy = running > 0
-    ready_mask = np.ones(n, dtype=bool) if decode is pool else np.fromiter(
-        [v.ready for v in pool], bool, n)
-    if busy.any():
-        cost = config.decode_cost
-        step = (cost.step_ms_base + cost.step_ms_per_seq * running.astype(np.float64)
-                + cost.step_ms_per_kv_token * (loads.active_blocks * config.block_size_tokens).astype(np.float64))
-        q = q + np.where(busy, np.asarray(chunks)[classes] * step, 0.0)
+    # per run, then the no-hit class last, so that indexing by run_of (-1: no hit) finds it;
+    # only the runs some decode instance holds are priced (the others are never indexed)
+    num_classes = len(groups.runs) + 1
+    present = [r for r, p in enumerate(groups.first_positions(1)) if p >= 0] + [num_classes - 1]
+    terms = array("d", bytes(8 * 6 * num_classes))
+    chunks, num_cached = [0.0] * num_classes, [0] * num_classes
+    for r in present:
+        hit = groups.runs[r] if r < num_classes - 1 else NO_HIT
+        transfer_ms, prefill_ms, num_cached[r], _ = pricer.terms(hit, None, False)
+        terms[6 * r], terms[6 * r + 1] = transfer_ms, prefill_ms
+        chunks[r] = float(num_prefill_chunks(request, config, num_cached[r]))
+    floor_ms = min(predicted_ttft_ms(terms[6 * r], 0.0, terms[6 * r + 1]) for r in present)
+    if floor_ms > beat_ms:
+        return None, floor_ms
+    ready_mask = None if decode is pool else np.array([v.ready for v in pool], dtype=bool)
+    running, step = arrays.running, None
+    if np.count_nonzero(running):  # (count_nonzero: a tenth of any()'s cost on a small array)
+        if arrays.step_model is config.decode_cost and arrays.block_size_tokens == config.block_size_tokens:
+            step = arrays.batch_step_ms  # kept by the state under this very model
+        else:  # decode_step_ms elementwise, the same double operations in the same order
+            cost = config.decode_cost
+            step = cost.step_ms_base + cost.step_ms_per_seq * running
+            step += cost.step_ms_per_kv_token * (arrays.active_blocks * config.block_size_tokens)
+            step *= running > 0  # 0 where no batch runs (x * 1.0 is x, bit for bit)
+        if len({chunks[r] for r in present}) == 1:  # one chunk count for every class: no gather
+            q = q + chunks[-1] * step
+        else:
+            q = q + np.asarray(chunks)[run_of] * step
         if exclude_over_tbt and config.tbt_slo_ms is not None:
-            ready_mask &= ~(busy & (step + np.asarray(chunk_ms)[classes] > config.tbt_slo_ms))
-    order = decode_load_order(snapshot)
-    ready_in_order = ready_mask[order]
-    if not ready_in_order.any():
-        return None, math.inf
-    i, best_t, _, _ = _scan.cheapest(np.ascontiguousarray(q[order]), None, np.ascontiguousarray(classes[order] - 1),
-                                     None if ready_in_order.all() else ready_in_order.tobytes(),
-                                     terms, bytes(len(runs)))
-    return pool[int(order[i])], best_t
+            chunk_ms = np.zeros(num_classes)
+            for r in present:
+                chunk_ms[r] = first_chunk_ms(request, config, num_cached[r])
+            over = (running > 0) & (step + chunk_ms[run_of] > config.tbt_slo_ms)
+            ready_mask = ~over if ready_mask is None else ready_mask & ~over
+    order = decode_load_order(arrays)
+    ready_in_order = None
+    if ready_mask is not None:
+        ready_in_order = ready_mask[order]
+        num_ready = np.count_nonzero(ready_in_order)
+        if not num_ready:
+            return None, math.inf
+        ready_in_order = None if num_ready == n else ready_in_order.tobytes()
+    # the scan's classes are run + 1: rotate the no-hit class to the front
+    i, best_t, _, _ = _scan.cheapest(q[order], None, run_of[order], ready_in_order,
+                                     terms[-6:] + terms[:-6], bytes(num_classes))
+    position = int(order[i])
+    c = int(run_of[position])
+    batch_ms = chunks[c] * float(step[position]) if step is not None and running[position] > 0 else 0.0
+    chosen = PrefillPrice(pool[position].instance_id, terms[6 * c], float(q[position]), terms[6 * c + 1],
+                          num_cached[c], decode_batch_ms=batch_ms)
+    return chosen, best_t
 
 
 def with_prices(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,

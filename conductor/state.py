@@ -39,6 +39,7 @@ from conductor.policy import (
     admit,
     with_prices,
 )
+from conductor.pricing import DecodeArrays
 from conductor.sessions import SessionTable
 from conductor.snapshot import GroupedHits
 from protos.wire import Placement, PlacementRequest
@@ -138,8 +139,8 @@ class ConductorState:
         self._busy: OrderedDict[str, None] = OrderedDict()
         """Instances with prefills in flight, least recently refreshed first."""
         self._arrays: dict[str, PoolArrays | LoadArrays | None] = {"prefill": None, "decode": None}
-        """The prefill pool's queue terms (``PoolArrays``) and the decode pool's loads
-        (``LoadArrays``) as arrays, patched with the views."""
+        """The prefill pool's queue terms (``PoolArrays``) and the decode pool's loads, queues
+        and batches (``DecodeArrays``) as arrays, patched with the views."""
         self._arrays_snapshot: dict[str, PoolArrays | LoadArrays | None] = {}
         self._unready: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         """Per role, the instances whose view is not ready (most of the time: none)."""
@@ -345,7 +346,8 @@ class ConductorState:
                     ids = self.instance_ids(role)
                     views = self._pool_lists[role] = [self._views[i] for i in ids]
                     self._pool_index.update({i: (pool_code, n) for n, i in enumerate(ids)})
-                    self._arrays[role] = (PoolArrays if role == "prefill" else LoadArrays).of(views)
+                    self._arrays[role] = (PoolArrays.of(views) if role == "prefill"
+                                          else DecodeArrays.of(views, self.config))
                 pool = self._pools[role] = tuple(views)
                 self._ready_pools[role] = (tuple(v for v in pool if v.ready) if self._unready[role]
                                            else pool)

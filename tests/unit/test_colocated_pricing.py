@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from conductor import policy_config
 from conductor.cost_model import DecodeCostModel, LinkCost, PrefillCostModel, TransferModel
 from conductor.policy import ClusterSnapshot, InstanceView, PolicyConfig, PrefixHit, baton
-from conductor.pricing import handoff_ms
+from conductor.pricing import DecodeArrays, handoff_ms
 from conductor.state import ConductorState
 from kvstore.keys import KeyExtras, block_keys
 from protos.errors import NoWorkerReady
@@ -248,9 +248,9 @@ CONFIGS = [PolicyConfig(), PolicyConfig(tbt_slo_ms=60.0), PolicyConfig(baton_pre
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["defaults", "tbt", "small-chunks"])
-@pytest.mark.parametrize("arrays", ["bare", "kept"])
+@pytest.mark.parametrize("arrays", ["bare", "kept", "kept-decode", "kept-decode-other-model"])
 @pytest.mark.parametrize("pool", ["prefill pool", "no prefill pool"])
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(scenario=scenarios(),
        tie_prone=st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1e3]), st.sampled_from([0, 0, 1, 3])),
                           min_size=4, max_size=4))
@@ -265,8 +265,12 @@ def test_the_priced_choice_is_exactly_the_slow_references(config, arrays, pool, 
     if pool == "no prefill pool":
         hits = {i: h for i, h in snapshot.prefix_hits.items() if i.startswith("d")}
         snapshot = msgspec.structs.replace(snapshot, prefill=(), prefix_hits=hits)
-    if arrays == "kept":
+    if arrays != "bare":  # the state's fields; its decode arrays with the steps priced or not
         snapshot = with_makers_fields(snapshot)
+    if arrays.startswith("kept-decode"):
+        # priced under another model: the scan must see it is not this config's and price itself
+        maker = config if arrays == "kept-decode" else PolicyConfig(decode_cost=UNIT_DECODE)
+        snapshot = msgspec.structs.replace(snapshot, decode_arrays=DecodeArrays.of(snapshot.decode, maker))
     try:
         placement = baton(snapshot, request, config)
     except NoWorkerReady:
@@ -279,3 +283,15 @@ def test_the_priced_choice_is_exactly_the_slow_references(config, arrays, pool, 
         chosen.transfer_ms, chosen.queue_ms, chosen.prefill_ms)
     assert (placement.expected_cached_blocks, placement.pulled_from) == (
         chosen.num_cached_blocks, chosen.pulled_from)
+
+
+def test_a_colocated_option_that_cannot_win_is_bounded_not_scanned():
+    # p0 holds the whole prompt: 0 ms of prefill + 40 ms of hand-off. Recomputing on d0 costs
+    # 640 ms before any queue or batch: the reason gives that floor.
+    s = ClusterSnapshot((InstanceView("p0"),), (InstanceView("d0", 8, 0, queued_prefill_ms=50.0),), 0,
+                        {"p0": PrefixHit(40)})
+    placement = baton(s, COLD, unit_config())
+    assert (placement.prefill_instance, placement.decode_instance) == ("p0", "d0")
+    assert placement.reason.startswith("disaggregated: 40.0 ms < colocated >= 640.0 ms; p0: T=transfer 0.0 + "
+                                       "queue 0.0 + prefill 0.0 = 0.0 ms (local prefix 40 blocks) + hand-off "
+                                       "40.0 ms to d0 = 40.0 ms")
