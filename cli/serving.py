@@ -115,10 +115,12 @@ def generate(
                           ("text", "token_ids", "finish_reason", "usage", "placement", "request_id")}))
         return
     usage, placement = result["usage"], result["placement"]
+    tiers = usage.get("cached_tokens_by_tier")
+    by_tier = " (" + ", ".join(f"{tier} {n}" for tier, n in tiers.items()) + ")" if tiers else ""
     sys.stdout.write("\n")
     err.print(
         f"[dim]finish={result['finish_reason']} prompt={usage['prompt_tokens']} "
-        f"cached={usage['cached_tokens']} completion={usage['completion_tokens']} "
+        f"cached={usage['cached_tokens']}{by_tier} completion={usage['completion_tokens']} "
         f"ttft={usage['ttft_ms']:.0f} ms e2e={usage['e2e_ms']:.0f} ms "
         f"prefill={placement['prefill']} decode={placement['decode']}[/dim]"
     )

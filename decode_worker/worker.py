@@ -68,22 +68,27 @@ class DecodeWorker(EngineWorker):
                 num_tokens += len(completion.token_ids)
                 last = now
             if output.finished:
+                done = request_transfer(output)
+                num_cached_tokens = output.num_cached_tokens or 0
+                _, block_size = self.runner.kv_layout()
                 first_ms = first_token_ms or 0.0
                 itl_ms = ((last - started) * 1000.0 - first_ms) / (num_tokens - 1) if (
                     num_tokens > 1) else None
-                self._record_request(len(request.prompt_token_ids), output.num_cached_tokens or 0,
+                self._record_request(len(request.prompt_token_ids), num_cached_tokens,
                                      first_token_ms, itl_ms)
                 self.apply_leases(request, generated)
                 yield TokenChunk(
                     token_ids=tuple(completion.token_ids),
                     text=completion.text,
                     finish_reason=completion.finish_reason or "stop",
-                    num_loaded_tokens=request_transfer(output).num_loaded_tokens,
-                    num_cached_tokens=output.num_cached_tokens or 0,
+                    num_loaded_tokens=done.num_loaded_tokens,
+                    num_cached_tokens=num_cached_tokens,
                     num_pulled_blocks=num_pulled,
                     logprobs=logprobs,
                     stop_sequence=_matched_stop(completion.stop_reason),
                     engine_prefill=engine_prefill,
+                    # what a request it prefilled itself reused (else the hand-off's loads)
+                    cached_by_tier=done.cached_by_tier(num_cached_tokens, num_pulled * block_size),
                 )
             elif completion.token_ids or completion.text:
                 yield TokenChunk(token_ids=tuple(completion.token_ids), text=completion.text,

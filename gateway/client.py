@@ -124,7 +124,9 @@ async def generate(
     ``on_delta(text, token_ids)`` is called for every streamed delta. The result has the keys
     ``text``, ``token_ids``, ``finish_reason``, ``usage`` (``prompt_tokens``,
     ``cached_tokens``, ``completion_tokens``, ``loaded_tokens``, ``ttft_ms``, ``e2e_ms``,
-    ``cache_creation_input_tokens``, ``cache_read_input_tokens``),
+    ``cache_creation_input_tokens``, ``cache_read_input_tokens``, and where the gateway broke
+    it down ``cached_tokens_by_tier``: ``{"device", "host", "disk", "pulled"}`` adding up to
+    ``cached_tokens``),
     ``placement`` (``prefill``, ``decode``, ``policy``, ``reason``) and ``request_id``; with
     ``logprobs`` set also ``logprobs``: one ``{"chosen": entry, "top": [entry, ...]}`` per
     generated token, each entry ``{"token_id", "token", "logprob", "rank"}``.
@@ -199,6 +201,10 @@ async def generate(
         },
         "request_id": final.request_id,
     }
+    if usage.HasField("cached_tokens_by_tier"):
+        tiers = usage.cached_tokens_by_tier
+        result["usage"]["cached_tokens_by_tier"] = {
+            "device": tiers.device, "host": tiers.host, "disk": tiers.disk, "pulled": tiers.pulled}
     if logprobs is not None:
         result["logprobs"] = positions
     return result

@@ -22,7 +22,7 @@ import msgspec
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import common_pb2 as cpb
 
-from gateway.router import Placed, num_cached_tokens
+from gateway.router import Placed, cached_by_tier, num_cached_tokens
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from protos.wire import ClusterLoad, KvFeedBatch, TokenChunk
 
@@ -58,7 +58,8 @@ def complete(output_ids: list[int], last: TokenChunk, num_prompt_tokens: int,
     Streamed, ``output_ids`` are the last delta's tokens again and ``completion_tokens`` their
     count, as vLLM's servicer sends them (the router adds up the chunks); not streamed, all of
     them. ``kv_transfer_params_json`` is Baton's own handoff: which prefill and decode instance
-    served it and how many prompt tokens came from cache or the KV store.
+    served it and how many prompt tokens came from cache or the KV store (``cached_tokens``, by
+    tier in ``cached_tokens_by_tier``: null when not broken down).
     """
     finished = vpb.GenerateComplete(
         output_ids=output_ids, finish_reason=last.finish_reason or "stop",
@@ -79,11 +80,13 @@ def aborted(num_prompt_tokens: int, num_completion_tokens: int) -> vpb.GenerateR
 
 def placement_json(placed: Placed, last: TokenChunk) -> str:
     placement = placed.placement
+    tiers = cached_by_tier(placed, last)
     return json.dumps({"baton": {
         "prefill_instance": placement.prefill_instance,
         "decode_instance": placement.decode_instance, "policy": placement.policy,
         "reason": placement.reason, "cached_tokens": num_cached_tokens(placed, last),
         "loaded_tokens": last.num_loaded_tokens, "pulled_from": placement.pulled_from,
+        "cached_tokens_by_tier": msgspec.structs.asdict(tiers) if tiers is not None else None,
     }}, separators=(",", ":"))
 
 

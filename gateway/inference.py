@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.auth import KeySet, bearer_key
-from gateway.router import Placed, Router, num_cached_tokens
+from gateway.router import Placed, Router, cached_by_tier, num_cached_tokens
 from gateway.sessions import SessionFields, SessionsConfig, cache_creation_tokens, with_session
 from gateway.status import retry_after_s, status_of
 from gateway.tokenization import PromptTokenizer
@@ -227,6 +227,10 @@ class InferenceServicer:
                                                               cached),
             cache_read_input_tokens=cached,
         )
+        tiers = cached_by_tier(placed, last_chunk)
+        if tiers is not None:
+            usage.cached_tokens_by_tier.CopyFrom(pb.CachedTokensByTier(
+                device=tiers.device, host=tiers.host, disk=tiers.disk, pulled=tiers.pulled))
         placement = pb.PlacementInfo(
             prefill=placed.placement.prefill_instance,
             decode=placed.placement.decode_instance,

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from gateway.openai_logprobs import chat_logprobs, completion_logprobs
-from gateway.router import Placed, num_cached_tokens
+from gateway.router import Placed, cached_by_tier, num_cached_tokens
 from gateway.sessions import cache_creation_tokens
 from gateway.tool_calls import ToolCall
 from gateway.tool_parsers import CallArguments, CallStart, Piece, TextPiece
-from protos.wire import Lease, PositionLogprobs, TokenChunk
+from protos.wire import CachedByTier, Lease, PositionLogprobs, TokenChunk
 
 
 @dataclass
@@ -34,6 +34,8 @@ class Progress:
     finish_reason: str | None = None
     num_loaded_tokens: int = 0
     num_cached_tokens: int = 0
+    cached_by_tier: CachedByTier | None = None
+    """``num_cached_tokens`` by tier, once finished (None: not broken down)."""
     stop_sequence: str = ""
     """The stop string that ended the answer ('' when none did: ``TokenChunk.stop_sequence``)."""
     leases: tuple[Lease, ...] = ()
@@ -48,6 +50,7 @@ class Progress:
             self.finish_reason = event.finish_reason
             self.num_loaded_tokens = event.num_loaded_tokens
             self.num_cached_tokens = num_cached_tokens(self.placed, event)
+            self.cached_by_tier = cached_by_tier(self.placed, event)
             self.stop_sequence = event.stop_sequence
 
     @property
@@ -59,12 +62,16 @@ class Progress:
         return cache_creation_tokens(self.leases, self.num_prompt_tokens, self.num_cached_tokens)
 
     def usage(self) -> dict:
-        """OpenAI's usage, with Anthropic's two cache counts beside ``cached_tokens``."""
+        """OpenAI's usage, with Anthropic's two cache counts beside ``cached_tokens`` and, in
+        ``prompt_tokens_details``, Baton's ``cached_tokens_by_tier`` (once broken down)."""
+        details: dict = {"cached_tokens": self.num_cached_tokens}
+        if self.cached_by_tier is not None:
+            details["cached_tokens_by_tier"] = tiers_dict(self.cached_by_tier)
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_completion_tokens,
             "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+            "prompt_tokens_details": details,
             "cache_creation_input_tokens": self.num_cache_creation_tokens,
             "cache_read_input_tokens": self.num_cached_tokens,
         }
@@ -86,6 +93,12 @@ class Progress:
             "loaded_tokens": self.num_loaded_tokens,
             "ttft_ms": self.ttft_ms,
         }
+
+
+def tiers_dict(tiers: CachedByTier) -> dict[str, int]:
+    """``{"device", "host", "disk", "pulled"}``: the tokens of each tier."""
+    return {"device": tiers.device, "host": tiers.host, "disk": tiers.disk,
+            "pulled": tiers.pulled}
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,9 @@ class StoreSlots:
 
     arena_path: str
     slots: list
+    promoted: tuple[int, ...] = ()
+    """A lookup's answer: indices into ``slots`` of the blocks the store brought back from its
+    disk tier to answer it (``KVStoreNode.acquire_many``)."""
 
 
 class PendingSlots:
@@ -135,6 +138,17 @@ def _slots_of_each(arena_path: str, answers: list) -> list[StoreSlots]:
     return [StoreSlots(arena_path, slots) for slots in answers]
 
 
+def _runs_of_each(arena_path: str, runs: list) -> list[StoreSlots]:
+    """``acquire_many``'s answers (``AcquiredRun``s; a plain slot list from a store that does not
+    say what it promoted) as ``StoreSlots``."""
+    return [StoreSlots(arena_path, run) if isinstance(run, list) else
+            StoreSlots(arena_path, list(run.slots), tuple(run.promoted)) for run in runs]
+
+
+def _first_run(arena_path: str, runs: list) -> StoreSlots:
+    return _runs_of_each(arena_path, runs)[0]
+
+
 class StoreClient:
     """Connects to the named store actor and maps its arena; survives its replacement."""
 
@@ -174,9 +188,10 @@ class StoreClient:
     # ------------------------------------------------------------------ store calls
 
     def acquire(self, keys: Sequence[BlockKey]) -> StoreSlots:
-        """Pin the leading run of ``keys`` the store holds; their slots. Waits for this client's
-        commits in flight first, so it finds what the client itself stored."""
-        return self._granting("acquire", list(keys))
+        """Pin the leading run of ``keys`` the store holds; their slots, and which of them it
+        brought back from disk (asked as a batch of one lookup, whose answer says so). Waits for
+        this client's commits in flight first, so it finds what the client itself stored."""
+        return self._granting("acquire_many", [list(keys)], wrap=_first_run)
 
     def reserve(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> StoreSlots:
         """Slots to write ``keys`` into (None where the store has no room or the block is
@@ -329,7 +344,8 @@ class StoreClient:
                 self._detach(method, exc)
                 return None
 
-    def _granting(self, method: str, *args) -> StoreSlots:
+    def _granting(self, method: str, *args,
+                  wrap: Callable[[str, Any], StoreSlots] = StoreSlots) -> StoreSlots:
         """A call that grants slots. When it finds the store dead, a new store that is already
         up (the client was idle while the node was replaced) is asked at once."""
         with self._lock:
@@ -338,7 +354,7 @@ class StoreClient:
                 return StoreSlots("", [])
             self.calls.count(f"store.{method}")
             ref = getattr(self._actor, method).remote(*args)
-            return self._answer(ref, self.arena_path, method, args, StoreSlots, StoreSlots("", []))
+            return self._answer(ref, self.arena_path, method, args, wrap, StoreSlots("", []))
 
     def _settling(self, method: str, keys: Sequence[BlockKey], arena_path: str) -> bool:
         if not keys:
@@ -378,7 +394,7 @@ class StoreClient:
 
     def _resolve_runs(self, ref, arena_path: str, key_lists: list) -> list[StoreSlots]:
         """The answer to ``acquire_many_later`` (see ``_answer``; a miss where no store answers)."""
-        return self._answer(ref, arena_path, "acquire_many", (key_lists,), _slots_of_each,
+        return self._answer(ref, arena_path, "acquire_many", (key_lists,), _runs_of_each,
                             [StoreSlots("", [])] * len(key_lists))
 
     def _answer(self, ref, arena_path: str, method: str, args: tuple,

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.client import PendingSlots
 from kvstore.keys import BlockKey
-from protos.wire import EngineRequest
+from protos.wire import CachedByTier, EngineRequest
 
 
 @dataclass
@@ -137,6 +137,22 @@ class RequestTransfer:
     """Prompt tokens whose KV was loaded from the store instead of computed."""
     num_stored_blocks: int = 0
     """Prompt blocks the store granted this request to write, and the connector wrote."""
+    num_disk_tokens: int = 0
+    """Of ``num_loaded_tokens``, those whose blocks the store brought back from its disk tier
+    to answer this request's lookup."""
+
+    def cached_by_tier(self, num_cached_tokens: int, num_pulled_tokens: int) -> CachedByTier:
+        """The request's ``num_cached_tokens`` (vLLM's: its device prefix cache and what the
+        connector loaded) by tier: loaded = host + disk + pulled, where the pulled tokens
+        (``num_pulled_tokens``: the blocks pulled into this node's host tier before the
+        request ran) are loaded from host, and device is the rest. Each part is capped by what
+        is left, so the four add up to ``num_cached_tokens`` exactly."""
+        cached = max(num_cached_tokens, 0)
+        loaded = min(max(self.num_loaded_tokens, 0), cached)
+        disk = min(max(self.num_disk_tokens, 0), loaded)
+        pulled = min(max(num_pulled_tokens, 0), loaded - disk)
+        return CachedByTier(device=cached - loaded, host=loaded - disk - pulled, disk=disk,
+                            pulled=pulled)
 
 
 def request_transfer(output: Any) -> RequestTransfer:
@@ -145,7 +161,8 @@ def request_transfer(output: Any) -> RequestTransfer:
     done = params.get(PARAMS_KEY) if isinstance(params, dict) else None
     if not isinstance(done, dict):
         return RequestTransfer()
-    return RequestTransfer(int(done.get("loaded_tokens", 0)), int(done.get("stored_blocks", 0)))
+    return RequestTransfer(int(done.get("loaded_tokens", 0)), int(done.get("stored_blocks", 0)),
+                           int(done.get("disk_tokens", 0)))
 
 
 @dataclass

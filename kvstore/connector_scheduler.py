@@ -95,6 +95,13 @@ class _RequestState:
     pinned_arena: str = ""
     first_load_block: int = 0
     num_loaded_tokens: int = 0
+    num_disk_tokens: int = 0
+    """Of ``num_loaded_tokens``, those in blocks the store brought back from disk for it."""
+    promoted_blocks: set[int] = field(default_factory=set)
+    """Prompt block positions the store promoted from disk to answer this request's lookups
+    (kept across lookups: asked again, it finds them in host memory)."""
+    pinned_disk_tokens: int = 0
+    """Of the pinned blocks' tokens to load, those in ``promoted_blocks``."""
     reservations: list[PendingSlots] = field(default_factory=list)
     """Every save reservation made for the request (answered by the time it finishes)."""
     num_dropped_blocks: int = 0
@@ -213,10 +220,12 @@ class ConnectorSchedulerHalf:
 
     def _looked_up(self, state: _RequestState) -> tuple[list[int], str] | None:
         """The slots of the run the store holds from the prompt's first block, pinned, and
-        their arena; None while the answer is on its way (asynchronous transfers). The
-        synchronous baseline asks and waits."""
+        their arena (the blocks it promoted from disk for them go to ``state.promoted_blocks``);
+        None while the answer is on its way (asynchronous transfers). The synchronous baseline
+        asks and waits."""
         if not self._async:
             held = self._store.acquire(state.keys)
+            state.promoted_blocks.update(held.promoted)
             return held.slots, held.arena_path
         if state.lookup_sent is None:  # asked again after a preemption, or never sent
             self._lookups_unsent.append(state)
@@ -227,6 +236,7 @@ class ConnectorSchedulerHalf:
             return None  # vLLM asks again next step; the others step meanwhile
         answer = pending.result()[state.lookup_index]
         state.lookup_sent = None
+        state.promoted_blocks.update(answer.promoted)
         return answer.slots, answer.arena_path
 
     def get_num_new_matched_tokens(
@@ -261,8 +271,16 @@ class ConnectorSchedulerHalf:
         state.pinned, state.pinned_slots = state.keys[keep], slots[keep]
         state.pinned_arena = arena_path
         state.first_load_block = first_block
+        state.pinned_disk_tokens = self._disk_tokens(state, num_computed_tokens, load_end)
         state.load_on_step = not self._async or self._cheap_on_step(num_blocks)
         return num_external, not state.load_on_step
+
+    def _disk_tokens(self, state: _RequestState, start_token: int, end_token: int) -> int:
+        """Tokens in ``[start_token, end_token)`` (what is loaded) whose blocks the store
+        promoted from disk for the request."""
+        size = self._block_size
+        return sum(max(0, min(end_token, (i + 1) * size) - max(start_token, i * size))
+                   for i in state.promoted_blocks)
 
     def _cheap_on_step(self, num_blocks: int) -> bool:
         """Whether copying ``num_blocks`` blocks on the step (before its forward pass) costs the
@@ -302,6 +320,7 @@ class ConnectorSchedulerHalf:
         )
         state.unpin_also = []
         state.num_loaded_tokens = num_external_tokens
+        state.num_disk_tokens = min(state.pinned_disk_tokens, num_external_tokens)
         # the worker half releases them now
         state.pinned, state.pinned_slots, state.pinned_arena = [], [], ""
 
@@ -381,7 +400,7 @@ class ConnectorSchedulerHalf:
         for request_id in news.failed_loads:  # a failed load fails in a step before the last
             state = self._requests.get(request_id)
             if state is not None:
-                state.num_loaded_tokens = 0
+                state.num_loaded_tokens = state.num_disk_tokens = 0
         for request_id, n in news.dropped_blocks.items():
             state = self._requests.get(request_id)
             if state is not None:  # (after its last step the request has reported already)
@@ -411,4 +430,5 @@ class ConnectorSchedulerHalf:
                 state.has_saves = True
         # the worker half tells when the blocks are written (``get_finished``): vLLM holds them
         return state.has_saves, {PARAMS_KEY: {"loaded_tokens": state.num_loaded_tokens,
-                                              "stored_blocks": state.num_stored_blocks()}}
+                                              "stored_blocks": state.num_stored_blocks(),
+                                              "disk_tokens": state.num_disk_tokens}}

@@ -35,7 +35,7 @@ from kvstore.transfer_server import BlockServer, PeerAddress, PinnedRun
 from kvstore.transfer_wire import block_checksum
 from protos.wire import TierCounters
 
-__all__ = ["NO_TRANSFER", "ArenaInfo", "KVStoreNode", "PullResult", "TransferPlan"]
+__all__ = ["NO_TRANSFER", "AcquiredRun", "ArenaInfo", "KVStoreNode", "PullResult", "TransferPlan"]
 
 log = logging.getLogger(__name__)
 _F = TypeVar("_F", bound=Callable)
@@ -72,6 +72,15 @@ def _stored(keys: list[BlockKey], parent: BlockKey | None, medium: str,
     """A store-side ``BlockStored``: the store knows keys, not tokens, so ``token_ids`` is empty."""
     return BlockStored(block_hashes=keys, parent_block_hash=parent, token_ids=[],
                        block_size=block_size_tokens, lora_id=None, medium=medium, lora_name=None)
+
+
+class AcquiredRun(msgspec.Struct, frozen=True):
+    """One lookup's answer in ``acquire_many``: the pinned slots of the leading run of its keys
+    in host memory, and which of them the call brought back from the disk tier."""
+
+    slots: list[int]
+    promoted: tuple[int, ...] = ()
+    """Indices into ``slots`` (the lookup's block positions) of the blocks promoted from disk."""
 
 
 class ArenaInfo(msgspec.Struct, frozen=True):
@@ -164,14 +173,20 @@ class KVStoreNode(NodePulls, NodeLeases):
         return self.store.acquire(keys)
 
     @_locked
-    def acquire_many(self, key_lists: Sequence[Sequence[BlockKey]]) -> list[list[int]]:
-        """``acquire`` for several requests in one call (an engine step's new requests)."""
+    def acquire_many(self, key_lists: Sequence[Sequence[BlockKey]]) -> list[AcquiredRun]:
+        """``acquire`` for several requests in one call (an engine step's new requests), each
+        run with the positions of the blocks this call brought back from disk: a block one
+        request's lookup promoted counts as promoted for every lookup of the call that pins it
+        (their requests load it as it came up from disk in this step)."""
         self._expire_leases()
+        promoted: set[BlockKey] = set()
         runs = []
         for keys in key_lists:
             if self.disk is not None:
-                self._promote(keys)
-            runs.append(self.store.acquire(keys))
+                promoted.update(self._promote(keys))
+            slots = self.store.acquire(keys)
+            runs.append(AcquiredRun(slots, tuple(
+                i for i, key in enumerate(keys[:len(slots)]) if key in promoted)))
         return runs
 
     @_locked
@@ -302,7 +317,10 @@ class KVStoreNode(NodePulls, NodeLeases):
             self.dropped_leased_blocks += leased
             self._record(removed_host=[key])
 
-    def _promote(self, keys: Sequence[BlockKey]) -> None:
+    def _promote(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Copy the blocks that continue ``keys``' leading run in host memory from disk back to
+        host, up to the first one disk lacks (or that fails its checksum); the keys promoted."""
+        promoted: list[BlockKey] = []
         start = self.store.match_prefix(keys)
         for index in range(start, len(keys)):
             key = keys[index]
@@ -321,8 +339,10 @@ class KVStoreNode(NodePulls, NodeLeases):
             self._apply_soft_pins([key])
             self._mark_leased([key])
             self.promoted_blocks += 1
+            promoted.append(key)
             self._record(stored_host=[key])
         self._record_disk_removals()
+        return promoted
 
     def _record(
         self,

@@ -51,6 +51,7 @@ class PrefillWorker(EngineWorker):
         num_stored_blocks = done.num_stored_blocks + save_ledger(self.instance_id).take_stored(
             request.request_id)
         num_loaded_tokens = done.num_loaded_tokens
+        _, block_size = self.runner.kv_layout()
         prefill_ms = (time.perf_counter() - started) * 1000.0
         self._record_request(len(request.prompt_token_ids), num_cached_tokens, prefill_ms)
         return PrefillResult(
@@ -64,6 +65,7 @@ class PrefillWorker(EngineWorker):
             node_id=self.node_id,
             num_pulled_blocks=num_pulled,
             engine_prefill_ms=engine_prefill_ms(last),
+            cached_by_tier=done.cached_by_tier(num_cached_tokens, num_pulled * block_size),
         )
 
     async def _saves_readable(self) -> None:
