@@ -431,9 +431,9 @@ def cheapest_colocated(pricer: Pricer, decode: Sequence[InstanceView], exclude_o
 
     One C pass like ``cheapest``: each class (no hit, or one run) is priced once, the queues and
     batch terms are arrays over the pool (``DecodeArrays``; ``chunks[class] × step`` added to
-    the queue where the instance runs sequences), visited in load order, so the first listed of
-    equal T is the least loaded. The price is built from the same arrays, equal to
-    ``colocated_price``'s to the bit.
+    the queue where the instance runs sequences). A second pass without the least finds whether
+    it ties; only then is the pool visited in load order, so the first of equal T is the least
+    loaded. The price is built from the same arrays, equal to ``colocated_price``'s to the bit.
     """
     snapshot, request, config = pricer.snapshot, pricer.request, pricer.config
     pool = snapshot.decode
@@ -482,18 +482,24 @@ def cheapest_colocated(pricer: Pricer, decode: Sequence[InstanceView], exclude_o
                 chunk_ms[r] = first_chunk_ms(request, config, num_cached[r])
             over = (running > 0) & (step + chunk_ms[run_of] > config.tbt_slo_ms)
             ready_mask = ~over if ready_mask is None else ready_mask & ~over
-    order = decode_load_order(arrays)
-    ready_in_order = None
+    ready = None
     if ready_mask is not None:
-        ready_in_order = ready_mask[order]
-        num_ready = np.count_nonzero(ready_in_order)
+        num_ready = np.count_nonzero(ready_mask)
         if not num_ready:
             return None, math.inf
-        ready_in_order = None if num_ready == n else ready_in_order.tobytes()
+        ready = None if num_ready == n else ready_mask
     # the scan's classes are run + 1: rotate the no-hit class to the front
-    i, best_t, _, _ = _scan.cheapest(q[order], None, run_of[order], ready_in_order,
-                                     terms[-6:] + terms[:-6], bytes(num_classes))
-    position = int(order[i])
+    scan_terms, modes = terms[-6:] + terms[:-6], bytes(num_classes)
+    i, best_t, _, _ = _scan.cheapest(q, None, run_of, None if ready is None else ready.tobytes(),
+                                     scan_terms, modes)
+    others = bytearray(ready.tobytes()) if ready is not None else bytearray(b"\x01") * n
+    others[i] = 0  # the least of the others: equal to best_t only on a tie, rare off idle pools
+    if n > 1 and _scan.cheapest(q, None, run_of, others, scan_terms, modes)[1] == best_t:
+        order = decode_load_order(arrays)  # ties: the first of them in load order
+        i, _, _, _ = _scan.cheapest(q[order], None, run_of[order],
+                                    None if ready is None else ready[order].tobytes(), scan_terms, modes)
+        i = int(order[i])
+    position = i
     c = int(run_of[position])
     batch_ms = chunks[c] * float(step[position]) if step is not None and running[position] > 0 else 0.0
     chosen = PrefillPrice(pool[position].instance_id, terms[6 * c], float(q[position]), terms[6 * c + 1],
