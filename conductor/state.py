@@ -65,6 +65,10 @@ class _Prefill:
     started_s: float
     num_prompt_tokens: int = 0
     segmented_salt: bool = False
+    alone: bool = True
+    """No other prefill, and no decode, was booked on its instance while it was in flight: its
+    measured time is its own, so only then does it calibrate the prefill model (a prefill that
+    shares steps takes the others' work too)."""
 
 
 @dataclass
@@ -91,10 +95,18 @@ class _Instance:
     """When the instance last finished a prefill: work before it was on other requests."""
 
     def add_prefill(self, prefill: _Prefill, block_size: int) -> None:
+        if self.prefills or self.decodes:  # it shares steps, and so do those in flight
+            prefill.alone = False
+            self.shared_steps()
         self.prefills[prefill.request_id] = prefill
         self.queued_ms += prefill.predicted_ms
         self.queued_tokens += prefill.num_uncached_tokens
         self.queued_blocks += -(-prefill.num_uncached_tokens // block_size)
+
+    def shared_steps(self) -> None:
+        """Work was added beside the prefills in flight here: none of them runs alone now."""
+        for other in self.prefills.values():
+            other.alone = False
 
     def pop_prefill(self, request_id: str, block_size: int) -> None:
         prefill = self.prefills.pop(request_id, None)
@@ -453,6 +465,8 @@ class ConductorState:
         deque(map(self._inflight_keys.setdefault, request.block_keys[placement.expected_cached_blocks:],
                   repeat(request.request_id)), maxlen=0)
         decode = self._instances[placement.decode_instance]
+        if placement.decode_instance != placement.prefill_instance:
+            decode.shared_steps()  # a decode joins the prefills in flight there
         num_blocks = -(-(request.num_prompt_tokens + request.max_tokens) // bs)
         decode.decodes[request.request_id] = num_blocks
         decode.decode_blocks += num_blocks
@@ -490,7 +504,7 @@ class ConductorState:
         if prefill is None:
             return
         if (self.calibration is not None and prefill_ms is not None and num_cached_tokens is not None
-                and prefill.num_prompt_tokens):
+                and prefill.num_prompt_tokens and prefill.alone):
             cached = min(num_cached_tokens, prefill.num_prompt_tokens)
             if self.calibration.observe_prefill(prefill.num_prompt_tokens - cached, cached, prefill_ms):
                 self.config = self.config.model_copy(update={"prefill_cost": self.calibration.prefill})

@@ -52,7 +52,9 @@ async def server(tiny_model, tmp_path_factory):
     async with running_server({"engine.model": "tiny", "engine_grpc.port": 0,
                                "auth.api_key_file": str(keys), "name": "enginegrpc",
                                "engine_grpc.require_api_key": False,
-                               "kvstore.host_capacity_bytes": 64 << 20}) as srv:
+                               "kvstore.host_capacity_bytes": 64 << 20,
+                               # the older rule, named: SHORT co-located, LONG disaggregated
+                               "conductor.tuning.short_prefill_tokens": 256}) as srv:
         yield srv
 
 

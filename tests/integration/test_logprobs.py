@@ -30,7 +30,8 @@ another engine computed, so the last digits of a logit may differ."""
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(tiny_model):
-    async with running_server({"engine.model": "tiny",
+    # the older rule, named: a short prompt co-located, a long one disaggregated (both paths)
+    async with running_server({"engine.model": "tiny", "conductor.tuning.short_prefill_tokens": 256,
                                "kvstore.host_capacity_bytes": 256 << 20}) as srv:
         yield srv
 

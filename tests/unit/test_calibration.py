@@ -123,3 +123,28 @@ def test_the_state_prices_with_the_refitted_model_after_reported_prefills():
     tokens = list(range(900_000, 901_000))
     placement = state.place(PlacementRequest("next", 1000, tuple(block_keys(tokens, 16, extras)), 8))
     assert placement.prefill_ms == calibration.prefill.t_prefill_ms(1000, 0)
+
+
+def test_only_a_prefill_that_ran_alone_on_its_instance_calibrates():
+    extras = KeyExtras("m", "", "", "L")
+    calibration = CostCalibration(MACHINE, DecodeCostModel(), fitted=True)
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=16, short_prefill_tokens=0),
+                           calibration=calibration)
+    for instance_id, role in (("p0", "prefill"), ("d0", "decode")):
+        state.register(instance_id, role, "n0", "m", "L")
+        state.set_ready(instance_id, True)
+
+    def place(request_id: str, start: int):
+        tokens = list(range(start, start + 512))
+        return state.place(PlacementRequest(request_id, 512, tuple(block_keys(tokens, 16, extras)), 8))
+
+    assert place("a", 0).prefill_instance == "p0"
+    state.prefill_done("a", 0, MACHINE.t_prefill_ms(512, 0))  # alone: counted
+    assert calibration.prefill_error().num_predictions == 1
+    place("b", 10_000)
+    place("c", 20_000)  # booked beside b: b and c share steps
+    state.prefill_done("b", 0, MACHINE.t_prefill_ms(512, 0) * 2)
+    state.prefill_done("c", 0, MACHINE.t_prefill_ms(512, 0) * 2)
+    assert calibration.prefill_error().num_predictions == 1  # neither counted
+    for request_id in ("a", "b", "c"):
+        state.finished(request_id)
