@@ -66,9 +66,10 @@ class _Prefill:
     num_prompt_tokens: int = 0
     segmented_salt: bool = False
     alone: bool = True
-    """No other prefill, and no decode, was booked on its instance while it was in flight: its
-    measured time is its own, so only then does it calibrate the prefill model (a prefill that
-    shares steps takes the others' work too)."""
+    """No other prefill was booked on its instance while it was in flight: its measured time is
+    its own, so only then does it calibrate the prefill model (prefills that share steps each
+    take the others' work too). Decodes beside it add a decode step per chunk, small against a
+    prefill, so they do not count."""
 
 
 @dataclass
@@ -95,18 +96,14 @@ class _Instance:
     """When the instance last finished a prefill: work before it was on other requests."""
 
     def add_prefill(self, prefill: _Prefill, block_size: int) -> None:
-        if self.prefills or self.decodes:  # it shares steps, and so do those in flight
+        if self.prefills:  # it shares steps with those in flight
             prefill.alone = False
-            self.shared_steps()
+            for other in self.prefills.values():
+                other.alone = False
         self.prefills[prefill.request_id] = prefill
         self.queued_ms += prefill.predicted_ms
         self.queued_tokens += prefill.num_uncached_tokens
         self.queued_blocks += -(-prefill.num_uncached_tokens // block_size)
-
-    def shared_steps(self) -> None:
-        """Work was added beside the prefills in flight here: none of them runs alone now."""
-        for other in self.prefills.values():
-            other.alone = False
 
     def pop_prefill(self, request_id: str, block_size: int) -> None:
         prefill = self.prefills.pop(request_id, None)
@@ -465,8 +462,6 @@ class ConductorState:
         deque(map(self._inflight_keys.setdefault, request.block_keys[placement.expected_cached_blocks:],
                   repeat(request.request_id)), maxlen=0)
         decode = self._instances[placement.decode_instance]
-        if placement.decode_instance != placement.prefill_instance:
-            decode.shared_steps()  # a decode joins the prefills in flight there
         num_blocks = -(-(request.num_prompt_tokens + request.max_tokens) // bs)
         decode.decodes[request.request_id] = num_blocks
         decode.decode_blocks += num_blocks
