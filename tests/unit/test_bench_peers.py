@@ -168,7 +168,7 @@ def test_each_vllm_server_runs_one_openmp_thread_as_each_baton_engine_does():
     from engine.config import EngineConfig
 
     env = vllm_server_env(EngineConfig(), "1")
-    assert env["OMP_NUM_THREADS"] == "1"
+    assert env["OMP_NUM_THREADS"] == "1" and vllm_server_env(EngineConfig(), "0-1")["OMP_NUM_THREADS"] == "1"
     assert server_cores("1") == [1] and server_cores("0-1") == [0, 1] and server_cores("nobind") is None
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
