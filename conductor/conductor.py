@@ -290,16 +290,6 @@ class Conductor:
             log.info("coalescing: prefill %s did not finish within %.0f ms; placing without it",
                      owner, self._config.coalesce_max_wait_ms)
 
-    def _observe_decode_steps(self, steps) -> None:
-        """Feed an instance's timed decode-only steps to the calibration; a refit replaces the
-        priced decode-step model (admission's TBT and the co-located prefill's cost use it)."""
-        calibration = self.state.calibration
-        if calibration is None:
-            return
-        for step in steps:
-            if calibration.observe_decode_step(step.num_seqs, step.context_tokens, step.step_ms):
-                self.state.config = self.state.config.model_copy(update={"decode_cost": calibration.decode})
-
     async def cost_model_error(self) -> dict[str, PredictionError | None]:
         """The calibrated models' errors ("prefill", "decode") on requests each was not fitted on
         (None: not calibrating, or nothing measured yet): what ``baton status`` is to show."""
@@ -567,4 +557,4 @@ class Conductor:
                 self.state.set_ready(instance_id, stats.ready)
                 self.state.update_load(instance_id, stats.num_waiting_reqs, stats.kv_usage_frac)
                 self.state.observe_loads(instance_id, stats.kv_loaded_bytes, stats.kv_load_seconds)
-                self._observe_decode_steps(stats.decode_steps)
+                self.state.observe_decode_steps(stats.decode_steps)

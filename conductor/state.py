@@ -528,6 +528,17 @@ class ConductorState:
             self.index.note_device_blocks(prefill.instance_id, prefill.block_keys)
         self._refresh_view(prefill.instance_id)
 
+    def observe_decode_steps(self, steps) -> None:
+        """An instance's timed decode-only steps (``InstanceStats.decode_steps``) feed the
+        calibration when there is one; a refit replaces the priced decode-step model (admission's
+        TBT and the co-located prefill's batch term use it), as ``prefill_done`` does for
+        prefill."""
+        if self.calibration is None:
+            return
+        for step in steps:
+            if self.calibration.observe_decode_step(step.num_seqs, step.context_tokens, step.step_ms):
+                self.config = self.config.model_copy(update={"decode_cost": self.calibration.decode})
+
     def finished(self, request_id: str) -> None:
         """The request is over (streamed to the end, failed, or cancelled)."""
         self.prefill_done(request_id, None)

@@ -165,7 +165,18 @@ async def test_the_engines_own_prefill_times_calibrate_the_cost_model_on_held_ou
         assert cost_model.calibrating  # on by default
         return cost_model.prefill.num_predictions if cost_model.prefill else 0
 
+    # from the placeholders, the first refit (after 8 lone prefills) is the warm-up: only the
+    # fitted model's predictions count, so warm it up first whatever ran before this test
+    # (the fit needs cached tokens to vary too: each new prompt is then extended once)
+    for seed in range(610, 626):
+        if await predictions():
+            break
+        base = random_prompt((1 + seed % 3) * BLOCK, seed=seed)
+        for tokens in (base, base + random_prompt(40 + 10 * (seed % 5), seed=seed + 100)):
+            await client.generate(server.target, token_ids=tokens, max_tokens=2)
+            await asyncio.sleep(0.2)  # its prefill_done lands before the next is placed: alone
     before = await predictions()
+    assert before >= 1
     for seed in (601, 602, 603):  # disaggregated (short_prefill_tokens 0): each is one prefill
         await client.generate(server.target, token_ids=random_prompt(3 * BLOCK, seed=seed), max_tokens=12)
     # prefill_done is sent without waiting: give it a moment to land
@@ -178,6 +189,13 @@ async def test_the_engines_own_prefill_times_calibrate_the_cost_model_on_held_ou
         decode = (await server.cluster.conductor.pool_status.remote()).cost_model.decode
         return decode.num_predictions if decode else 0
 
+    # the decode model is fitted (and its predictions count) once batch and context both vary
+    for round_ in range(3):
+        if await decode_steps():
+            break
+        await asyncio.gather(*(client.generate(
+            server.target, token_ids=random_prompt((1 + n) * BLOCK, seed=700 + 10 * round_ + n),
+            max_tokens=8 + 8 * n) for n in range(4)))
     await wait_until(lambda: _at_least(decode_steps, 1), what="timed decode steps")
 
 

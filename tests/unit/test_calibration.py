@@ -148,3 +148,16 @@ def test_only_a_prefill_that_ran_alone_on_its_instance_calibrates():
     assert calibration.prefill_error().num_predictions == 1  # neither counted
     for request_id in ("a", "b", "c"):
         state.finished(request_id)
+
+
+def test_the_state_prices_decode_steps_with_the_refitted_model():
+    from protos.wire import DecodeStep
+
+    calibration = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=6, refit_every=6)
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=16), calibration=calibration)
+    steps = [DecodeStep(n, c, STEPS.t_step_ms(n, c)) for n in (1, 4, 16) for c in (500, 8000)]
+    state.observe_decode_steps(steps[:5])
+    assert state.config.decode_cost == DecodeCostModel()  # not refitted before 6
+    state.observe_decode_steps(steps[5:])
+    assert state.config.decode_cost is calibration.decode
+    assert calibration.decode.step_ms_per_seq == pytest.approx(STEPS.step_ms_per_seq, rel=1e-6)

@@ -41,6 +41,16 @@ def request(request_id: str, tokens: list[int], max_tokens: int = 8) -> Placemen
 PROMPT = list(range(1000, 1000 + 8 * BS))  # 8 blocks
 
 
+def decode_pool_only() -> ConductorState:
+    """Two ready decode instances and no prefill pool (co-located serving)."""
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=BS, prefill_cost=COST,
+                                                 short_prefill_tokens=0))
+    for instance_id in ("d0", "d1"):
+        state.register(instance_id, "decode", "n0", "m", "L")
+        state.set_ready(instance_id, True)
+    return state
+
+
 def test_the_queue_book_prices_booked_work_and_decays_with_time():
     state, clock = make()
     first = state.place(request("a", PROMPT))
@@ -179,11 +189,7 @@ def test_readiness_without_a_ready_prefill_instance(policy, prefill_ids, ready):
 
 
 def test_a_cluster_without_prefill_instances_places_every_request_on_a_decode_instance():
-    state = ConductorState("baton", PolicyConfig(block_size_tokens=BS, prefill_cost=COST,
-                                                 short_prefill_tokens=0))
-    for instance_id in ("d0", "d1"):
-        state.register(instance_id, "decode", "n0", "m", "L")
-        state.set_ready(instance_id, True)
+    state = decode_pool_only()
     first = state.place(request("a", PROMPT))
     second = state.place(request("b", list(range(5000, 5000 + 8 * BS))))
     assert [(p.prefill_instance, p.decode_instance) for p in (first, second)] == [("d0", "d0"), ("d1", "d1")]
@@ -287,11 +293,7 @@ def test_a_finished_prefill_makes_its_keys_device_blocks_unless_they_are_segment
 def test_placing_a_request_again_before_its_end_arrived_closes_the_earlier_books():
     """A stream moved to another decode instance is placed again under its own id; an async
     actor may run that placement before the router's ``finished`` for the failed one."""
-    state = ConductorState("baton", PolicyConfig(block_size_tokens=BS, prefill_cost=COST,
-                                                 short_prefill_tokens=0))
-    for instance_id in ("d0", "d1"):
-        state.register(instance_id, "decode", "n0", "m", "L")
-        state.set_ready(instance_id, True)
+    state = decode_pool_only()
     first = state.place(request("a", PROMPT))
     state.set_ready(first.decode_instance, False)  # its worker died mid-stream
     again = state.place(request("a", PROMPT))
