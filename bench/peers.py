@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -29,6 +30,7 @@ import httpx
 import msgspec
 import numpy as np
 
+from bench import peers_cpu
 from bench.peers_client import run_workload, send_one, summarise
 from bench.peers_stacks import DEFAULT_STACKS, PeersError, Stack, StackSpec
 from bench.peers_workloads import (
@@ -187,9 +189,13 @@ def _run_stack(spec: StackSpec, run: int, model, workloads: dict[str, Workload],
         asyncio.run(_warm(stack, options.request_timeout_s))
         for wname, workload in workloads.items():
             t0 = time.time()
+            cpu_before = peers_cpu.snapshot(stack.pids())
             records, duration_s = asyncio.run(run_workload(
                 stack.base_url, model.name, workload, options.request_timeout_s))
+            cpu_s = peers_cpu.by_role(cpu_before, peers_cpu.snapshot(stack.pids()))
             report = summarise(records, duration_s, ceilings[wname].hit_ratio)
+            report["cpu_s_by_role"] = cpu_s
+            report["cpu_share_by_role"] = peers_cpu.shares(cpu_s, duration_s, os.cpu_count() or 1)
             if spec.kind == "baton":
                 report["cost_model_error_pct"] = cost_model_error(stack.base_url)
             reports.append({"run": run, "stack": spec.name, "workload": wname,
@@ -202,6 +208,8 @@ def _run_stack(spec: StackSpec, run: int, model, workloads: dict[str, Workload],
                  f"{report['p90_ttft_ms']:.0f} ms, TPOT {report['mean_tpot_ms']:.0f} ms, "
                  f"hit {report['hit_ratio']:.3f}, {report['completed']} ok, "
                  f"{report['failed']} failed {report['first_error'][:120]}")
+            echo("    CPU s by role: " + ", ".join(f"{role} {sec:.1f}" for role, sec in cpu_s.items()
+                                                  if sec > 0))
             if report.get("cost_model_error_pct"):
                 e = report["cost_model_error_pct"].get("prefill") or {}
                 echo(f"    cost model, prefill error on held-out prefills: median "
@@ -242,9 +250,21 @@ def aggregate(runs: Sequence[dict[str, Any]], options: PeersOptions, ceilings) -
             "medians": medians,
             "fanout_mean_ttft_ms": {s: float(np.median([f["mean_ttft_ms"] for f in v]))
                                     for s, v in fanouts.items() if v},
+            "cpu_s_by_role": {s: median_cpu([r for r in runs if r["stack"] == s
+                                             and r["workload"] == wname])
+                              for s in options.stacks},
             **ratios_vs_best_smg(medians),
         }
     return {"options": msgspec.to_builtins(options), "runs": list(runs), "summary": summary}
+
+
+def median_cpu(reports: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Median CPU seconds per role over runs (roles no run reported are left out)."""
+    per_role: dict[str, list[float]] = {}
+    for r in reports:
+        for role, seconds in (r.get("cpu_s_by_role") or {}).items():
+            per_role.setdefault(role, []).append(seconds)
+    return {role: round(float(np.median(v)), 2) for role, v in per_role.items()}
 
 
 def _fmt(value: float | None, digits: int = 0) -> str:
@@ -280,6 +300,14 @@ def markdown(report: dict[str, Any]) -> str:
                 _fmt(r.get("mean_ttft_ms"), 2), _fmt(r.get("p90_ttft_ms"), 2),
                 _fmt(r.get("output_throughput"), 2)]) + " |")
         lines.append("")
+        cpu = s.get("cpu_s_by_role") or {}
+        if any(cpu.values()):
+            lines += ["CPU seconds by role (median over runs):", "",
+                      "| stack | " + " | ".join(peers_cpu.ROLES) + " |",
+                      "| --- |" + " ---: |" * len(peers_cpu.ROLES)]
+            lines += [f"| {stack} | " + " | ".join(_fmt(by.get(role), 1) for role in peers_cpu.ROLES)
+                      + " |" for stack, by in cpu.items()]
+            lines.append("")
     return "\n".join(lines)
 
 

@@ -230,6 +230,10 @@ class Stack:
         self.base_url = f"http://127.0.0.1:{BATON_HTTP_PORT}"
         self._wait_ready(self.base_url, deadline, "baton serve")
 
+    def pids(self) -> list[int]:
+        """The processes this stack started (each the root of its own process tree)."""
+        return [proc.pid for _, proc in self.procs if proc.poll() is None]
+
     def warm_urls(self) -> list[str]:
         """Where to send warm-up requests: every engine once (SMG: each server directly)."""
         if self.spec.kind == "smg":

@@ -183,3 +183,45 @@ def test_the_live_cost_model_error_is_read_from_the_fronts_metrics():
             '# TYPE baton_request_success counter\nbaton_request_success_total{finished_reason="stop"} 3.0\n')
     assert parse_cost_model_error(text) == {"prefill": {"median": 6.5, "p90": 19.25}}
     assert parse_cost_model_error("") == {}
+
+
+def test_processes_get_their_role_from_their_command_line():
+    from bench.peers_cpu import role_of
+
+    assert role_of("ray::DecodeWorker", "ray::DecodeWorker.generate") == "engine"
+    assert role_of("python", "VLLM::EngineCore") == "engine"
+    assert role_of("python", "/v/bin/python -m vllm.entrypoints.openai.api_server --port 1") == "frontend"
+    assert role_of("python", "/v/bin/python -m cli.main serve --prefill 0") == "frontend"
+    assert role_of("smg", "/v/bin/smg launch --policy round_robin") == "frontend"
+    assert role_of("ray::Conductor", "ray::Conductor") == "conductor"
+    assert role_of("ray::KVStoreNode", "ray::KVStoreNode") == "store"
+    assert role_of("gcs_server", "/v/lib/ray/core/src/ray/gcs/gcs_server --port 1") == "ray"
+    assert role_of("raylet", "/v/raylet --node") == "ray"
+    assert role_of("redis-server", "redis-server 127.0.0.1:6379") == "redis"
+    assert role_of("bash", "bash -c true") == "other"
+
+
+def test_cpu_by_role_counts_a_busy_child_and_not_an_idle_one():
+    import subprocess
+    import sys
+    import time
+
+    from bench.peers_cpu import by_role, shares, snapshot
+
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+    root = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        before = snapshot([root.pid])
+        child = subprocess.Popen([sys.executable, "-c", busy + "time.sleep(30)"])  # not in the tree
+        try:
+            time.sleep(1.5)
+            after = snapshot([root.pid, child.pid])
+        finally:
+            child.kill()
+    finally:
+        root.kill()
+    spent = by_role(before, after)
+    assert set(before) == {root.pid}
+    assert 0.55 <= spent["other"] <= 1.0  # the busy child's 0.6 s (born after the first snapshot)
+    assert sum(v for k, v in spent.items() if k != "other") == 0.0
+    assert shares({"other": 1.0}, 2.0, 2) == {"other": 0.25}
