@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import random as _random
 
+from conductor import _scan
 from conductor.snapshot import ClusterSnapshot, InstanceView, load
 from protos.errors import NoWorkerReady
 from protos.wire import PlacementRequest
@@ -45,17 +46,14 @@ def seeded_rng(snapshot: ClusterSnapshot, request: PlacementRequest) -> _random.
 
 
 def decode_by_load(snapshot: ClusterSnapshot) -> InstanceView:
-    """Fewest running + waiting sequences, then lowest KV use, then fewest active blocks."""
+    """Fewest running + waiting sequences, then lowest KV use, then fewest active blocks; the
+    first listed on ties."""
     views = ready(snapshot, "decode")
     arrays = snapshot.decode_arrays
-    if arrays is not None and views is snapshot.decode:  # all ready: the arrays line up
-        import numpy as np
-
-        loads = arrays.load
-        tied = (loads == loads.min()).nonzero()[0]
-        if len(tied) > 1:  # lexsort is stable: the first listed of equal keys comes first
-            tied = tied[np.lexsort((arrays.active_blocks[tied], arrays.kv_usage_frac[tied]))]
-        return views[int(tied[0])]
+    if arrays is not None:  # one C pass over the pool's load columns
+        pool = snapshot.decode
+        mask = None if views is pool else bytes([v.ready for v in pool])
+        return pool[_scan.least_loaded(arrays.load, arrays.kv_usage_frac, arrays.active_blocks, mask)]
     # the load alone usually decides: the full key is built only for the instances tied on it
     least = min([v.num_running_reqs + v.num_waiting_reqs for v in views])
     tied = [v for v in views if v.num_running_reqs + v.num_waiting_reqs == least]

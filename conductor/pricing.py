@@ -16,9 +16,9 @@ sum. The rest of this module implements that definition faster and must agree wi
 
 A decode instance prefills a prompt itself at ``colocated_price``: ``price`` with its own run, its
 running batch's decode step added to the queue once per prefill chunk (the steps the prefill
-shares with that batch). ``cheapest_colocated`` is the least of it over the decode pool, through
-the same C pass; the other way, disaggregated, hands the prompt's KV to the decode instance
-(``handoff_ms``).
+shares with that batch). ``cheapest_colocated`` is the least of it over the decode pool, in one
+C pass of the same kind (the batch's steps and the ties by load computed in it); the other way,
+disaggregated, hands the prompt's KV to the decode instance (``handoff_ms``).
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ from array import array
 from typing import Callable, Sequence
 
 import msgspec
-import numpy as np
 
 from conductor import _scan
-from conductor.cost_model import DecodeCostModel
 from conductor.policy_config import PolicyConfig
 from conductor.snapshot import (
     NO_HIT,
@@ -94,6 +92,13 @@ def queue_ms(view: InstanceView, config: PolicyConfig) -> float:
     if not has_unpriced_queue(view):
         return view.queued_prefill_ms
     return config.prefill_cost.t_prefill_ms(view.num_queued_prefill_tokens, 0)
+
+
+def queue_model(config: PolicyConfig) -> tuple[float, float, float, float]:
+    """The prefill model's coefficients as the C scans take them: they price a pool's unpriced
+    queues (``queue_ms``) themselves."""
+    cost = config.prefill_cost
+    return cost.intercept_ms, cost.per_token_ms, cost.per_token_sq_ms, cost.per_token_cached_ms
 
 
 def price(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
@@ -247,7 +252,8 @@ def cheapest(prefill: Sequence[InstanceView], pricer: Pricer, best: InstanceView
     the instance's own prefix. ``source_for_hit`` must depend on the view only through its hit:
     it is asked once per distinct run. The instances fall into classes (no hit, or one per run;
     ``GroupedHits``) whose terms but the queue are equal: each class is priced once through
-    ``pricer``, and one C pass over the pool's arrays adds the queues and takes the least, in
+    ``pricer``, and one C pass over the pool's arrays adds the queues (``queue_ms``: it prices
+    the unpriced ones under the config's prefill model, ``queue_model``) and takes the least, in
     which an instance that is not ready costs infinitely much and never wins.
     """
     if not prefill:
@@ -257,12 +263,6 @@ def cheapest(prefill: Sequence[InstanceView], pricer: Pricer, best: InstanceView
     arrays = snapshot.prefill_arrays
     if arrays is None:  # a snapshot made without them (the tests'): built for this decision
         arrays = PoolArrays.of(pool)
-    q = arrays.queued_prefill_ms
-    if arrays.unpriced:  # queue_ms of those, elementwise
-        tokens = arrays.queued_prefill_tokens
-        unpriced = (q <= 0) & (tokens > 0)
-        q = q.copy()
-        q[unpriced] = config.prefill_cost.t_prefill_ms_many(tokens[unpriced], 0)
     groups = grouped_hits(snapshot)
     runs = groups.runs
     ready = None if prefill is pool else bytes([v.ready for v in pool])
@@ -289,7 +289,8 @@ def cheapest(prefill: Sequence[InstanceView], pricer: Pricer, best: InstanceView
             assert source is best, "a hit pulls from the best source or not at all"
             terms += _pull_terms(pricer, hit, best, on_node)
             modes.append(pull_mode)
-    i, best_t, j, local_t = _scan.cheapest(q, on_node, groups.prefill_run_of, ready,
+    i, best_t, j, local_t = _scan.cheapest(arrays.queued_prefill_ms, arrays.queued_prefill_tokens,
+                                           queue_model(config), on_node, groups.prefill_run_of, ready,
                                            array("d", terms), bytes(modes))
     assert pool[i].ready, "a ready instance's T is finite, so one of them is the least"
     return pool[i], best_t, (pool[j] if j >= 0 else None), local_t
@@ -353,157 +354,54 @@ def handoff_ms(snapshot: ClusterSnapshot, request: PlacementRequest, config: Pol
                                          "same_node" if same_node else "remote_host")
 
 
-class DecodeArrays(LoadArrays):
-    """``LoadArrays`` with the decode pool's queue and batch terms, aligned with
-    ``ClusterSnapshot.decode``: ``ConductorState`` keeps them (patched with the views, like
-    ``PoolArrays``), so ``cheapest_colocated`` reads every decode instance's queue and running
-    batch without a pass over the views. A snapshot without them decides the same (the scan
-    builds them)."""
-
-    running: object  # np.ndarray[float64]: view.num_running_reqs
-    queued_prefill_ms: object  # np.ndarray[float64]: view.queued_prefill_ms
-    queued_prefill_tokens: object  # np.ndarray[int64]: view.num_queued_prefill_tokens
-    unpriced: set[int] = msgspec.field(default_factory=set)
-    """Positions whose view ``has_unpriced_queue``."""
-    step_model: DecodeCostModel | None = None
-    """The model ``batch_step_ms`` was priced with (None: not kept)."""
-    block_size_tokens: int = 0
-    batch_step_ms: object = None
-    """np.ndarray[float64]: ``decode_step_ms`` of each view under ``step_model`` and
-    ``block_size_tokens``, 0.0 where no sequence runs; the scan reads it only when the decision's
-    config has that very model and block size, and prices the steps itself otherwise."""
-
-    @classmethod
-    def of(cls, views: Sequence[InstanceView], config: PolicyConfig | None = None) -> "DecodeArrays":
-        """The arrays of ``views``; with ``config``, ``batch_step_ms`` under its decode model."""
-        loads = LoadArrays.of(views)
-        steps = None
-        if config is not None:
-            steps = np.array([decode_step_ms(v, config) if v.num_running_reqs > 0 else 0.0 for v in views],
-                             dtype=np.float64)
-        return cls(loads.load, loads.kv_usage_frac, loads.active_blocks,
-                   np.array([float(v.num_running_reqs) for v in views], dtype=np.float64),
-                   np.array([v.queued_prefill_ms for v in views], dtype=np.float64),
-                   np.array([v.num_queued_prefill_tokens for v in views], dtype=np.int64),
-                   {i for i, v in enumerate(views) if has_unpriced_queue(v)},
-                   config.decode_cost if config is not None else None,
-                   config.block_size_tokens if config is not None else 0, steps)
-
-    def patch(self, position: int, view: InstanceView) -> None:
-        self.load[position] = view.num_running_reqs + view.num_waiting_reqs
-        self.kv_usage_frac[position] = view.kv_usage_frac
-        self.active_blocks[position] = view.num_active_decode_blocks
-        self.running[position] = view.num_running_reqs
-        self.queued_prefill_ms[position] = view.queued_prefill_ms
-        self.queued_prefill_tokens[position] = view.num_queued_prefill_tokens
-        if has_unpriced_queue(view):
-            self.unpriced.add(position)
-        else:
-            self.unpriced.discard(position)
-        if self.step_model is not None:
-            self.batch_step_ms[position] = (self.step_model.t_step_ms(
-                view.num_running_reqs, view.num_active_decode_blocks * self.block_size_tokens)
-                if view.num_running_reqs > 0 else 0.0)
-
-    def copy(self) -> "DecodeArrays":
-        return msgspec.structs.replace(
-            self, load=self.load.copy(), kv_usage_frac=self.kv_usage_frac.copy(),
-            active_blocks=self.active_blocks.copy(), running=self.running.copy(),
-            queued_prefill_ms=self.queued_prefill_ms.copy(),
-            queued_prefill_tokens=self.queued_prefill_tokens.copy(), unpriced=set(self.unpriced),
-            batch_step_ms=self.batch_step_ms.copy() if self.batch_step_ms is not None else None)
-
-
-def decode_load_order(arrays: LoadArrays) -> np.ndarray:
-    """Positions of the decode pool in ``picking.decode_by_load``'s order: fewest running +
-    waiting, then lowest KV use, then fewest active blocks, then pool order."""
-    return np.lexsort((arrays.active_blocks, arrays.kv_usage_frac, arrays.load))
-
-
 def cheapest_colocated(pricer: Pricer, decode: Sequence[InstanceView], exclude_over_tbt: bool,
                        beat_ms: float = math.inf) -> tuple[PrefillPrice | None, float]:
     """(the least ``colocated_price`` over ``decode``, the ready instances of the snapshot's
-    decode pool, ties to ``decode_load_order``; its total). With ``exclude_over_tbt`` the
-    instances ``over_tbt_slo`` are left out: (None, inf) when none is left. When no instance can
-    cost ``beat_ms`` or less, (None, a lower bound over ``beat_ms``): the least total over the
-    classes without queues or batches, which never exceed their own (a queue is a sum of
-    predicted times, never negative), so the pool is not scanned for an option that loses.
+    decode pool, ties to the least loaded (``picking.decode_by_load``'s key); its total). With
+    ``exclude_over_tbt`` the instances ``over_tbt_slo`` are left out: (None, inf) when none is
+    left. When no instance can cost ``beat_ms`` or less, (None, a lower bound over ``beat_ms``):
+    the least total over the classes without queues or batches, which never exceed their own (a
+    queue is a sum of predicted times, never negative), so the pool is not scanned for an option
+    that loses.
 
-    One C pass like ``cheapest``: each class (no hit, or one run) is priced once, the queues and
-    batch terms are arrays over the pool (``DecodeArrays``; ``chunks[class] × step`` added to
-    the queue where the instance runs sequences). A second pass without the least finds whether
-    it ties; only then is the pool visited in load order, so the first of equal T is the least
-    loaded. The price is built from the same arrays, equal to ``colocated_price``'s to the bit.
+    One C pass (``conductor._scan.cheapest_colocated``) like ``cheapest``: each class (no hit, or
+    one run) is priced once here; the pass reads each instance's queue (``queue_ms``, as in
+    ``cheapest``) and running batch from the pool's arrays (``LoadArrays``), adds ``chunks[class] × decode_step_ms`` to the queue where
+    the instance runs sequences, and breaks ties by load in the same pass. The price is built
+    from what the pass returns, equal to ``colocated_price``'s to the bit.
     """
     snapshot, request, config = pricer.snapshot, pricer.request, pricer.config
     pool = snapshot.decode
-    n = len(pool)
     arrays = snapshot.decode_arrays
-    if not isinstance(arrays, DecodeArrays):  # a snapshot made without them: built here
-        arrays = DecodeArrays.of(pool)
-    q = arrays.queued_prefill_ms
-    if arrays.unpriced:  # queue_ms of those, elementwise
-        unpriced = sorted(arrays.unpriced)
-        q = q.copy()
-        q[unpriced] = config.prefill_cost.t_prefill_ms_many(arrays.queued_prefill_tokens[unpriced], 0)
+    if arrays is None:  # a snapshot made without them: built here
+        arrays = LoadArrays.of(pool)
     groups = grouped_hits(snapshot)
-    run_of = np.frombuffer(groups.decode_run_of, dtype=np.int64) if n else np.zeros(0, np.int64)
-    # per run, then the no-hit class last, so that indexing by run_of (-1: no hit) finds it;
-    # only the runs some decode instance holds are priced (the others are never indexed)
-    num_classes = len(groups.runs) + 1
-    present = [r for r, p in enumerate(groups.first_positions(1)) if p >= 0] + [num_classes - 1]
-    terms = array("d", bytes(8 * 6 * num_classes))
-    chunks, num_cached = [0.0] * num_classes, [0] * num_classes
-    for r in present:
-        hit = groups.runs[r] if r < num_classes - 1 else NO_HIT
-        transfer_ms, prefill_ms, num_cached[r], _ = pricer.terms(hit, None, False)
-        terms[6 * r], terms[6 * r + 1] = transfer_ms, prefill_ms
-        chunks[r] = float(num_prefill_chunks(request, config, num_cached[r]))
-    floor_ms = min(predicted_ttft_ms(terms[6 * r], 0.0, terms[6 * r + 1]) for r in present)
+    # the scan's classes: the no-hit class, then one per run; only the runs some decode instance
+    # holds are priced (the others are never indexed)
+    present = [0] + [1 + r for r, p in enumerate(groups.first_positions(1)) if p >= 0]
+    rows, num_cached = [0.0] * (4 * (len(groups.runs) + 1)), [0] * (len(groups.runs) + 1)
+    slo_ms = config.tbt_slo_ms if exclude_over_tbt else None
+    for c in present:
+        transfer_ms, prefill_ms, num_cached[c], _ = pricer.terms(groups.runs[c - 1] if c else NO_HIT, None, False)
+        rows[4 * c:4 * c + 4] = (transfer_ms, prefill_ms, num_prefill_chunks(request, config, num_cached[c]),
+                                 first_chunk_ms(request, config, num_cached[c]) if slo_ms is not None else 0.0)
+    terms = array("d", rows)
+    floor_ms = min(predicted_ttft_ms(terms[4 * c], 0.0, terms[4 * c + 1]) for c in present)
     if floor_ms > beat_ms:
         return None, floor_ms
-    ready_mask = None if decode is pool else np.array([v.ready for v in pool], dtype=bool)
-    running, step = arrays.running, None
-    if np.count_nonzero(running):  # (count_nonzero: a tenth of any()'s cost on a small array)
-        if arrays.step_model is config.decode_cost and arrays.block_size_tokens == config.block_size_tokens:
-            step = arrays.batch_step_ms  # kept by the state under this very model
-        else:  # decode_step_ms elementwise, the same double operations in the same order
-            cost = config.decode_cost
-            step = cost.step_ms_base + cost.step_ms_per_seq * running
-            step += cost.step_ms_per_kv_token * (arrays.active_blocks * config.block_size_tokens)
-            step *= running > 0  # 0 where no batch runs (x * 1.0 is x, bit for bit)
-        if len({chunks[r] for r in present}) == 1:  # one chunk count for every class: no gather
-            q = q + chunks[-1] * step
-        else:
-            q = q + np.asarray(chunks)[run_of] * step
-        if exclude_over_tbt and config.tbt_slo_ms is not None:
-            chunk_ms = np.zeros(num_classes)
-            for r in present:
-                chunk_ms[r] = first_chunk_ms(request, config, num_cached[r])
-            over = (running > 0) & (step + chunk_ms[run_of] > config.tbt_slo_ms)
-            ready_mask = ~over if ready_mask is None else ready_mask & ~over
-    ready = None
-    if ready_mask is not None:
-        num_ready = np.count_nonzero(ready_mask)
-        if not num_ready:
-            return None, math.inf
-        ready = None if num_ready == n else ready_mask
-    # the scan's classes are run + 1: rotate the no-hit class to the front
-    scan_terms, modes = terms[-6:] + terms[:-6], bytes(num_classes)
-    i, best_t, _, _ = _scan.cheapest(q, None, run_of, None if ready is None else ready.tobytes(),
-                                     scan_terms, modes)
-    others = bytearray(ready.tobytes()) if ready is not None else bytearray(b"\x01") * n
-    others[i] = 0  # the least of the others: equal to best_t only on a tie, rare off idle pools
-    if n > 1 and _scan.cheapest(q, None, run_of, others, scan_terms, modes)[1] == best_t:
-        order = decode_load_order(arrays)  # ties: the first of them in load order
-        i, _, _, _ = _scan.cheapest(q[order], None, run_of[order],
-                                    None if ready is None else ready[order].tobytes(), scan_terms, modes)
-        i = int(order[i])
-    position = i
-    c = int(run_of[position])
-    batch_ms = chunks[c] * float(step[position]) if step is not None and running[position] > 0 else 0.0
-    chosen = PrefillPrice(pool[position].instance_id, terms[6 * c], float(q[position]), terms[6 * c + 1],
-                          num_cached[c], decode_batch_ms=batch_ms)
+    ready = None if decode is pool else bytes([v.ready for v in pool])
+    cost = config.decode_cost
+    i, best_t, queued_ms, batch_ms = _scan.cheapest_colocated(
+        arrays.queued_prefill_ms, arrays.queued_prefill_tokens, queue_model(config),
+        groups.decode_run_of, ready, arrays.running, arrays.load,
+        arrays.kv_usage_frac, arrays.active_blocks, terms,
+        (cost.step_ms_base, cost.step_ms_per_seq, cost.step_ms_per_kv_token, config.block_size_tokens),
+        slo_ms)
+    if i < 0:
+        return None, math.inf
+    c = groups.decode_run_of[i] + 1
+    chosen = PrefillPrice(pool[i].instance_id, terms[4 * c], queued_ms, terms[4 * c + 1], num_cached[c],
+                          decode_batch_ms=batch_ms)
     return chosen, best_t
 
 

@@ -11,7 +11,7 @@ one without.
 from __future__ import annotations
 
 from array import array
-from typing import Iterator, Mapping, Sequence
+from typing import ClassVar, Iterator, Mapping, Self, Sequence
 
 import msgspec
 
@@ -85,21 +85,46 @@ class PrefixHit(msgspec.Struct, frozen=True):
 NO_HIT = PrefixHit()
 
 
-class PoolArrays(msgspec.Struct, frozen=True):
-    """The prefill pool's queue terms as arrays aligned with ``ClusterSnapshot.prefill``, kept by
-    ``ConductorState`` as it patches views. With them the pool scan (``conductor.pricing.cheapest``)
-    reads every instance's queue without a pass over the views."""
+class QueueArrays(msgspec.Struct, frozen=True, kw_only=True):
+    """A pool's queue terms as arrays aligned with its views (``ClusterSnapshot.prefill`` or
+    ``decode``), kept by ``ConductorState``, which patches a position whenever it replaces that
+    position's view (``patch``). A pool scan then reads every instance's queue without a pass over
+    the views. Each pool's arrays add their own columns: ``PoolArrays`` (the prefill pool) and
+    ``LoadArrays`` (the decode pool)."""
 
     queued_prefill_ms: object  # np.ndarray[float64]: view.queued_prefill_ms
     queued_prefill_tokens: object  # np.ndarray[int64]: view.num_queued_prefill_tokens
+    """Where ``has_unpriced_queue``, the scans price these tokens."""
+
+    _patched: ClassVar[tuple[str, ...]] = ("queued_prefill_ms", "queued_prefill_tokens")
+    """The fields ``patch`` writes, which ``copy`` copies (each class adds its own)."""
+
+    @staticmethod
+    def queue_columns(views: Sequence[InstanceView]) -> dict[str, object]:
+        """The queue fields of ``views``, for a subclass's ``of``."""
+        import numpy as np
+
+        return {"queued_prefill_ms": np.array([v.queued_prefill_ms for v in views], dtype=np.float64),
+                "queued_prefill_tokens": np.array([v.num_queued_prefill_tokens for v in views], dtype=np.int64)}
+
+    def patch(self, position: int, view: InstanceView) -> None:
+        """Bring one position up to date with ``view`` (the maker's live arrays only)."""
+        self.queued_prefill_ms[position] = view.queued_prefill_ms
+        self.queued_prefill_tokens[position] = view.num_queued_prefill_tokens
+
+    def copy(self) -> Self:
+        """A copy that later patches of this one do not reach."""
+        return msgspec.structs.replace(self, **{name: getattr(self, name).copy() for name in self._patched})
+
+
+class PoolArrays(QueueArrays, frozen=True, kw_only=True):
+    """The prefill pool's arrays: its queues, and which instances share each node (the pull
+    source's node decides a pull's path)."""
+
     node_code: Mapping[str, int]
     """node_id → a small int ('' has none)."""
-    position: Mapping[str, int]
-    """instance id → its index in the pool."""
     on_node: Sequence[object] = ()
     """Per node code, the pool's mask (np.ndarray[bool]) of instances on that node."""
-    unpriced: set[int] = msgspec.field(default_factory=set)
-    """Positions whose view ``has_unpriced_queue``: the scan prices those tokens."""
 
     @classmethod
     def of(cls, views: Sequence[InstanceView]) -> "PoolArrays":
@@ -109,51 +134,38 @@ class PoolArrays(msgspec.Struct, frozen=True):
         node_codes = np.array(
             [(-1 if not v.node_id else codes.setdefault(v.node_id, len(codes))) for v in views],
             dtype=np.int64)
-        return cls(np.array([v.queued_prefill_ms for v in views], dtype=np.float64),
-                   np.array([v.num_queued_prefill_tokens for v in views], dtype=np.int64),
-                   codes, {v.instance_id: i for i, v in enumerate(views)},
-                   [node_codes == code for code in range(len(codes))],
-                   {i for i, v in enumerate(views) if has_unpriced_queue(v)})
-
-    def patch(self, position: int, view: InstanceView) -> None:
-        """Bring one position up to date with ``view`` (the maker's live arrays only)."""
-        self.queued_prefill_ms[position] = view.queued_prefill_ms
-        self.queued_prefill_tokens[position] = view.num_queued_prefill_tokens
-        if has_unpriced_queue(view):
-            self.unpriced.add(position)
-        else:
-            self.unpriced.discard(position)
-
-    def copy(self) -> "PoolArrays":
-        """A copy that later patches of this one do not reach."""
-        return msgspec.structs.replace(
-            self, queued_prefill_ms=self.queued_prefill_ms.copy(),
-            queued_prefill_tokens=self.queued_prefill_tokens.copy(), unpriced=set(self.unpriced))
+        return cls(**cls.queue_columns(views), node_code=codes,
+                   on_node=[node_codes == code for code in range(len(codes))])
 
 
-class LoadArrays(msgspec.Struct, frozen=True):
-    """The decode pool's load terms as arrays aligned with ``ClusterSnapshot.decode``, kept by
-    ``ConductorState`` like ``PoolArrays``: the choice by load is then a few vector operations."""
+class LoadArrays(QueueArrays, frozen=True, kw_only=True):
+    """The decode pool's arrays: its loads (the choice by load is one C pass,
+    ``picking.decode_by_load``) and, since each decode instance is a prefill candidate too
+    (``pricing.cheapest_colocated``), its queues and running batches."""
 
     load: object  # np.ndarray[int64]: running + waiting requests
     kv_usage_frac: object  # np.ndarray[float64]
     active_blocks: object  # np.ndarray[int64]: num_active_decode_blocks
+    running: object  # np.ndarray[int64]: num_running_reqs
+
+    _patched: ClassVar[tuple[str, ...]] = QueueArrays._patched + (
+        "load", "kv_usage_frac", "active_blocks", "running")
 
     @classmethod
     def of(cls, views: Sequence[InstanceView]) -> "LoadArrays":
         import numpy as np
 
-        return cls(np.array([load(v) for v in views], dtype=np.int64),
-                   np.array([v.kv_usage_frac for v in views], dtype=np.float64),
-                   np.array([v.num_active_decode_blocks for v in views], dtype=np.int64))
+        return cls(**cls.queue_columns(views), load=np.array([load(v) for v in views], dtype=np.int64),
+                   kv_usage_frac=np.array([v.kv_usage_frac for v in views], dtype=np.float64),
+                   active_blocks=np.array([v.num_active_decode_blocks for v in views], dtype=np.int64),
+                   running=np.array([v.num_running_reqs for v in views], dtype=np.int64))
 
     def patch(self, position: int, view: InstanceView) -> None:
+        QueueArrays.patch(self, position, view)
         self.load[position] = view.num_running_reqs + view.num_waiting_reqs
         self.kv_usage_frac[position] = view.kv_usage_frac
         self.active_blocks[position] = view.num_active_decode_blocks
-
-    def copy(self) -> "LoadArrays":
-        return LoadArrays(self.load.copy(), self.kv_usage_frac.copy(), self.active_blocks.copy())
+        self.running[position] = view.num_running_reqs
 
 
 class GroupedHits(Mapping[str, PrefixHit]):

@@ -39,7 +39,6 @@ from conductor.policy import (
     admit,
     with_prices,
 )
-from conductor.pricing import DecodeArrays
 from conductor.sessions import SessionTable
 from conductor.snapshot import GroupedHits
 from protos.wire import Placement, PlacementRequest
@@ -149,7 +148,7 @@ class ConductorState:
         """Instances with prefills in flight, least recently refreshed first."""
         self._arrays: dict[str, PoolArrays | LoadArrays | None] = {"prefill": None, "decode": None}
         """The prefill pool's queue terms (``PoolArrays``) and the decode pool's loads, queues
-        and batches (``DecodeArrays``) as arrays, patched with the views."""
+        and batches (``LoadArrays``) as arrays, patched with the views."""
         self._arrays_snapshot: dict[str, PoolArrays | LoadArrays | None] = {}
         self._unready: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         """Per role, the instances whose view is not ready (most of the time: none)."""
@@ -356,7 +355,7 @@ class ConductorState:
                     views = self._pool_lists[role] = [self._views[i] for i in ids]
                     self._pool_index.update({i: (pool_code, n) for n, i in enumerate(ids)})
                     self._arrays[role] = (PoolArrays.of(views) if role == "prefill"
-                                          else DecodeArrays.of(views, self.config))
+                                          else LoadArrays.of(views))
                 pool = self._pools[role] = tuple(views)
                 self._ready_pools[role] = (tuple(v for v in pool if v.ready) if self._unready[role]
                                            else pool)
@@ -467,7 +466,8 @@ class ConductorState:
         decode.decode_blocks += num_blocks
         self._decodes[request.request_id] = placement.decode_instance
         self._refresh_view(placement.prefill_instance)
-        self._refresh_view(placement.decode_instance)
+        if placement.decode_instance != placement.prefill_instance:  # co-located: refreshed already
+            self._refresh_view(placement.decode_instance)
 
     def coalesce_target(self, request: PlacementRequest, min_blocks: int) -> str | None:
         """The in-flight prefill computing at least ``min_blocks`` of this request's blocks right

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conductor.cost_model import CostProfile, DecodeCostModel, PrefillCostModel, TransferModel
-from conductor.policy import Overloaded, PolicyConfig, PrefixHit
+from conductor.policy import LoadArrays, Overloaded, PolicyConfig, PoolArrays, PrefixHit
 from conductor.state import ConductorState
 from kvstore.keys import KeyExtras, block_keys
 from protos.errors import NoWorkerReady
@@ -305,3 +308,37 @@ def test_placing_a_request_again_before_its_end_arrived_closes_the_earlier_books
     state.finished("a")
     assert state.num_in_flight() == (0, 0)
     assert state.in_flight_on(again.decode_instance) == (0, 0)
+
+
+def _columns(arrays) -> dict:
+    return {name: (sorted(value) if isinstance(value, set) else list(value))
+            for name, value in msgspec.structs.asdict(arrays).items() if name in arrays._patched}
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["place", "prefill_done", "finished", "load", "unready", "ready"]),
+                              st.integers(0, 5), st.floats(0, 1)), max_size=30))
+def test_the_patched_arrays_are_the_arrays_of_the_views(ops):
+    """Whatever the state's calls, its patched arrays are what ``PoolArrays.of`` /
+    ``LoadArrays.of`` build from the views it hands out, column for column."""
+    state, clock = make()
+    instance_ids = ["p0", "p1", "d0"]
+    for op, n, frac in ops:
+        clock.now += frac
+        request_id = f"r{n}"
+        if op == "place":
+            try:
+                state.place(request(request_id, PROMPT[:BS * (1 + n)] + [n] * BS))
+            except (NoWorkerReady, Overloaded):
+                pass
+        elif op == "prefill_done":
+            state.prefill_done(request_id, n * BS)
+        elif op == "finished":
+            state.finished(request_id)
+        elif op == "load":
+            state.update_load(instance_ids[n % 3], n, frac)
+        else:
+            state.set_ready(instance_ids[n % 3], op == "ready")
+        snapshot = state.snapshot()
+        assert _columns(snapshot.prefill_arrays) == _columns(PoolArrays.of(snapshot.prefill))
+        assert _columns(snapshot.decode_arrays) == _columns(LoadArrays.of(snapshot.decode))
