@@ -19,7 +19,8 @@ def test_a_gap_belongs_to_the_phase_both_its_ends_fall_in():
 
 
 def test_the_pool_outgrows_the_decode_engines_own_kv_cache():
-    config = load_config(None, {"engine.model": "smollm2", "engine.kv_cache_gib": 1.0})
+    config = load_config(None, {"engine.model": "smollm2", "engine.kv_cache_gib": 1.0,
+                                "engine.dtype": "bfloat16"})  # 'auto' is float32 on a CPU without bf16
     # SmolLM2 in bf16: 23,040 bytes a token, so 1 GiB holds 46,603 tokens: 15 prompts of 3,000
     assert pool_size(config, 3000) == 15 + 6 + 3  # and the control phase's 3
 
