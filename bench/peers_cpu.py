@@ -20,7 +20,7 @@ ROLES = ("engine", "frontend", "conductor", "store", "ray", "redis", "other")
 _BY_MARKER = (  # the first marker found in a process's command line (or name) decides its role
     ("ray::DecodeWorker", "engine"), ("ray::PrefillWorker", "engine"),
     ("ray::PlainWorker", "engine"), ("EngineCore", "engine"),
-    ("ray::Conductor", "conductor"), ("ray::KVStoreNode", "store"),
+    ("Conductor", "conductor"), ("ray::KVStoreNode", "store"),
     ("ray::Gateway", "frontend"), ("vllm.entrypoints", "frontend"), ("cli.main", "frontend"),
     ("smg", "frontend"),
     ("redis-server", "redis"),

@@ -194,6 +194,7 @@ def test_processes_get_their_role_from_their_command_line():
     assert role_of("python", "/v/bin/python -m cli.main serve --prefill 0") == "frontend"
     assert role_of("smg", "/v/bin/smg launch --policy round_robin") == "frontend"
     assert role_of("ray::Conductor", "ray::Conductor") == "conductor"
+    assert role_of("ray::ClusterConductor", "ray::ClusterConductor.place") == "conductor"
     assert role_of("ray::KVStoreNode", "ray::KVStoreNode") == "store"
     assert role_of("gcs_server", "/v/lib/ray/core/src/ray/gcs/gcs_server --port 1") == "ray"
     assert role_of("raylet", "/v/raylet --node") == "ray"
