@@ -185,21 +185,24 @@ def test_the_live_cost_model_error_is_read_from_the_fronts_metrics():
     assert parse_cost_model_error("") == {}
 
 
-def test_processes_get_their_role_from_their_command_line():
+@pytest.mark.parametrize(("name", "cmdline", "role"), [
+    ("ray::DecodeWorker", "ray::DecodeWorker.generate", "engine"),
+    ("python", "VLLM::EngineCore", "engine"),
+    ("python", "/v/bin/python -m vllm.entrypoints.openai.api_server --port 1", "frontend"),
+    ("python", "/v/bin/python -m cli.main serve --prefill 0", "frontend"),
+    ("smg", "/v/bin/smg launch --policy round_robin", "frontend"),
+    ("ray::Conductor", "ray::Conductor", "conductor"),
+    ("ray::ClusterConductor", "ray::ClusterConductor.place", "conductor"),
+    ("ray::KVStoreNode", "ray::KVStoreNode", "store"),
+    ("gcs_server", "/v/lib/ray/core/src/ray/gcs/gcs_server --port 1", "ray"),
+    ("raylet", "/v/raylet --node", "ray"),
+    ("redis-server", "redis-server 127.0.0.1:6379", "redis"),
+    ("bash", "bash -c true", "other"),
+])
+def test_processes_get_their_role_from_their_command_line(name, cmdline, role):
     from bench.peers_cpu import role_of
 
-    assert role_of("ray::DecodeWorker", "ray::DecodeWorker.generate") == "engine"
-    assert role_of("python", "VLLM::EngineCore") == "engine"
-    assert role_of("python", "/v/bin/python -m vllm.entrypoints.openai.api_server --port 1") == "frontend"
-    assert role_of("python", "/v/bin/python -m cli.main serve --prefill 0") == "frontend"
-    assert role_of("smg", "/v/bin/smg launch --policy round_robin") == "frontend"
-    assert role_of("ray::Conductor", "ray::Conductor") == "conductor"
-    assert role_of("ray::ClusterConductor", "ray::ClusterConductor.place") == "conductor"
-    assert role_of("ray::KVStoreNode", "ray::KVStoreNode") == "store"
-    assert role_of("gcs_server", "/v/lib/ray/core/src/ray/gcs/gcs_server --port 1") == "ray"
-    assert role_of("raylet", "/v/raylet --node") == "ray"
-    assert role_of("redis-server", "redis-server 127.0.0.1:6379") == "redis"
-    assert role_of("bash", "bash -c true") == "other"
+    assert role_of(name, cmdline) == role
 
 
 def test_cpu_by_role_counts_a_busy_child_and_not_an_idle_one():
