@@ -380,15 +380,19 @@ def cheapest_colocated(pricer: Pricer, decode: Sequence[InstanceView], exclude_o
     # holds are priced (the others are never indexed)
     present = [0] + [1 + r for r, p in enumerate(groups.first_positions(1)) if p >= 0]
     rows, num_cached = [0.0] * (4 * (len(groups.runs) + 1)), [0] * (len(groups.runs) + 1)
-    slo_ms = config.tbt_slo_ms if exclude_over_tbt else None
+    floor_ms = math.inf
     for c in present:
         transfer_ms, prefill_ms, num_cached[c], _ = pricer.terms(groups.runs[c - 1] if c else NO_HIT, None, False)
-        rows[4 * c:4 * c + 4] = (transfer_ms, prefill_ms, num_prefill_chunks(request, config, num_cached[c]),
-                                 first_chunk_ms(request, config, num_cached[c]) if slo_ms is not None else 0.0)
-    terms = array("d", rows)
-    floor_ms = min(predicted_ttft_ms(terms[4 * c], 0.0, terms[4 * c + 1]) for c in present)
+        rows[4 * c], rows[4 * c + 1] = transfer_ms, prefill_ms
+        floor_ms = min(floor_ms, predicted_ttft_ms(transfer_ms, 0.0, prefill_ms))
     if floor_ms > beat_ms:
         return None, floor_ms
+    slo_ms = config.tbt_slo_ms if exclude_over_tbt else None
+    for c in present:
+        rows[4 * c + 2] = num_prefill_chunks(request, config, num_cached[c])
+        if slo_ms is not None:
+            rows[4 * c + 3] = first_chunk_ms(request, config, num_cached[c])
+    terms = array("d", rows)
     ready = None if decode is pool else bytes([v.ready for v in pool])
     cost = config.decode_cost
     i, best_t, queued_ms, batch_ms = _scan.cheapest_colocated(
