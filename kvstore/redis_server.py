@@ -8,6 +8,7 @@ files, and dies with the process that started it.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -52,8 +53,41 @@ def _die_with_parent() -> None:
         pass
 
 
+LISTEN_PORTS = (20_000, 32_767)
+"""Where ``free_port`` picks: above Ray's worker ports (10002-19999 by default), below Linux's
+default ephemeral range (32768-60999)."""
+
+_picked: set[int] = set()
+"""Ports ``free_port`` returned in this process (not returned twice)."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now at ``host`` (the OS's pick)."""
+    """A TCP port nothing listens on right now at ``host``, for a server to bind soon after.
+
+    Picked outside the kernel's ephemeral range: a port the kernel hands out for ``bind(0)`` lies
+    in the range it also draws outgoing connections' local ports from, so one of the many
+    connections a cluster opens could take it before the server binds (seen in CI: a store's
+    event socket failed with EADDRINUSE). Falls back to the kernel's pick when the range
+    leaves no room below the ephemeral ports."""
+    low, high = LISTEN_PORTS[0], min(LISTEN_PORTS[1], _ephemeral_low() - 1)
+    for _ in range(200 if high >= low else 0):
+        port = random.randint(low, high)
+        if port in _picked:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _picked.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
