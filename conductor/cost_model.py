@@ -88,13 +88,6 @@ class PrefillCostModel(BaseModel):
         t = self.intercept_ms + self.per_token_ms * u + self.per_token_sq_ms * u * u
         return max(0.0, t + self.per_token_cached_ms * u * c)
 
-    def t_prefill_ms_many(self, uncached_tokens: np.ndarray, cached_tokens: int) -> np.ndarray:
-        """``t_prefill_ms`` of each of ``uncached_tokens`` over ``cached_tokens``, equal to it bit
-        for bit: the same IEEE double operations in the same order, elementwise."""
-        u, c = np.asarray(uncached_tokens, dtype=np.float64), float(cached_tokens)
-        t = self.intercept_ms + self.per_token_ms * u + self.per_token_sq_ms * u * u
-        return np.maximum(0.0, t + self.per_token_cached_ms * u * c)
-
     @classmethod
     def fit(cls, samples: Iterable[PrefillSample]) -> PrefillCostModel:
         """Least-squares fit over the features [1, u, u², u·c].

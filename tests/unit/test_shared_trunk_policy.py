@@ -10,12 +10,10 @@ bare snapshot of the same pools and the plain ``prefix_hits`` dict.
 from __future__ import annotations
 
 import msgspec
-import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from conductor.cost_model import PrefillCostModel
 from conductor.policy import POLICIES, ClusterSnapshot, PolicyConfig
 from conductor.snapshot import GroupedHits
 from conductor.state import ConductorState
@@ -151,16 +149,6 @@ def test_with_the_trunk_everywhere_and_idle_queues_the_least_queue_wins():
     assert (first.prefill_instance, first.expected_cached_blocks, first.queue_ms) == ("p0", 6, 0.0)
     second = state.place(PlacementRequest("b", len(new_agent), keys_of(new_agent), 8))
     assert second.prefill_instance == "p1"  # p0 has a's prefill queued
-
-
-@settings(max_examples=300, deadline=None)
-@given(coefficients=st.tuples(*[st.floats(-10, 10, allow_nan=False)] * 4),
-       tokens=st.lists(st.integers(0, 200_000), min_size=1, max_size=20), cached=st.integers(0, 50_000))
-def test_the_elementwise_prefill_price_is_the_scalar_one_bit_for_bit(coefficients, tokens, cached):
-    model = PrefillCostModel(intercept_ms=coefficients[0], per_token_ms=coefficients[1],
-                             per_token_sq_ms=coefficients[2], per_token_cached_ms=coefficients[3])
-    many = model.t_prefill_ms_many(np.asarray(tokens, dtype=np.int64), cached)
-    assert many.tolist() == [model.t_prefill_ms(u, cached) for u in tokens]
 
 
 def test_the_best_source_is_the_first_ready_holder_prefill_pool_first():
