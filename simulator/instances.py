@@ -109,6 +109,8 @@ class PrefillInstance(Instance):
         super().__init__(*args)
         self.queue = PrefillQueue()
         self.current: Job | None = None
+        self.chunk_ms = 0.0
+        self.num_chunks_left = 0
 
     def load(self) -> tuple[int, float]:
         num_used_blocks = len(self.sim.keys[self.current.req]) if self.current is not None else 0
@@ -160,8 +162,12 @@ class DecodeInstance(Instance):
     Between events that change the batch the step time is constant (it is computed when the
     segment starts; context growth within a segment, at most a few % of the KV term, is not
     re-priced), so a run of steps is one event, not one event per token. New sequences join,
-    and queued short prefills run, at the next step boundary; a prefill runs alone and stalls
-    every running sequence for its duration. A sequence is admitted once its prompt blocks and
+    and queued short prefills run, at the next step boundary. A prefill here runs as vLLM's
+    chunked prefill does and as ``conductor.pricing.colocated_price`` prices it: its uncached
+    suffix in chunks of ``baton_prefill_chunk_tokens``, each chunk one mixed step that also steps
+    the running batch (chunk's share of the prefill + the batch's decode step), so the prefill
+    takes its own time plus one decode step per chunk and each running sequence gains a token
+    per chunk; sequences that arrive meanwhile join when it ends. A sequence is admitted once its prompt blocks and
     the private blocks for its whole output fit the device cache (no preemption).
     """
 
@@ -177,6 +183,8 @@ class DecodeInstance(Instance):
         self.num_boundary_steps = 0
         self.num_context_tokens = 0
         self.current: Job | None = None
+        self.chunk_ms = 0.0
+        self.num_chunks_left = 0
 
     def load(self) -> tuple[int, float]:
         return (len(self.waiting) + len(self.prefill_queue),
@@ -213,6 +221,11 @@ class DecodeInstance(Instance):
         if self.mode == DECODING:
             self._advance(self.num_boundary_steps)
         elif self.mode == PREFILLING:
+            self._advance(self.num_boundary_steps)
+            self.num_chunks_left -= self.num_boundary_steps
+            if self.num_chunks_left > 0:
+                self._prefill_segment(now_ms)
+                return
             job = self.current
             assert job is not None
             self.current = None
@@ -222,6 +235,16 @@ class DecodeInstance(Instance):
         self.mode = IDLE
         self.sim.dirty.add(self)
         self._start(now_ms)
+
+    def _prefill_segment(self, now_ms: float) -> None:
+        """Mixed steps of the running prefill until its last chunk or the batch's next finish."""
+        self.segment_start_ms = now_ms
+        if self.running:
+            self.step_ms = self.chunk_ms + self.sim.step_ms(len(self.running), self.num_context_tokens)
+            num_steps = min(self.num_chunks_left, min(seq.num_remaining_tokens for seq in self.running))
+        else:
+            self.step_ms, num_steps = self.chunk_ms, self.num_chunks_left
+        self._schedule_boundary(num_steps)
 
     def _advance(self, num_steps: int) -> None:
         """Account ``num_steps`` steps of the current segment to every running sequence."""
@@ -283,8 +306,9 @@ class DecodeInstance(Instance):
                 duration_ms = self.sim.begin_prefill(self, job, now_ms)
                 cache.acquire(keys, num_private, visible=False)  # published when it ends
                 self.mode, self.current = PREFILLING, job
-                self.version += 1
-                self.sim.schedule(now_ms + duration_ms, self.on_boundary, self.version)
+                self.num_chunks_left = self.sim.num_prefill_chunks(job.req)
+                self.chunk_ms = duration_ms / self.num_chunks_left
+                self._prefill_segment(now_ms)
                 return
         if self.running:
             self.mode = DECODING

@@ -372,6 +372,11 @@ class Simulation:
         self.queue_wait_ms[i] = now_ms - self.workload.arrival_ms[i] / self.rate_scale
         return transfer_ms + prefill_ms
 
+    def num_prefill_chunks(self, i: int) -> int:
+        """The mixed steps request ``i``'s prefill takes on a decode instance (its computed
+        suffix in chunks of ``baton_prefill_chunk_tokens``, at least one), as pricing counts them."""
+        return max(1, -(-int(self.num_computed_tokens[i]) // self.config.baton_prefill_chunk_tokens))
+
     def end_prefill(self, inst: Instance, job: Job, now_ms: float) -> None:
         """The KV connector writes every block of the prompt to the node's store; the worker
         reports the prefill to the conductor."""

@@ -54,21 +54,36 @@ def test_disaggregated_requests_follow_prefill_handoff_and_batch_steps():
     sim.check_invariants()
 
 
-def test_a_colocated_prefill_stalls_the_running_batch():
-    """Every request prefills on its decode instance (short_prefill_tokens above any prompt)."""
+def test_a_colocated_prefill_runs_as_mixed_steps_with_the_running_batch():
+    """Every request prefills on its decode instance (short_prefill_tokens above any prompt);
+    a prefill on a decoding instance is chunked as pricing assumes: each chunk one mixed step."""
     w = workload((0.0, 1000, 4, [1, 2]), (27.0, 1000, 2, [1, 3]))
     f = fleet(policy_overrides={"short_prefill_tokens": 10_000})
     sim = Simulation(w, f, PROFILE, "baton").run()
     assert sim.colocated.tolist() == [True, True]
     # A: prefill on the decode instance 0 -> 20, tokens at 25, 30, ...; B arrives at 27, so the
-    # next step boundary is 30; B's prefill (block 1 cached: 14.88 ms) runs 30 -> 44.88 while A
-    # waits; then both step together: tokens at 49.88 and 54.88.
-    assert sim.ttft_ms.tolist() == pytest.approx([25.0, 49.88 - 27.0])
+    # next step boundary is 30; B's prefill (block 1 cached: 14.88 ms, one chunk) is one mixed
+    # step with A's batch, 30 -> 49.88 (14.88 + A's 5 ms step; A's token at 49.88); then both
+    # step together: tokens at 54.88 and, B's second, 59.88.
+    assert sim.ttft_ms.tolist() == pytest.approx([25.0, 54.88 - 27.0])
     assert sim.max_gap_ms.tolist() == pytest.approx([19.88, 5.0])
     samples = sorted(zip(sim.tbt_values, sim.tbt_weights))
-    assert [value for value, _ in samples] == pytest.approx([5.0, 5.0, 19.88])
-    assert [weight for _, weight in samples] == [1, 2, 1]  # A: 25->30; A and B after the stall; A's stall
+    assert [value for value, _ in samples] == pytest.approx([5.0, 5.0, 5.0, 19.88])
+    assert [weight for _, weight in samples] == [1, 1, 1, 1]  # A: 25->30, 49.88->54.88; B; A's mixed step
     assert sim.transfer_ms.tolist() == [0.0, 0.0]
+
+
+def test_a_multi_chunk_colocated_prefill_steps_the_batch_once_per_chunk():
+    """Chunks of 256 tokens: B computes 512 uncached tokens (block 1 cached) in 2 mixed steps
+    of 14.88 / 2 + 5 = 12.44 ms each, and A gains a token at each."""
+    w = workload((0.0, 1000, 6, [1, 2]), (27.0, 1000, 2, [1, 3]))
+    f = fleet(policy_overrides={"short_prefill_tokens": 10_000, "baton_prefill_chunk_tokens": 256})
+    sim = Simulation(w, f, PROFILE, "baton").run()
+    assert sim.colocated.tolist() == [True, True]
+    # A: tokens at 25, 30; B's prefill 30 -> 54.88 in two mixed steps (A's tokens at 42.44 and
+    # 54.88); then both at 59.88.
+    assert sim.ttft_ms.tolist() == pytest.approx([25.0, 59.88 - 27.0])
+    assert sim.max_gap_ms.tolist() == pytest.approx([12.44, 5.0])
 
 
 def test_decode_admission_waits_for_memory():
