@@ -245,7 +245,8 @@ def status(
     if hidden:
         out.print(f"[dim]{hidden} columns hidden to fit {out.width} columns; --wide shows them[/dim]")
     c = pools.counters
-    out.print(f"placements: {c.placed} placed, {c.rejected} rejected early, {c.coalesced} coalesced, "
+    out.print(f"placements: {c.placed} placed, {c.rejected} rejected early, {c.coalesced} coalesced "
+              f"({c.coalesce_declined} declined as slower), "
               f"{c.colocated} colocated, {c.pulled} pulled, {c.index_corrections} index corrections")
     if pools.cost_model is not None:
         out.print(cost_model_line(pools.cost_model), highlight=False)

@@ -270,25 +270,45 @@ class Conductor:
 
     async def place(self, request: PlacementRequest) -> Placement:
         """Placement for one request. Raises ``NoWorkerReady`` when a pool has no ready instance
-        and ``Overloaded`` (before any prefill work) when the request would miss its SLOs."""
+        and ``Overloaded`` (before any prefill work) when the request would miss its SLOs.
+
+        A request whose next blocks an in-flight prefill is computing waits for it (bounded by
+        ``coalesce_max_wait_ms``) only when waiting and then prefilling the rest is predicted to
+        beat placing it now (``ConductorState.coalesce_wait``); the reason says which won."""
+        note = ""
         if self._config.coalesce:
-            owner = self.state.coalesce_target(request, self._config.coalesce_min_blocks)
-            if owner is not None:
-                await self._wait_for(owner)
+            wait = self.state.coalesce_wait(request, self._config.coalesce_min_blocks)
+            if wait is not None and wait.wins:
+                started = time.monotonic()
+                self.state.hold(wait)
+                try:
+                    waited = await self._wait_for(wait.owner)
+                finally:
+                    self.state.release(wait)
+                note = (f"{'coalesced' if waited else 'timed out'} after "
+                        f"{(time.monotonic() - started) * 1000.0:.0f} ms ({wait.describe()}); ")
+            elif wait is not None:
+                self.state.counters.coalesce_declined += 1
+                note = f"not coalesced ({wait.describe()}); "
         placement = self.state.place(request)
         if placement.pulled_from:
             placement = msgspec.structs.replace(
                 placement, pulled_from_node=self.state.node_of(placement.pulled_from))
+        if note:
+            placement = msgspec.structs.replace(placement, reason=note + placement.reason)
         return placement
 
-    async def _wait_for(self, owner: str) -> None:
+    async def _wait_for(self, owner: str) -> bool:
+        """Wait for ``owner``'s prefill to end; False when it did not within the bound."""
         event = self._prefill_events.setdefault(owner, asyncio.Event())
         try:
             await asyncio.wait_for(event.wait(), self._config.coalesce_max_wait_ms / 1000.0)
             self.state.counters.coalesced += 1
+            return True
         except asyncio.TimeoutError:
             log.info("coalescing: prefill %s did not finish within %.0f ms; placing without it",
                      owner, self._config.coalesce_max_wait_ms)
+            return False
 
     async def cost_model_error(self) -> dict[str, PredictionError | None]:
         """The calibrated models' errors ("prefill", "decode") on requests each was not fitted on

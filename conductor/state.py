@@ -39,6 +39,7 @@ from conductor.policy import (
     admit,
     with_prices,
 )
+from conductor.pricing import predicted_ttft_ms
 from conductor.sessions import SessionTable
 from conductor.snapshot import GroupedHits
 from protos.wire import Placement, PlacementRequest
@@ -116,10 +117,47 @@ class _Instance:
         self.queued_blocks -= -(-prefill.num_uncached_tokens // block_size)
 
 
+class CoalesceWait(msgspec.Struct, frozen=True):
+    """Waiting for an in-flight prefill of the same blocks, priced against placing now (ms)."""
+
+    owner: str
+    """The in-flight prefill's request id."""
+    instance_id: str
+    """Where it runs."""
+    wait_ms: float
+    """Predicted time until its blocks are computed."""
+    behind_ms: float
+    """Predicted work that will still be queued there then (booked after it, other waiters)."""
+    rest_ms: float
+    """Predicted prefill of the rest of the prompt, its blocks cached."""
+    now_ms: float
+    """Predicted TTFT of the policy's choice now (inf: it would be rejected)."""
+    now_instance: str
+    """That choice's prefill instance ('' when rejected)."""
+
+    @property
+    def total_ms(self) -> float:
+        return self.wait_ms + self.behind_ms + self.rest_ms
+
+    @property
+    def wins(self) -> bool:
+        """Waiting is predicted to reach the first token sooner than placing now."""
+        return self.total_ms < self.now_ms
+
+    def describe(self) -> str:
+        verdict = "<" if self.wins else ">="
+        return (f"coalesce on {self.owner} at {self.instance_id}: wait {self.wait_ms:.1f} + queue "
+                f"{self.behind_ms:.1f} + prefill {self.rest_ms:.1f} = {self.total_ms:.1f} ms "
+                f"{verdict} now {self.now_ms:.1f} ms at {self.now_instance or 'none (rejected)'}")
+
+
 class PlacementCounters(msgspec.Struct):
     placed: int = 0
     rejected: int = 0
     coalesced: int = 0
+    coalesce_declined: int = 0
+    """Requests that could have waited for an in-flight prefill of their blocks and were placed
+    at once, because waiting was priced slower (``ConductorState.coalesce_wait``)."""
     colocated: int = 0
     pulled: int = 0
     index_corrections: int = 0
@@ -162,6 +200,9 @@ class ConductorState:
         membership change."""
         self._inflight_keys: dict[bytes, str] = {}
         """Block key → the in-flight prefill computing it (the first one placed)."""
+        self._held_ms: dict[str, float] = {}
+        """Instance → predicted prefill time of the requests waiting to coalesce there
+        (``hold``): work that will join its queue when the prefill they wait for ends."""
         self.counters = PlacementCounters()
         make_router_state = ROUTER_STATES.get(policy)
         self.router_state = make_router_state(config) if make_router_state is not None else None
@@ -469,9 +510,9 @@ class ConductorState:
         if placement.decode_instance != placement.prefill_instance:  # co-located: refreshed already
             self._refresh_view(placement.decode_instance)
 
-    def coalesce_target(self, request: PlacementRequest, min_blocks: int) -> str | None:
-        """The in-flight prefill computing at least ``min_blocks`` of this request's blocks right
-        past what the index already holds, if any: waiting for it beats computing them again."""
+    def _coalesce_run(self, request: PlacementRequest) -> tuple[str, int, int] | None:
+        """(owner, start, run): the in-flight prefill computing this request's blocks right past
+        what the index already holds (``start`` blocks), and how many of them in a row."""
         keys = request.block_keys
         if not keys or not self._inflight_keys:
             return None
@@ -486,7 +527,69 @@ class ConductorState:
             if self._inflight_keys.get(key) != owner:
                 break
             run += 1
-        return owner if run >= min_blocks else None
+        return owner, start, run
+
+    def coalesce_target(self, request: PlacementRequest, min_blocks: int) -> str | None:
+        """The in-flight prefill computing at least ``min_blocks`` of this request's blocks right
+        past what the index already holds, if any: waiting for it saves computing them again."""
+        found = self._coalesce_run(request)
+        return found[0] if found is not None and found[2] >= min_blocks else None
+
+    def coalesce_wait(self, request: PlacementRequest, min_blocks: int) -> CoalesceWait | None:
+        """Waiting for the in-flight prefill ``coalesce_target`` names, priced against placing
+        now: None when there is no such prefill. Its ``wins`` says whether to wait.
+
+        The wait is the owner's predicted time left on its instance's queue book (what is
+        booked before it, and it, less what the instance has done since it started on them).
+        After it, the request prefills there behind what is booked after the owner and what
+        other waiters will add, with the owner's blocks cached. Placing now is the policy's own
+        priced choice on this snapshot, with nothing booked (an ``Overloaded`` choice costs
+        infinity: waiting is then the only way in)."""
+        found = self._coalesce_run(request)
+        if found is None or found[2] < min_blocks:
+            return None
+        owner, start, run = found
+        prefill = self._prefills.get(owner)
+        inst = self._instances.get(prefill.instance_id) if prefill is not None else None
+        if inst is None:
+            return None
+        now = self._clock()
+        ahead_ms = 0.0
+        for other in inst.prefills.values():
+            ahead_ms += other.predicted_ms
+            if other.request_id == owner:
+                break
+        oldest = next(iter(inst.prefills.values()))
+        busy_since = max(oldest.started_s, inst.last_done_s)
+        wait_ms = max(0.0, ahead_ms - (now - busy_since) * 1000.0)
+        behind_ms = max(0.0, inst.queued_ms - ahead_ms) + self._held_ms.get(prefill.instance_id, 0.0)
+        cached_tokens = min((start + run) * self.config.block_size_tokens, request.num_prompt_tokens)
+        rest_ms = self.config.prefill_cost.t_prefill_ms(request.num_prompt_tokens - cached_tokens,
+                                                        cached_tokens)
+        snapshot = self.snapshot(self._prefix_hits(request.block_keys), private=True)
+        try:
+            now_placement = with_prices(snapshot, request, self.config,
+                                        self._policy(snapshot, request, self.config))
+            admit(snapshot, request, self.config, now_placement)
+            now_ms = predicted_ttft_ms(now_placement.transfer_ms, now_placement.queue_ms,
+                                       now_placement.prefill_ms)
+            now_instance = now_placement.prefill_instance
+        except Overloaded:
+            now_ms, now_instance = float("inf"), ""
+        return CoalesceWait(owner, prefill.instance_id, wait_ms, behind_ms, rest_ms, now_ms,
+                            now_instance)
+
+    def hold(self, wait: CoalesceWait) -> None:
+        """A request waits on ``wait``: later waits for its instance price its prefill behind."""
+        self._held_ms[wait.instance_id] = self._held_ms.get(wait.instance_id, 0.0) + wait.rest_ms
+
+    def release(self, wait: CoalesceWait) -> None:
+        """The request ``hold`` counted stopped waiting (placed or given up)."""
+        left = self._held_ms.get(wait.instance_id, 0.0) - wait.rest_ms
+        if left > 1e-9:
+            self._held_ms[wait.instance_id] = left
+        else:
+            self._held_ms.pop(wait.instance_id, None)
 
     def prefill_done(self, request_id: str, num_cached_tokens: int | None,
                      prefill_ms: float | None = None) -> None:

@@ -12,8 +12,9 @@ index) only once the prefill computing it, or the pull bringing it, has ended.
 
 In-flight coalescing, for the policies in ``FleetConfig.coalesce_policies``, is the live
 conductor's: a request whose next blocks an in-flight prefill is computing
-(``ConductorState.coalesce_target``) waits for that prefill to end, or for
-``coalesce_max_wait_ms``, and is placed then; its TTFT counts the wait.
+waits for that prefill to end, or for ``coalesce_max_wait_ms``, when waiting is priced faster
+than placing now (``ConductorState.coalesce_wait``), and is placed then; its TTFT counts the
+wait.
 
 Prefill and transfer times are the ``price`` the policies predict with, evaluated on the caches
 as they are when the prefill starts (the queue in between may change them), times a seeded
@@ -40,7 +41,7 @@ from conductor.policy import (
     PrefixHit,
     price,
 )
-from conductor.state import ConductorState
+from conductor.state import CoalesceWait, ConductorState
 from protos.errors import BatonError
 from protos.wire import PlacementRequest
 from simulator.cache import BlockIndex, DeviceCache, NodeStore
@@ -178,6 +179,8 @@ class Simulation:
         self._waiters: dict[str, list[int]] = {}
         """In-flight request id → the requests held until its prefill ends."""
         self._held_since_ms: dict[int, float] = {}
+        self._holds: dict[int, CoalesceWait] = {}
+        """Request index → the priced wait it holds on its instance (``ConductorState.hold``)."""
         self.served = np.zeros(n, dtype=bool)
         self.rejected = np.zeros(n, dtype=bool)
         self.unservable = np.zeros(n, dtype=bool)
@@ -271,10 +274,12 @@ class Simulation:
             self.unservable[i] = True  # larger than any device: no placement can serve it
             return
         if self.coalesce:
-            owner = self.conductor.coalesce_target(self.workload.placement_requests[i],
-                                                   self.fleet.coalesce_min_blocks)
-            if owner is not None:
-                self._waiters.setdefault(owner, []).append(i)
+            wait = self.conductor.coalesce_wait(self.workload.placement_requests[i],
+                                                self.fleet.coalesce_min_blocks)
+            if wait is not None and wait.wins:  # priced against placing now, as live
+                self.conductor.hold(wait)
+                self._holds[i] = wait
+                self._waiters.setdefault(wait.owner, []).append(i)
                 self._held_since_ms[i] = now_ms
                 self.schedule(now_ms + self.fleet.coalesce_max_wait_ms, self._hold_expired, i)
                 return
@@ -286,6 +291,7 @@ class Simulation:
         for i in self._waiters.pop(request_id, ()):
             since = self._held_since_ms.pop(i, None)
             if since is not None:
+                self.conductor.release(self._holds.pop(i))
                 self.coalesce_wait_ms[i] = now_ms - since
                 self.coalesced[i] = True
                 self._place(i, now_ms)
@@ -293,6 +299,7 @@ class Simulation:
     def _hold_expired(self, now_ms: float, i: int) -> None:
         since = self._held_since_ms.pop(i, None)
         if since is not None:
+            self.conductor.release(self._holds.pop(i))
             self.coalesce_wait_ms[i] = now_ms - since
             self._place(i, now_ms)
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from conductor.cost_model import CostProfile, DecodeCostModel, PrefillCostModel, TransferModel
 from conductor.policy import LoadArrays, Overloaded, PolicyConfig, PoolArrays, PrefixHit
-from conductor.state import ConductorState
+from conductor.state import CoalesceWait, ConductorState
 from kvstore.keys import KeyExtras, block_keys
 from protos.errors import NoWorkerReady
 from protos.wire import PlacementRequest
@@ -107,6 +107,55 @@ def test_coalescing_targets_the_prefill_computing_the_same_blocks():
     assert state.coalesce_target(request("c", list(range(9000, 9000 + 8 * BS))), 1) is None
     state.prefill_done("a", 0)
     assert state.coalesce_target(follower, min_blocks=1) is None  # its blocks are indexed now
+
+
+def test_waiting_to_coalesce_is_priced_against_placing_now():
+    state, clock = make()
+    state.place(request("a", PROMPT))  # p0: 128 ms
+    state.place(request("z", list(range(5000, 5000 + 16 * BS))))  # p1: 256 ms
+    follower = request("b", PROMPT + list(range(3, 3 + BS)))
+    wait = state.coalesce_wait(follower, min_blocks=4)
+    # now: behind a on p0 (128 + 144) beats behind z on p1 (256 + 144); waiting: a's 128 ms,
+    # then only the new block (16 ms)
+    assert wait == CoalesceWait("a", "p0", 128.0, 0.0, 16.0, 272.0, "p0")
+    assert wait.wins and wait.total_ms == 144.0
+    clock.now += 0.05  # p0 has worked 50 ms on a
+    assert state.coalesce_wait(follower, min_blocks=4).wait_ms == pytest.approx(78.0)
+    assert state.coalesce_wait(follower, min_blocks=9) is None  # only 8 blocks are shared
+    assert state.counters.placed == 2  # pricing books nothing
+
+
+def test_an_idle_instance_beats_waiting_behind_a_long_queue():
+    state, _ = make()
+    state.place(request("big", list(range(20000, 21000))))  # p0: 1000 ms
+    state.place(request("big2", list(range(30000, 31000))))  # p1: 1000 ms
+    owner = state.place(request("a", PROMPT))
+    assert owner.prefill_instance == "p0"
+    state.prefill_done("big2", 0)  # p1 is idle now
+    wait = state.coalesce_wait(request("b", PROMPT + list(range(3, 3 + BS))), min_blocks=4)
+    assert wait == CoalesceWait("a", "p0", 1128.0, 0.0, 16.0, 144.0, "p1")
+    assert not wait.wins
+
+
+def test_requests_waiting_on_one_prefill_queue_behind_each_other():
+    state, _ = make()
+    state.place(request("a", PROMPT))
+    first = state.coalesce_wait(request("b", PROMPT + list(range(3, 3 + BS))), min_blocks=4)
+    state.hold(first)
+    second = state.coalesce_wait(request("c", PROMPT + list(range(7, 7 + 2 * BS))), min_blocks=4)
+    assert (second.wait_ms, second.behind_ms, second.rest_ms) == (128.0, 16.0, 32.0)
+    state.release(first)
+    assert state.coalesce_wait(request("c", PROMPT + list(range(7, 7 + 2 * BS))), 4).behind_ms == 0.0
+
+
+def test_a_request_that_placing_now_would_reject_waits():
+    state, _ = make(ttft_slo_ms=150.0)
+    state.place(request("a", PROMPT))  # 128 ms on p0
+    # now: 160 ms on p1, over the SLO; after a: only the 2 new blocks (32 ms)
+    wait = state.coalesce_wait(request("b", PROMPT + list(range(3, 3 + 2 * BS))), min_blocks=4)
+    assert (wait.now_ms, wait.now_instance, wait.total_ms) == (float("inf"), "", 160.0)
+    assert wait.wins
+    assert state.counters.rejected == 0  # the priced alternative is not a rejection
 
 
 def test_admission_rejects_before_booking_anything():

@@ -63,26 +63,38 @@ def coalescing_pair():
 
 
 def test_coalescing_holds_a_request_until_the_prefill_of_its_prefix_ends():
-    """A prefills 0 -> 10 + 20.48 = 30.48 ms; B waits 25.48 ms for it, then runs on p0 with the
-    4 blocks local: 10 + 512 x 0.01 = 15.12 ms."""
-    f = fleet(num_prefill_instances=2, policy_overrides={"short_prefill_tokens": 0})
+    """One prefill instance. A prefills 0 -> 10 + 20.48 = 30.48 ms; B waits 25.48 ms for it
+    (priced 25.48 + 15.12 = 40.6 ms against 25.48 + 35.6 = 61.08 ms behind A), then runs with
+    the 4 blocks local: 10 + 512 x 0.01 = 15.12 ms."""
+    f = fleet(num_prefill_instances=1, policy_overrides={"short_prefill_tokens": 0})
     sim = Simulation(coalescing_pair(), f, PROFILE, "baton").run()
     assert sim.coalesced.tolist() == [False, True]
     assert sim.coalesce_wait_ms.tolist() == pytest.approx([0.0, 25.48])
     assert sim.num_cached_blocks.tolist() == [0, 4]
     assert sim.prefill_ms.tolist() == pytest.approx([30.48, 15.12])
     assert summarize(sim).num_coalesced == 1
-    # the switch: without coalescing B computes everything on the idle instance at once
+    # the switch: without coalescing B is queued behind A at once, and A's blocks are visible
+    # when its prefill starts (one instance: the queue does what the wait did)
     off = Simulation(coalescing_pair(), f.model_copy(update={"coalesce_policies": ()}), PROFILE, "baton").run()
-    assert off.coalesced.tolist() == [False, False] and off.num_cached_blocks.tolist() == [0, 0]
-    assert off.prefill_ms.tolist() == pytest.approx([30.48, 35.6])
+    assert off.coalesced.tolist() == [False, False] and off.coalesce_wait_ms.tolist() == [0.0, 0.0]
+    assert off.num_cached_blocks.tolist() == [0, 4]
+
+
+def test_an_idle_instance_priced_faster_than_waiting_takes_the_request_at_once():
+    """Two prefill instances: waiting (40.6 ms) loses to the idle one (35.6 ms), as live."""
+    f = fleet(num_prefill_instances=2, policy_overrides={"short_prefill_tokens": 0})
+    sim = Simulation(coalescing_pair(), f, PROFILE, "baton").run()
+    assert sim.coalesced.tolist() == [False, False] and sim.coalesce_wait_ms.tolist() == [0.0, 0.0]
+    assert sim.num_cached_blocks.tolist() == [0, 0]
+    assert sim.prefill_ms.tolist() == pytest.approx([30.48, 35.6])
 
 
 def test_coalescing_gives_up_after_its_longest_wait():
-    f = fleet(num_prefill_instances=2, coalesce_max_wait_ms=10.0, policy_overrides={"short_prefill_tokens": 0})
+    f = fleet(num_prefill_instances=1, coalesce_max_wait_ms=10.0, policy_overrides={"short_prefill_tokens": 0})
     sim = Simulation(coalescing_pair(), f, PROFILE, "baton").run()
     assert sim.coalesced.tolist() == [False, False] and sim.coalesce_wait_ms[1] == pytest.approx(10.0)
-    assert sim.num_cached_blocks.tolist() == [0, 0]  # at 15 ms A is still computing
+    # placed at 15 ms, while A still computes, behind A: its blocks are there when B starts
+    assert sim.num_cached_blocks.tolist() == [0, 4]
 
 
 @pytest.mark.parametrize("mean_abs_error", [0.058, 0.1, 0.276, 0.3])
