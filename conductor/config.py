@@ -34,7 +34,8 @@ class ConductorConfig(BaseModel):
     )
     coalesce: bool = Field(
         True, description="Requests sharing a prefix that is being prefilled right now wait for it "
-        "instead of computing it again."
+        "instead of computing it again, when waiting, the queue behind it and the rest of the "
+        "prompt are priced faster than placing the request now."
     )
     coalesce_min_blocks: int = Field(
         4, ge=1, description="Wait only when at least this many of the request's blocks are being "
