@@ -105,6 +105,13 @@ class _Instance:
         self.queued_tokens += prefill.num_uncached_tokens
         self.queued_blocks += -(-prefill.num_uncached_tokens // block_size)
 
+    def busy_since(self) -> float:
+        """Since when it has worked on its booked prefills: the oldest one's placement, or its
+        last completion if later (before that it was busy with requests gone from the book).
+        Only for an instance with prefills booked."""
+        oldest = next(iter(self.prefills.values()))
+        return max(oldest.started_s, self.last_done_s)
+
     def pop_prefill(self, request_id: str, block_size: int) -> None:
         prefill = self.prefills.pop(request_id, None)
         if prefill is None:
@@ -200,8 +207,8 @@ class ConductorState:
         membership change."""
         self._inflight_keys: dict[bytes, str] = {}
         """Block key → the in-flight prefill computing it (the first one placed)."""
-        self._held_ms: dict[str, float] = {}
-        """Instance → predicted prefill time of the requests waiting to coalesce there
+        self._held_ms: dict[str, list[float]] = {}
+        """Instance → predicted prefill time of each request waiting to coalesce there
         (``hold``): work that will join its queue when the prefill they wait for ends."""
         self.counters = PlacementCounters()
         make_router_state = ROUTER_STATES.get(policy)
@@ -333,14 +340,10 @@ class ConductorState:
 
     @staticmethod
     def _queued_ms(inst: _Instance, now: float) -> float:
-        """Predicted work queued, less what the instance has done on it: since the oldest of
-        it was placed, or since its last completion if later (before that it was busy with
-        requests that are gone from the book)."""
+        """Predicted work queued, less what the instance has done on it (since ``busy_since``)."""
         if not inst.prefills:
             return 0.0
-        oldest = next(iter(inst.prefills.values()))
-        busy_since = max(oldest.started_s, inst.last_done_s)
-        return max(0.0, inst.queued_ms - (now - busy_since) * 1000.0)
+        return max(0.0, inst.queued_ms - (now - inst.busy_since()) * 1000.0)
 
     def _refresh_view(self, instance_id: str, now: float | None = None) -> None:
         inst = self._instances[instance_id]
@@ -510,9 +513,17 @@ class ConductorState:
         if placement.decode_instance != placement.prefill_instance:  # co-located: refreshed already
             self._refresh_view(placement.decode_instance)
 
-    def _coalesce_run(self, request: PlacementRequest) -> tuple[str, int, int] | None:
-        """(owner, start, run): the in-flight prefill computing this request's blocks right past
-        what the index already holds (``start`` blocks), and how many of them in a row."""
+    def coalesce_wait(self, request: PlacementRequest, min_blocks: int) -> CoalesceWait | None:
+        """Waiting for the in-flight prefill computing at least ``min_blocks`` of this request's
+        blocks right past what the index already holds, priced against placing now: None when
+        there is no such prefill. Its ``wins`` says whether to wait.
+
+        The wait is the owner's predicted time left on its instance's queue book (what is
+        booked before it, and it, less what the instance has done since it started on them).
+        After it, the request prefills there behind what is booked after the owner and what
+        other waiters will add (``hold``), with the owner's blocks cached. Placing now is the
+        policy's own priced choice on this snapshot, with nothing booked (an ``Overloaded``
+        choice costs infinity: waiting is then the only way in)."""
         keys = request.block_keys
         if not keys or not self._inflight_keys:
             return None
@@ -527,31 +538,9 @@ class ConductorState:
             if self._inflight_keys.get(key) != owner:
                 break
             run += 1
-        return owner, start, run
-
-    def coalesce_target(self, request: PlacementRequest, min_blocks: int) -> str | None:
-        """The in-flight prefill computing at least ``min_blocks`` of this request's blocks right
-        past what the index already holds, if any: waiting for it saves computing them again."""
-        found = self._coalesce_run(request)
-        return found[0] if found is not None and found[2] >= min_blocks else None
-
-    def coalesce_wait(self, request: PlacementRequest, min_blocks: int) -> CoalesceWait | None:
-        """Waiting for the in-flight prefill ``coalesce_target`` names, priced against placing
-        now: None when there is no such prefill. Its ``wins`` says whether to wait.
-
-        The wait is the owner's predicted time left on its instance's queue book (what is
-        booked before it, and it, less what the instance has done since it started on them).
-        After it, the request prefills there behind what is booked after the owner and what
-        other waiters will add, with the owner's blocks cached. Placing now is the policy's own
-        priced choice on this snapshot, with nothing booked (an ``Overloaded`` choice costs
-        infinity: waiting is then the only way in)."""
-        found = self._coalesce_run(request)
-        if found is None or found[2] < min_blocks:
-            return None
-        owner, start, run = found
         prefill = self._prefills.get(owner)
         inst = self._instances.get(prefill.instance_id) if prefill is not None else None
-        if inst is None:
+        if run < min_blocks or inst is None:
             return None
         now = self._clock()
         ahead_ms = 0.0
@@ -559,14 +548,13 @@ class ConductorState:
             ahead_ms += other.predicted_ms
             if other.request_id == owner:
                 break
-        oldest = next(iter(inst.prefills.values()))
-        busy_since = max(oldest.started_s, inst.last_done_s)
-        wait_ms = max(0.0, ahead_ms - (now - busy_since) * 1000.0)
-        behind_ms = max(0.0, inst.queued_ms - ahead_ms) + self._held_ms.get(prefill.instance_id, 0.0)
+        wait_ms = max(0.0, ahead_ms - (now - inst.busy_since()) * 1000.0)
+        held_ms = sum(self._held_ms.get(prefill.instance_id, ()))
+        behind_ms = max(0.0, inst.queued_ms - ahead_ms) + held_ms
         cached_tokens = min((start + run) * self.config.block_size_tokens, request.num_prompt_tokens)
         rest_ms = self.config.prefill_cost.t_prefill_ms(request.num_prompt_tokens - cached_tokens,
                                                         cached_tokens)
-        snapshot = self.snapshot(self._prefix_hits(request.block_keys), private=True)
+        snapshot = self.snapshot(hits, private=True)
         try:
             now_placement = with_prices(snapshot, request, self.config,
                                         self._policy(snapshot, request, self.config))
@@ -581,15 +569,15 @@ class ConductorState:
 
     def hold(self, wait: CoalesceWait) -> None:
         """A request waits on ``wait``: later waits for its instance price its prefill behind."""
-        self._held_ms[wait.instance_id] = self._held_ms.get(wait.instance_id, 0.0) + wait.rest_ms
+        self._held_ms.setdefault(wait.instance_id, []).append(wait.rest_ms)
 
     def release(self, wait: CoalesceWait) -> None:
         """The request ``hold`` counted stopped waiting (placed or given up)."""
-        left = self._held_ms.get(wait.instance_id, 0.0) - wait.rest_ms
-        if left > 1e-9:
-            self._held_ms[wait.instance_id] = left
-        else:
-            self._held_ms.pop(wait.instance_id, None)
+        held = self._held_ms.get(wait.instance_id)
+        if held is not None:
+            held.remove(wait.rest_ms)
+            if not held:
+                del self._held_ms[wait.instance_id]
 
     def prefill_done(self, request_id: str, num_cached_tokens: int | None,
                      prefill_ms: float | None = None) -> None:

@@ -102,11 +102,11 @@ def test_coalescing_targets_the_prefill_computing_the_same_blocks():
     state, _ = make()
     state.place(request("a", PROMPT))
     follower = request("b", PROMPT + list(range(3, 3 + BS)))
-    assert state.coalesce_target(follower, min_blocks=4) == "a"
-    assert state.coalesce_target(follower, min_blocks=9) is None  # only 8 blocks are shared
-    assert state.coalesce_target(request("c", list(range(9000, 9000 + 8 * BS))), 1) is None
+    assert state.coalesce_wait(follower, min_blocks=4).owner == "a"
+    assert state.coalesce_wait(follower, min_blocks=9) is None  # only 8 blocks are shared
+    assert state.coalesce_wait(request("c", list(range(9000, 9000 + 8 * BS))), 1) is None
     state.prefill_done("a", 0)
-    assert state.coalesce_target(follower, min_blocks=1) is None  # its blocks are indexed now
+    assert state.coalesce_wait(follower, min_blocks=1) is None  # its blocks are indexed now
 
 
 def test_waiting_to_coalesce_is_priced_against_placing_now():
@@ -121,7 +121,6 @@ def test_waiting_to_coalesce_is_priced_against_placing_now():
     assert wait.wins and wait.total_ms == 144.0
     clock.now += 0.05  # p0 has worked 50 ms on a
     assert state.coalesce_wait(follower, min_blocks=4).wait_ms == pytest.approx(78.0)
-    assert state.coalesce_wait(follower, min_blocks=9) is None  # only 8 blocks are shared
     assert state.counters.placed == 2  # pricing books nothing
 
 
