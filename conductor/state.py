@@ -354,7 +354,7 @@ class ConductorState:
         # positional, in InstanceView's field order: keyword parsing was a visible share of this
         self._views[instance_id] = view = InstanceView(
             instance_id,
-            len(inst.prefills) + len(inst.decodes),  # num_running_reqs
+            self._num_running(inst),  # num_running_reqs
             inst.num_waiting_reqs,
             inst.ready and not inst.draining,  # ready
             inst.queued_tokens,  # num_queued_prefill_tokens
@@ -376,6 +376,14 @@ class ConductorState:
         else:
             self._unready[inst.role].add(instance_id)
         self._pools[inst.role] = None
+
+    @staticmethod
+    def _num_running(inst: _Instance) -> int:
+        """Requests booked on ``inst``: a co-located request has a prefill and a decode booked
+        there and is one request (counted twice, it priced the decode batch one sequence too
+        big for every prefill in flight)."""
+        both = sum(1 for request_id in inst.prefills if request_id in inst.decodes) if inst.decodes else 0
+        return len(inst.prefills) + len(inst.decodes) - both
 
     def snapshot(self, prefix_hits: dict | RunGroups | None = None, private: bool = False) -> ClusterSnapshot:
         """The pools now. A snapshot is the caller's to keep: later changes do not reach it.

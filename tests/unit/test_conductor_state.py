@@ -252,6 +252,20 @@ def test_a_cluster_without_prefill_instances_places_every_request_on_a_decode_in
         state.place(request("c", PROMPT))
 
 
+def test_a_colocated_request_counts_once_among_its_instances_running_requests():
+    state = decode_pool_only()
+    state.place(request("a", PROMPT))  # prefill and decode both booked on d0
+    state.place(request("b", list(range(5000, 5000 + 8 * BS))))  # on d1
+    state.place(request("c", list(range(9000, 9000 + 8 * BS))))  # back on d0
+    running = {v.instance_id: v.num_running_reqs for v in state.snapshot().decode}
+    assert running == {"d0": 2, "d1": 1}
+    assert state.in_flight_on("d0") == (2, 2)
+    state.prefill_done("a", 0)  # a decodes on; only c still prefills
+    assert {v.instance_id: v.num_running_reqs for v in state.snapshot().decode} == {"d0": 2, "d1": 1}
+    state.finished("a")
+    assert {v.instance_id: v.num_running_reqs for v in state.snapshot().decode} == {"d0": 1, "d1": 1}
+
+
 def test_measured_load_bandwidth_moves_the_priced_same_node_link():
     state, _ = make()
     assert state.config.transfer.same_node.bytes_per_s == 3e9
