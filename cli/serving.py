@@ -217,7 +217,7 @@ def profile(
     out.write_text(result.model_dump_json(indent=2) + "\n")
     p = result.prefill
     print(f"prefill ms = {p.intercept_ms:.2f} + {p.per_token_ms:.4f}*u + {p.per_token_sq_ms:.2e}*u^2 "
-          f"+ {p.per_token_cached_ms:.2e}*u*c")
+          f"+ {p.per_token_cached_ms:.2e}*u*c + {p.per_cached_token_ms:.4f}*c")
     e = result.prefill_error_pct
     print(f"held-out prefill error: median {e['median']:.1f}%, p90 {e['p90']:.1f}% "
           f"({len(result.samples) - result.num_fitted_samples} prefills never fitted: off the grid "

