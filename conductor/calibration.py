@@ -10,6 +10,13 @@ next refit uses, so every reported error is on a request the model had not seen.
 (``cost_model.nonnegative_relative_fit``); a window the fit cannot use (too few, or no spread)
 keeps the current model, and so does a refit that predicts its own window worse than it.
 
+Engines' warm-up measurements (``engine.warmup``) are anchors: kept in every refit's window
+beside the live ones, because they span uncached and cached tokens where one workload's
+prefills may not (an agent fleet's all sit near one cached length, and a fit of those alone
+extrapolated 2x wrong), and, while the model is still the placeholders', fitted at once, so
+the first request is priced with this machine's figures. Errors are still only counted on live
+measurements, each predicted before it joins a fit.
+
 Pure mechanism, no I/O: the conductor's state feeds it and reads the models back.
 """
 
@@ -24,6 +31,9 @@ from conductor.cost_model import DecodeCostModel, PrefillCostModel, PrefillSampl
 from protos.wire import PredictionError
 
 __all__ = ["CostCalibration", "PredictionError"]
+
+MAX_ANCHORS = 64
+"""Warm-up measurements kept as anchors (the newest; an engine brings about seven)."""
 
 
 def _window_error(predict, samples) -> float:
@@ -51,12 +61,30 @@ class CostCalibration:
         self.prefill, self.decode = prefill, decode
         self._window, self._min_samples, self._refit_every = window, min_samples, refit_every
         self._prefills: deque[PrefillSample] = deque(maxlen=window)
+        self._anchors: deque[PrefillSample] = deque(maxlen=MAX_ANCHORS)
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._prefill_errors: deque[float] = deque(maxlen=error_window)
         self._step_errors: deque[float] = deque(maxlen=error_window)
         self._since_prefill_fit = self._since_step_fit = 0
         self.num_prefill_refits = self.num_decode_refits = 0
         self._prefill_fitted = self._decode_fitted = fitted
+
+    def add_anchors(self, samples) -> bool:
+        """An engine's warm-up measurements (``MeasuredPrefill``s): anchors of every later
+        refit; True when they replaced the placeholder model (fitted at once, then)."""
+        for m in samples:
+            if m.prefill_ms > 0 and m.uncached_tokens >= 0 and m.cached_tokens >= 0:
+                self._anchors.append(PrefillSample(uncached_tokens=m.uncached_tokens,
+                                                   cached_tokens=m.cached_tokens, prefill_ms=m.prefill_ms))
+        if self._prefill_fitted:
+            return False
+        try:
+            self.prefill = PrefillCostModel.fit([*self._anchors, *self._prefills])
+        except ValueError:  # too few or no spread: the placeholders stay until live refits
+            return False
+        self._prefill_fitted = True
+        self.num_prefill_refits += 1
+        return True
 
     def observe_prefill(self, uncached_tokens: int, cached_tokens: int, prefill_ms: float) -> bool:
         """One measured prefill; True when it refitted the prefill model."""
@@ -71,12 +99,13 @@ class CostCalibration:
         if len(self._prefills) < self._min_samples or self._since_prefill_fit < self._refit_every:
             return False
         self._since_prefill_fit = 0
+        window = [*self._anchors, *self._prefills]
         try:
-            refit = PrefillCostModel.fit(self._prefills)
+            refit = PrefillCostModel.fit(window)
         except ValueError:  # no spread to fit on yet: keep predicting with what we have
             return False
-        if self._prefill_fitted and _window_error(refit.t_prefill_ms, self._prefills) > _window_error(
-                self.prefill.t_prefill_ms, self._prefills):
+        if self._prefill_fitted and _window_error(refit.t_prefill_ms, window) > _window_error(
+                self.prefill.t_prefill_ms, window):
             return False  # worse on its own window than the model it would replace
         self.prefill, self._prefill_fitted = refit, True
         self.num_prefill_refits += 1

@@ -134,6 +134,7 @@ class Conductor:
                                      self.state.config.kv_bytes_per_token)
         if joining.replay_endpoint:
             self._replay_endpoints[joining.instance_id] = joining.replay_endpoint
+        self.state.observe_warmup(joining.warmup_prefills)
 
     async def add_store_node(self, node_id: str, events_endpoint: str, replay_endpoint: str = "",
                              actor_name: str = "") -> None:

@@ -587,6 +587,14 @@ class ConductorState:
             if not held:
                 del self._held_ms[wait.instance_id]
 
+    def observe_warmup(self, samples) -> None:
+        """An engine's warm-up prefills (``Registration.warmup_prefills``) for the calibration:
+        anchors of its refits, and the first fit when the model is still the placeholders'."""
+        if self.calibration is not None and samples and self.calibration.add_anchors(samples):
+            self.config = self.config.model_copy(update={"prefill_cost": self.calibration.prefill})
+            log.info("prefill cost model fitted on %d warm-up prefills: %s", len(samples),
+                     self.calibration.prefill)
+
     def prefill_done(self, request_id: str, num_cached_tokens: int | None,
                      prefill_ms: float | None = None) -> None:
         """The prefill of ``request_id`` finished (``num_cached_tokens`` as the engine reported)

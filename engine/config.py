@@ -69,6 +69,11 @@ class EngineConfig(BaseModel):
         "kv_lookup_wait_max_ms) before it is asked again on the next step.")
     kv_lookup_wait_max_ms: float = Field(
         3.0, ge=0, description="The cap on kv_lookup_wait_step_fraction's wait (ms).")
+    warm_up: bool = Field(
+        True, description="Before taking requests, each engine runs a few prefills of random "
+        "tokens (about 2.4x min(2048, half the context) tokens: ~3 s on a CPU core): the first "
+        "request does not pay a cold engine's first steps, and the conductor's cost model fits "
+        "this machine's prefill times from them when no profile was given (engine.warmup).")
     omp_threads_bind: str = Field(
         "auto",
         description="CPU only: cores for an engine's OpenMP threads ('auto': one core per "

@@ -113,7 +113,7 @@ def request_transfer_params(request: EngineRequest) -> dict[str, Any] | None:
     """What the connector needs of ``request`` beyond its tokens, as vLLM carries it per request
     (``SamplingParams.extra_args["kv_transfer_params"]`` becomes ``Request.kv_transfer_params``):
     the prompt's block keys hashed at the gateway, whether to look its blocks up in the
-    store at all, and the token offset its salt applies from (``cache_salt_offset``: the
+    store at all and to save them there, and the token offset its salt applies from (``cache_salt_offset``: the
     connector keys what it hashes itself, its output blocks, under the same segments). None
     when there is nothing to carry."""
     carried: dict[str, Any] = {}
@@ -123,6 +123,8 @@ def request_transfer_params(request: EngineRequest) -> dict[str, Any] | None:
                        block_size=blocks.block_size_tokens, keys=blocks.keys)
     if not request.store_lookup:
         carried["lookup"] = False
+    if not request.store_save:
+        carried["save"] = False
     if request.cache_salt_offset:
         carried["cache_salt_offset"] = request.cache_salt_offset
     return {PARAMS_KEY: carried} if carried else None

@@ -88,6 +88,8 @@ class _RequestState:
     num_prompt_tokens: int
     lookup: bool = True
     """False: the placement expects nothing cached, so the store is not asked (a round trip)."""
+    save: bool = True
+    """False: none of its blocks is written to the store (``EngineRequest.store_save``)."""
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0
     pinned: list[BlockKey] = field(default_factory=list)
@@ -151,9 +153,11 @@ class ConnectorSchedulerHalf:
         state = self._requests.get(request.request_id)
         if state is None:
             prompt = request.prompt_token_ids or []
+            carried = _carried(request)
             state = _RequestState(keys=self._prompt_keys(request, prompt),
                                   num_prompt_tokens=len(prompt),
-                                  lookup=_carried(request).get("lookup", True) is not False)
+                                  lookup=carried.get("lookup", True) is not False,
+                                  save=carried.get("save", True) is not False)
             self._requests[request.request_id] = state
         return state
 
@@ -355,6 +359,8 @@ class ConnectorSchedulerHalf:
             computed[req_id] = cached.num_computed_tokens[i]
         for req_id, num_computed in computed.items():
             state = self._requests[req_id]
+            if not state.save:
+                continue
             done_tokens = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             done_tokens = min(done_tokens, state.num_prompt_tokens)
             # full blocks once computed; the partial tail once the whole prompt is
@@ -423,7 +429,7 @@ class ConnectorSchedulerHalf:
             self._unpin_keys(state.keys[: len(answer.slots)], answer.arena_path)
             state.lookup_sent = None
         self._send_unpins()  # finished between steps, maybe the last: not left for the next
-        if self._saves and request.num_output_tokens > 0:
+        if self._saves and state.save and request.num_output_tokens > 0:
             output = self._output_saves(request, state, block_ids)
             if output is not None:
                 self._final_saves.append(output)

@@ -100,6 +100,9 @@ class EngineRequest(msgspec.Struct, frozen=True):
     """The scoped session id ("s-..." , '' for none): the conductor's session table key."""
     expected_next_step_s: float = 0.0
     """The client's estimate of the seconds until the session's next step; 0: unknown."""
+    store_save: bool = True
+    """False: the engine's connector writes none of this request's blocks to the store (an
+    engine's own warm-up prompts, random tokens no request will ask for)."""
 
 
 class PlacementRequest(msgspec.Struct, frozen=True):
@@ -440,6 +443,15 @@ class FrontAddresses(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------- actor calls (no raw dicts)
 
 
+class MeasuredPrefill(msgspec.Struct, frozen=True):
+    """One prefill an engine timed: its uncached and cached prompt tokens and the engine's own
+    prefill time (scheduled to first token), in ms."""
+
+    uncached_tokens: int
+    cached_tokens: int
+    prefill_ms: float
+
+
 class Registration(msgspec.Struct, frozen=True):
     """An engine instance joining the conductor once its engine is up (``Conductor.register``)."""
 
@@ -453,6 +465,9 @@ class Registration(msgspec.Struct, frozen=True):
     """Its KV key layout tag (``kvstore.keys.kv_layout_tag``: dtype and block size)."""
     replay_endpoint: str = ""
     """Where its engine's KV-event replay buffer answers ('' without one)."""
+    warmup_prefills: tuple[MeasuredPrefill, ...] = ()
+    """The prefills its warm-up timed (``engine.warmup``; empty with ``engine.warm_up`` off):
+    the conductor's cost model fits from them when no profile was given."""
 
 
 class PoolSizes(msgspec.Struct, frozen=True):

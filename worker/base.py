@@ -17,7 +17,14 @@ from engine.models import PreparedModel
 from engine.runner import EngineRunner
 from kvstore.attach import StoreWiring
 from kvstore.redis_server import free_port
-from protos.wire import CallCounts, ConnectorCounters, EngineRequest, InstanceStats, Registration
+from protos.wire import (
+    CallCounts,
+    ConnectorCounters,
+    EngineRequest,
+    InstanceStats,
+    MeasuredPrefill,
+    Registration,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,18 @@ class EngineWorker:
             cores = bind_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
             log.info("%s %s: engine threads on cores %s", self.role, instance_id, cores or "any")
         self.runner = EngineRunner(args)
+        self.warmup_prefills: tuple[MeasuredPrefill, ...] = ()
+        if config.warm_up:
+            from engine.warmup import warm_up
+
+            _, block_size = self.runner.kv_layout()
+            max_len = min(config.max_model_len_tokens or model.max_model_len, model.max_model_len)
+            warm_started = time.perf_counter()
+            self.warmup_prefills = warm_up(self.runner, max_len, block_size)
+            log.info("%s %s: warm-up of %d prefills in %.1f s: %s", self.role, instance_id,
+                     len(self.warmup_prefills), time.perf_counter() - warm_started,
+                     ", ".join(f"{p.uncached_tokens}/{p.cached_tokens} {p.prefill_ms:.0f} ms"
+                               for p in self.warmup_prefills))
         self.engine_start_s = time.perf_counter() - started
         if conductor is not None:
             self._register(conductor, store, events)
@@ -96,7 +115,7 @@ class EngineWorker:
         handle = ray.get_actor(conductor.actor_name, namespace=conductor.namespace)
         ray.get(handle.register.remote(Registration(
             self.instance_id, self.role, store.node_id if store else "", self.model.name,
-            kv_layout_tag(dtype, block_size), events.replay_endpoint,
+            kv_layout_tag(dtype, block_size), events.replay_endpoint, self.warmup_prefills,
         )))
 
     def key_extras(self, request: EngineRequest):
