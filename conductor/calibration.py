@@ -10,12 +10,14 @@ next refit uses, so every reported error is on a request the model had not seen.
 (``cost_model.nonnegative_relative_fit``); a window the fit cannot use (too few, or no spread)
 keeps the current model, and so does a refit that predicts its own window worse than it.
 
-Engines' warm-up measurements (``engine.warmup``) are anchors: kept in every refit's window
-beside the live ones, because they span uncached and cached tokens where one workload's
-prefills may not (an agent fleet's all sit near one cached length, and a fit of those alone
-extrapolated 2x wrong), and, while the model is still the placeholders', fitted at once, so
-the first request is priced with this machine's figures. Errors are still only counted on live
-measurements, each predicted before it joins a fit.
+Engines' warm-up measurements (``engine.warmup``) start the model when no profile was given:
+while no live refit has happened, the warm-up prefills every engine reported so far are fitted
+at once, so the first requests are priced with this machine's figures instead of placeholders
+(which priced 87 new tokens over 1,408 cached at 45 ms where they take ~135 ms). They do not
+join live refits: measured while the engines start side by side, they ran up to 1.7x slower
+than the same prefills under live traffic, and kept in the window they held the live error at
+a 22% median where live refits alone reach 5%. Errors are only counted on live measurements,
+each predicted before it joins a fit.
 
 Pure mechanism, no I/O: the conductor's state feeds it and reads the models back.
 """
@@ -32,8 +34,8 @@ from protos.wire import PredictionError
 
 __all__ = ["CostCalibration", "PredictionError"]
 
-MAX_ANCHORS = 64
-"""Warm-up measurements kept as anchors (the newest; an engine brings about seven)."""
+MAX_WARMUP_SAMPLES = 64
+"""Warm-up measurements kept for the first fit (the newest; an engine brings about seven)."""
 
 
 def _window_error(predict, samples) -> float:
@@ -61,29 +63,31 @@ class CostCalibration:
         self.prefill, self.decode = prefill, decode
         self._window, self._min_samples, self._refit_every = window, min_samples, refit_every
         self._prefills: deque[PrefillSample] = deque(maxlen=window)
-        self._anchors: deque[PrefillSample] = deque(maxlen=MAX_ANCHORS)
+        self._warmup: deque[PrefillSample] = deque(maxlen=MAX_WARMUP_SAMPLES)
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._prefill_errors: deque[float] = deque(maxlen=error_window)
         self._step_errors: deque[float] = deque(maxlen=error_window)
         self._since_prefill_fit = self._since_step_fit = 0
         self.num_prefill_refits = self.num_decode_refits = 0
         self._prefill_fitted = self._decode_fitted = fitted
+        self._warm_started = False
+        """The prefill model is a warm start's fit (later warm-ups refine it, live refits end it)."""
 
-    def add_anchors(self, samples) -> bool:
-        """An engine's warm-up measurements (``MeasuredPrefill``s): anchors of every later
-        refit; True when they replaced the placeholder model (fitted at once, then)."""
+    def warm_start(self, samples) -> bool:
+        """An engine's warm-up measurements (``MeasuredPrefill``s); True when they (with the
+        other engines' so far) replaced the prefill model: only while it is the placeholders'
+        or an earlier warm start's, never a profile's or a live refit's."""
+        if self._prefill_fitted and not self._warm_started:
+            return False
         for m in samples:
             if m.prefill_ms > 0 and m.uncached_tokens >= 0 and m.cached_tokens >= 0:
-                self._anchors.append(PrefillSample(uncached_tokens=m.uncached_tokens,
-                                                   cached_tokens=m.cached_tokens, prefill_ms=m.prefill_ms))
-        if self._prefill_fitted:
-            return False
+                self._warmup.append(PrefillSample(uncached_tokens=m.uncached_tokens,
+                                                  cached_tokens=m.cached_tokens, prefill_ms=m.prefill_ms))
         try:
-            self.prefill = PrefillCostModel.fit([*self._anchors, *self._prefills])
+            self.prefill = PrefillCostModel.fit(self._warmup)
         except ValueError:  # too few or no spread: the placeholders stay until live refits
             return False
-        self._prefill_fitted = True
-        self.num_prefill_refits += 1
+        self._prefill_fitted = self._warm_started = True
         return True
 
     def observe_prefill(self, uncached_tokens: int, cached_tokens: int, prefill_ms: float) -> bool:
@@ -99,15 +103,14 @@ class CostCalibration:
         if len(self._prefills) < self._min_samples or self._since_prefill_fit < self._refit_every:
             return False
         self._since_prefill_fit = 0
-        window = [*self._anchors, *self._prefills]
         try:
-            refit = PrefillCostModel.fit(window)
+            refit = PrefillCostModel.fit(self._prefills)
         except ValueError:  # no spread to fit on yet: keep predicting with what we have
             return False
-        if self._prefill_fitted and _window_error(refit.t_prefill_ms, window) > _window_error(
-                self.prefill.t_prefill_ms, window):
+        if self._prefill_fitted and _window_error(refit.t_prefill_ms, self._prefills) > _window_error(
+                self.prefill.t_prefill_ms, self._prefills):
             return False  # worse on its own window than the model it would replace
-        self.prefill, self._prefill_fitted = refit, True
+        self.prefill, self._prefill_fitted, self._warm_started = refit, True, False
         self.num_prefill_refits += 1
         return True
 

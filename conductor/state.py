@@ -588,9 +588,9 @@ class ConductorState:
                 del self._held_ms[wait.instance_id]
 
     def observe_warmup(self, samples) -> None:
-        """An engine's warm-up prefills (``Registration.warmup_prefills``) for the calibration:
-        anchors of its refits, and the first fit when the model is still the placeholders'."""
-        if self.calibration is not None and samples and self.calibration.add_anchors(samples):
+        """An engine's warm-up prefills (``Registration.warmup_prefills``): the calibration's
+        first fit while no profile or live refit has replaced the placeholders."""
+        if self.calibration is not None and samples and self.calibration.warm_start(samples):
             self.config = self.config.model_copy(update={"prefill_cost": self.calibration.prefill})
             log.info("prefill cost model fitted on %d warm-up prefills: %s", len(samples),
                      self.calibration.prefill)

@@ -163,53 +163,62 @@ def test_the_state_prices_decode_steps_with_the_refitted_model():
     assert calibration.decode.step_ms_per_seq == pytest.approx(STEPS.step_ms_per_seq, rel=1e-6)
 
 
-# --- engines' warm-up measurements as anchors --------------------------------------------------
+# --- engines' warm-up measurements: the first fit ----------------------------------------------
 
 SHOP = PrefillCostModel(intercept_ms=30.0, per_token_ms=0.43, per_token_sq_ms=1e-4,
                         per_token_cached_ms=1.4e-4, per_cached_token_ms=0.031)
 """Fitted on vLLM-CPU measurements (SmolLM2, one core): 87 new over 1,408 cached ~130 ms."""
 
 
-def warmup(model: PrefillCostModel = SHOP):
+def warmup(model: PrefillCostModel = SHOP, slower: float = 1.0):
     from engine.warmup import warmup_points
     from protos.wire import MeasuredPrefill
 
-    return [MeasuredPrefill(u, c, model.t_prefill_ms(u, c)) for u, c in warmup_points(8192, 128)]
+    return [MeasuredPrefill(u, c, model.t_prefill_ms(u, c) * slower) for u, c in warmup_points(8192, 128)]
 
 
-def test_warm_up_anchors_replace_the_placeholders_at_once_and_errors_count_only_live_requests():
+def test_a_warm_start_replaces_the_placeholders_at_once_and_errors_count_only_live_requests():
     calibration = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=8, refit_every=8)
-    assert calibration.add_anchors(warmup())
+    assert calibration.warm_start(warmup())
     for field in PrefillCostModel.model_fields:
         assert getattr(calibration.prefill, field) == pytest.approx(getattr(SHOP, field), rel=1e-6)
-    assert calibration.prefill_error() is None  # anchors are not predictions
+    assert calibration.prefill_error() is None  # warm-up prefills are not predictions
     calibration.observe_prefill(214, 1408, SHOP.t_prefill_ms(214, 1408) * 1.5)
     assert calibration.prefill_error().median_pct == 33.33  # predicted 1/1.5 of it (rounded)
-    assert not calibration.add_anchors(warmup())  # fitted already: anchors only
 
 
-def test_a_profile_is_not_replaced_by_anchors():
+def test_later_engines_warm_ups_refine_the_warm_start_until_a_live_refit():
+    calibration = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=8, refit_every=8)
+    assert calibration.warm_start(warmup(slower=2.0))  # one engine, started beside the others
+    assert calibration.warm_start(warmup(slower=1.0))  # the next: fitted on both engines' prefills
+    both = calibration.prefill.t_prefill_ms(1024, 0) / SHOP.t_prefill_ms(1024, 0)
+    assert 1.0 < both < 2.0
+    rng = random.Random(4)
+    for _ in range(8):  # live traffic: the machine as SHOP says, a spread of u and c
+        u, c = rng.randrange(16, 2048), rng.choice([0, 512, 1024, 2048])
+        calibration.observe_prefill(u, c, SHOP.t_prefill_ms(u, c))
+    assert calibration.num_prefill_refits == 1
+    assert calibration.prefill.t_prefill_ms(1024, 0) == pytest.approx(SHOP.t_prefill_ms(1024, 0), rel=1e-6)
+    assert not calibration.warm_start(warmup(slower=3.0))  # a live refit is not replaced
+    assert calibration.prefill.t_prefill_ms(1024, 0) == pytest.approx(SHOP.t_prefill_ms(1024, 0), rel=1e-6)
+
+
+def test_a_profile_is_not_replaced_by_a_warm_start():
     calibration = CostCalibration(MACHINE, DecodeCostModel(), fitted=True)
-    assert not calibration.add_anchors(warmup())
+    assert not calibration.warm_start(warmup())
     assert calibration.prefill == MACHINE
 
 
-def test_anchors_keep_live_refits_from_extrapolating_one_workloads_cached_length():
-    """Live prefills all near 1,408 cached tokens (an agent fleet's warm steps): fitted alone
-    they cannot tell the cached-prefix cost from the launch cost; with the anchors, the refit
-    prices a cold prompt and a longer prefix as the machine does."""
-    rng = random.Random(3)
-    # measured under load: 15% slower than the idle warm-up, and noisy
-    live = [(u, 1408, SHOP.t_prefill_ms(u, 1408) * 1.15 * rng.uniform(0.95, 1.05))
-            for u in (rng.randrange(60, 300) for _ in range(16))]
-    alone = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=8, refit_every=8)
-    anchored = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=8, refit_every=8)
-    anchored.add_anchors(warmup())
-    for m in live:
-        alone.observe_prefill(*m)
-        anchored.observe_prefill(*m)
-    for u, c in ((1495, 0), (259, 3072)):
-        truth = SHOP.t_prefill_ms(u, c)  # idle; the loaded machine takes ~1.15x
-        assert anchored.num_prefill_refits > 1  # refitted on live prefills after the anchors
-        assert anchored.prefill.t_prefill_ms(u, c) == pytest.approx(truth * 1.15, rel=0.15)
-        assert abs(alone.prefill.t_prefill_ms(u, c) - truth) / truth > 0.2
+def test_the_state_prices_the_first_request_with_the_engines_warm_up():
+    extras = KeyExtras("m", "", "", "L")
+    calibration = CostCalibration(PrefillCostModel(), DecodeCostModel())
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=16, short_prefill_tokens=0),
+                           calibration=calibration)
+    for instance_id, role in (("p0", "prefill"), ("d0", "decode")):
+        state.register(instance_id, role, "n0", "m", "L")
+        state.set_ready(instance_id, True)
+    state.observe_warmup(warmup())
+    assert state.config.prefill_cost is calibration.prefill
+    tokens = list(range(1495))
+    placement = state.place(PlacementRequest("first", 1495, tuple(block_keys(tokens, 16, extras)), 8))
+    assert placement.prefill_ms == pytest.approx(SHOP.t_prefill_ms(1495, 0), rel=1e-6)
