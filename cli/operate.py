@@ -267,8 +267,9 @@ def cost_model_line(cost_model) -> str:
 
     if not cost_model.calibrating:
         return "cost model: fixed (conductor.calibrate_cost_model false); error not measured"
-    return (f"cost model: calibrating from measured timings; {error('prefill', cost_model.prefill)}; "
-            f"{error('decode', cost_model.decode)}")
+    source = f" (prefill model: {cost_model.prefill_source})" if cost_model.prefill_source else ""
+    return (f"cost model: calibrating from measured timings{source}; "
+            f"{error('prefill', cost_model.prefill)}; {error('decode', cost_model.decode)}")
 
 
 def autoscale_lines(autoscale) -> list[str]:

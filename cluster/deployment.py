@@ -118,13 +118,15 @@ def up(cfg: ClusterConfig, progress: Callable[[str], None], timeout_s: float) ->
             progress("starting redis-server (redis.url is unset)")
             redis = (ray.remote(RedisHost)
                      .options(name=names["redis"], namespace=ns, lifetime="detached", num_cpus=0,
-                              get_if_exists=True, scheduling_strategy=_near_driver())
+                              get_if_exists=True, scheduling_strategy=_near_driver(),
+                              enable_task_events=False)
                      .remote(cfg.redis.password()))
             redis_url = ray.get(redis.url.remote())
         progress("starting the conductor")
         conductor = (ray.remote(Conductor)
                      .options(name=names["conductor"], namespace=ns, lifetime="detached", num_cpus=0,
-                              max_concurrency=1000, scheduling_strategy=_near_driver())
+                              max_concurrency=1000, scheduling_strategy=_near_driver(),
+                              enable_task_events=False)
                      .remote(cfg.conductor, ns, policy_config_for(cfg, model), "auto"))
         events_endpoint = ray.get(conductor.events_endpoint.remote())
         dtype = effective_dtype(cfg.engine, model)
@@ -142,7 +144,8 @@ def up(cfg: ClusterConfig, progress: Callable[[str], None], timeout_s: float) ->
         progress("starting the gateway (gRPC + OpenAI HTTP + /metrics)")
         gateway = (ray.remote(GatewayHost)
                    .options(name=names["gateway"], namespace=ns, lifetime="detached", num_cpus=0,
-                            max_concurrency=1000, scheduling_strategy=_near_driver())
+                            max_concurrency=1000, scheduling_strategy=_near_driver(),
+                            enable_task_events=False)
                    .remote(cfg, model, names["conductor"]))
     addresses = ray.get(gateway.start.remote())
     if not already_up:

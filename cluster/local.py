@@ -150,7 +150,7 @@ class LocalCluster:
         self.conductor = (
             ray.remote(Conductor)
             .options(name=self.conductor_name, namespace=self.namespace, num_cpus=0,
-                     max_concurrency=1000)
+                     max_concurrency=1000, enable_task_events=False)
             .remote(cfg.conductor, self.namespace, policy_config)
         )
         self._actors.append(self.conductor)
@@ -208,7 +208,7 @@ class LocalCluster:
         store = (
             ray.remote(KVStoreNode)
             .options(name=self.store_actor_name, namespace=self.namespace, num_cpus=0,
-                     max_concurrency=1)
+                     max_concurrency=1, enable_task_events=False)
             .remote("node0", self.config.name, kv, block_bytes, self.redis_url,
                     block_size_for(self.config.engine.device))
         )
@@ -330,6 +330,7 @@ class LocalCluster:
                 resources={resource: 1},
                 max_concurrency=1000,
                 runtime_env={"env_vars": engine_env(cfg.engine, bind)},
+                enable_task_events=False,  # see cluster.pools
             )
             .remote(instance_id, cfg.engine, self.model, wiring, joins)
         )

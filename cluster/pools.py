@@ -110,7 +110,10 @@ class PoolManager:
             .options(name=instance_id, namespace=self._namespace, lifetime="detached", num_cpus=0,
                      num_gpus=spec.num_gpus_per_instance, resources={POOL_RESOURCES[role]: 1},
                      max_concurrency=1000,
-                     runtime_env={"env_vars": engine_env(spec.engine, bind)})
+                     runtime_env={"env_vars": engine_env(spec.engine, bind)},
+                     # every streamed token is a task event otherwise, sent to the GCS and kept
+                     # for the dashboard; Baton's own metrics and `baton status` report requests
+                     enable_task_events=False)
             .remote(instance_id, spec.engine, spec.model, spec.store, spec.conductor)
         )
         member = _Member(role, "starting", actor)

@@ -138,6 +138,14 @@ class CostCalibration:
         self.num_decode_refits += 1
         return True
 
+    def prefill_source(self) -> str:
+        """Where the prefill model's figures come from (``CostModelStatus.prefill_source``)."""
+        if self.num_prefill_refits:
+            return f"refit {self.num_prefill_refits} times on live prefills"
+        if self._warm_started:
+            return f"warm-up of {len(self._warmup)} prefills"
+        return "profile" if self._prefill_fitted else "placeholders"
+
     def prefill_error(self) -> PredictionError | None:
         """The prefill model's error on the last measurements, each predicted before it was fitted."""
         return _summary(self._prefill_errors)

@@ -96,7 +96,8 @@ def ensure_node_store(spec: NodeStoreSpec, conductor_actor: str | None) -> Store
         ray.remote(NodeStore)
         .options(name=name, namespace=spec.namespace, lifetime="detached", get_if_exists=True,
                  num_cpus=0, max_concurrency=8,  # a pull waits on the network unlocked
-                 scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node, soft=False))
+                 scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node, soft=False),
+                 enable_task_events=False)
         .remote(node_id, spec.cluster_name, kv, spec.block_bytes, spec.redis_url,
                 spec.block_size_tokens)
     )

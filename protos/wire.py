@@ -390,6 +390,9 @@ class CostModelStatus(msgspec.Struct, frozen=True):
     calibrating: bool
     prefill: PredictionError | None = None
     decode: PredictionError | None = None
+    prefill_source: str = ""
+    """Where the prefill model's figures come from: 'profile', 'placeholders', 'warm-up of N
+    prefills' or 'refit N times on live prefills' ('' from a conductor that does not say)."""
 
 
 class PoolStatus(msgspec.Struct, frozen=True):

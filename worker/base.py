@@ -227,6 +227,10 @@ class EngineWorker:
                                                    self._store.namespace).calls)
         return calls
 
+    def warmup(self) -> tuple[MeasuredPrefill, ...]:
+        """The prefills the engine's warm-up timed at start (empty with ``engine.warm_up`` off)."""
+        return self.warmup_prefills
+
     def ready(self) -> float:
         """Seconds the engine took to start; returning at all means the engine is up."""
         return self.engine_start_s

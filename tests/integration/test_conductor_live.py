@@ -29,6 +29,11 @@ async def server(tiny_model):
         "name": "condtest", "engine.model": "tiny", "http.enabled": False,
         "prefill.num_instances": 2, "decode.num_instances": 1,
         "kvstore.host_capacity_bytes": 256 << 20, "conductor.tuning.short_prefill_tokens": 0,
+        # no warm start: prices stay the placeholders' until the live refits, whose 0.45 ms a
+        # token makes waiting for a sibling's 1,500-token prefill beat recomputing it (the
+        # tiny model's real prefill is ~10x faster); tests/integration/test_engine_warmup.py
+        # covers the warm-up
+        "engine.warm_up": False,
     }) as srv:
         yield srv
 

@@ -194,10 +194,12 @@ def test_later_engines_warm_ups_refine_the_warm_start_until_a_live_refit():
     both = calibration.prefill.t_prefill_ms(1024, 0) / SHOP.t_prefill_ms(1024, 0)
     assert 1.0 < both < 2.0
     rng = random.Random(4)
+    assert calibration.prefill_source() == "warm-up of 14 prefills"  # both engines' seven
     for _ in range(8):  # live traffic: the machine as SHOP says, a spread of u and c
         u, c = rng.randrange(16, 2048), rng.choice([0, 512, 1024, 2048])
         calibration.observe_prefill(u, c, SHOP.t_prefill_ms(u, c))
     assert calibration.num_prefill_refits == 1
+    assert calibration.prefill_source() == "refit 1 times on live prefills"
     assert calibration.prefill.t_prefill_ms(1024, 0) == pytest.approx(SHOP.t_prefill_ms(1024, 0), rel=1e-6)
     assert not calibration.warm_start(warmup(slower=3.0))  # a live refit is not replaced
     assert calibration.prefill.t_prefill_ms(1024, 0) == pytest.approx(SHOP.t_prefill_ms(1024, 0), rel=1e-6)
@@ -206,7 +208,8 @@ def test_later_engines_warm_ups_refine_the_warm_start_until_a_live_refit():
 def test_a_profile_is_not_replaced_by_a_warm_start():
     calibration = CostCalibration(MACHINE, DecodeCostModel(), fitted=True)
     assert not calibration.warm_start(warmup())
-    assert calibration.prefill == MACHINE
+    assert calibration.prefill == MACHINE and calibration.prefill_source() == "profile"
+    assert CostCalibration(PrefillCostModel(), DecodeCostModel()).prefill_source() == "placeholders"
 
 
 def test_the_state_prices_the_first_request_with_the_engines_warm_up():

@@ -93,3 +93,7 @@ def test_status_shows_the_cost_models_held_out_error(monkeypatch):
             "(last 40 held out); decode not measured yet") in out
     assert operate.cost_model_line(CostModelStatus(False)) == (
         "cost model: fixed (conductor.calibrate_cost_model false); error not measured")
+    warm = CostModelStatus(True, None, None, "warm-up of 7 prefills")
+    assert operate.cost_model_line(warm) == (
+        "cost model: calibrating from measured timings (prefill model: warm-up of 7 prefills); "
+        "prefill not measured yet; decode not measured yet")
