@@ -77,6 +77,12 @@ def _structured_outputs(sampling: SamplingOptions):
     return None
 
 
+def _put_all(items) -> None:
+    """On a request's event loop: each (sink, output) of one engine step, in step order."""
+    for sink, output in items:
+        sink.put_nowait(output)
+
+
 class EngineRunner:
     """Owns one ``LLMEngine`` and its stepping thread."""
 
@@ -184,8 +190,7 @@ class EngineRunner:
                     if decoding is not None and outputs:
                         self._decode_steps.append(
                             DecodeStep(*decoding, (time.perf_counter() - started) * 1000.0))
-                    for output in outputs:
-                        self._deliver(output)
+                    self._deliver(outputs)
                     if not outputs and self._only_transfers():
                         time.sleep(_TRANSFER_POLL_S)  # nothing to step: let the copies run
         except BaseException as exc:  # the engine is unusable: fail every waiting request
@@ -281,12 +286,20 @@ class EngineRunner:
             rejected = EngineRejected(str(exc))
             command.loop.call_soon_threadsafe(command.sink.put_nowait, rejected)
 
-    def _deliver(self, output) -> None:
-        if output.finished:
-            entry = self._sinks.pop(output.request_id, None)
-            self.num_finished_reqs += 1
-        else:
-            entry = self._sinks.get(output.request_id)
-        if entry is not None:
-            sink, loop = entry
-            loop.call_soon_threadsafe(sink.put_nowait, output)
+    def _deliver(self, outputs) -> None:
+        """Hand a step's outputs to their requests: one wake-up of each event loop a step, not
+        one per output. Each wake-up is a write to the loop's self-pipe from this thread, and
+        per output they were 7% of a co-located engine process's busy samples (py-spy, agent
+        fleet, 8 streams)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            if output.finished:
+                entry = self._sinks.pop(output.request_id, None)
+                self.num_finished_reqs += 1
+            else:
+                entry = self._sinks.get(output.request_id)
+            if entry is not None:
+                sink, loop = entry
+                batches.setdefault(loop, []).append((sink, output))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
