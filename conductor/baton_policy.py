@@ -19,6 +19,7 @@ from conductor.pricing import (
     best_hit_source,
     cheapest,
     cheapest_colocated,
+    colocated_price,
     decode_step_ms,
     handoff_ms,
     num_prefill_chunks,
@@ -77,6 +78,22 @@ def _colocated_terms(request: PlacementRequest, config: PolicyConfig, view: Inst
     return text
 
 
+RUNNER_UP_MAX_INSTANCES = 8
+"""Decode pools up to this size name the runner-up's price in a co-located placement's reason
+(priced in Python once more per instance: a large pool's decision would pay for it)."""
+
+
+def _runner_up(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
+               decode: tuple[InstanceView, ...], chosen: str) -> str:
+    """'; runner-up X: T=...' (the cheapest other ready decode instance's co-located price),
+    so a reason shows what the choice beat and by how much; '' for a pool of one or of more
+    than ``RUNNER_UP_MAX_INSTANCES``."""
+    if not 2 <= len(decode) <= RUNNER_UP_MAX_INSTANCES:
+        return ""
+    others = [colocated_price(snapshot, request, config, v) for v in decode if v.instance_id != chosen]
+    return f"; runner-up {min(others, key=lambda p: p.total_ms).describe()}" if others else ""
+
+
 def _short(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
            prefill: tuple[InstanceView, ...]) -> Placement:
     """The older rule (``baton_colocation`` 'short'): the decode instance by load, and the
@@ -120,7 +137,8 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
         colocated, _ = cheapest_colocated(pricer, decode, exclude_over_tbt=False)
         view = _decode_view(snapshot, colocated.instance_id)
         reason = (f"colocated: no prefill pool; {_colocated_terms(request, config, view, colocated)}; "
-                  f"{decode_terms(view)}")
+                  f"{decode_terms(view)}"
+                  f"{_runner_up(snapshot, request, config, decode, colocated.instance_id)}")
         return colocated.placement(view.instance_id, "baton", reason)
     pooled = _pool_option(snapshot, pricer, prefill)
     d = decode_by_load(snapshot)

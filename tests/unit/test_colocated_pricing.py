@@ -136,7 +136,8 @@ def test_without_a_prefill_pool_the_holder_of_the_prefix_wins_over_the_least_loa
     assert placement.reason == (
         "colocated: no prefill pool; d0: T=transfer 0.0 + queue 13.0 (decode batch 13.0 of it) + "
         "prefill 160.0 = 173.0 ms (local prefix 40 blocks); decode batch 13.0 ms = 1 chunks x step "
-        "13.0 ms (3 running); decode d0: load 3, kv 0%")
+        "13.0 ms (3 running); decode d0: load 3, kv 0%; runner-up d1: T=transfer 0.0 + queue 0.0 + "
+        "prefill 800.0 = 800.0 ms (local prefix 0 blocks)")
     assert baton(s, WARM, unit_config(short_prefill_tokens=0)).prefill_instance == "d1"
 
 

@@ -404,3 +404,18 @@ def test_the_patched_arrays_are_the_arrays_of_the_views(ops):
         snapshot = state.snapshot()
         assert _columns(snapshot.prefill_arrays) == _columns(PoolArrays.of(snapshot.prefill))
         assert _columns(snapshot.decode_arrays) == _columns(LoadArrays.of(snapshot.decode))
+
+
+def test_a_colocated_placement_names_the_runner_ups_price():
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=BS, prefill_cost=COST))  # priced
+    for instance_id in ("d0", "d1"):
+        state.register(instance_id, "decode", "n0", "m", "L")
+        state.set_ready(instance_id, True)
+    first = state.place(request("a", PROMPT))  # d0 takes it: 128 ms, d1 the same, ties to d0
+    assert first.reason.endswith(
+        "; runner-up d1: T=transfer 0.0 + queue 0.0 + prefill 128.0 = 128.0 ms (local prefix 0 blocks)")
+    second = state.place(request("b", list(range(5000, 5000 + 8 * BS))))  # d0 has a's 128 ms queued
+    assert second.prefill_instance == "d1"
+    # d0's queue: a's 128 ms prefill booked, plus a's decode step for each chunk of b's prompt
+    assert second.reason.endswith("; runner-up d0: T=transfer 0.0 + queue 150.0 (decode batch 22.0 of it) "
+                                  "+ prefill 128.0 = 278.0 ms (local prefix 0 blocks)")
