@@ -6,13 +6,16 @@ same dependency order. A workload is a set of agent scripts; an agent sends its 
 another (a step waits for the previous one's answers, then its think time); a fan-out step sends
 its sibling requests at once.
 
-Two workloads, as issue 16 describes them:
+Three workloads, as issue 16 describes them:
 
 - ``private_prefix_workload``: agents, each with its own ~1,500-token private prefix, every
   step appending ~100 tokens, all agents' steps released together (no think time).
 - ``agent_fleet_workload``: one shared system prompt with tool definitions, each agent its own
   task, a tool result appended per step after a seeded think time, and one fan-out step of
   parallel sub-requests that share the agent's whole context.
+- ``mooncake_slice_workload``: consecutive requests of a Mooncake-format trace, each its own
+  one-step agent started at its (scaled) arrival time, its prompt one seeded text block per
+  hash id (see ``trace_slice_workload``).
 
 The ceiling (``ceiling_hit_ratio``) is what an infinite prefix cache shared by every engine
 could reuse: for each request the longest token prefix it shares with any request before it
@@ -24,11 +27,15 @@ floored to whole KV blocks.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import msgspec
+
+from simulator.trace import TRACE_BLOCK_TOKENS, TraceError, TraceRequest, load_trace
 
 WORDS = ["account", "action", "agent", "answer", "array", "batch", "buffer", "build", "cache", "call", "case", "change", "check", "client", "code", "column", "config", "context", "copy", "count", "cursor", "data", "date", "debug", "delta", "design", "detail", "device", "diff", "disk", "document", "draft", "edge", "entry", "error", "event", "field", "file", "filter", "format", "frame", "function", "graph", "group", "handle", "header", "history", "index", "input", "issue", "item", "job", "key", "label", "layer", "length", "limit", "line", "list", "load", "local", "log", "loop", "match", "memory", "merge", "message", "method", "model", "module", "name", "network", "node", "number", "object", "offset", "option", "order", "output", "owner", "packet", "page", "parse", "patch", "path", "pattern", "plan", "point", "policy", "pool", "port", "query", "queue", "range", "rate", "record", "region", "report", "request", "result", "retry", "route", "row", "rule", "sample", "schema", "scope", "score", "search", "section", "server", "session", "shape", "signal", "size", "slice", "source", "space", "stage", "state", "status", "step", "store", "stream", "string", "table", "target", "task", "test", "thread", "time", "token", "total", "trace", "tree", "type", "update", "user", "value", "version", "view", "window", "worker", "zone"]
 """Common English words: about one SmolLM2 token each after a space."""
@@ -185,6 +192,94 @@ def agent_fleet_workload(options: AgentFleetOptions) -> Workload:
                 steps.append(AgentStep(think_s, (request,)))
         agents.append(AgentScript(agent, agent * options.arrival_gap_s, tuple(steps)))
     return _released(Workload("agent_fleet", tuple(agents), msgspec.structs.asdict(options)))
+
+
+DEFAULT_TRACE = str(Path(__file__).resolve().parents[1] / "tests" / "data"
+                    / "mooncake_synthetic_trace.jsonl")
+"""The shared Mooncake synthetic trace, as the repository ships it."""
+
+TRACE_CUE = "\nAnswer:"
+TRACE_CUE_TOKENS_BOUND = 16
+"""Tokens kept free for the cue (and a BOS) when a prompt is cut to the window."""
+
+
+class TraceSliceOptions(msgspec.Struct, frozen=True):
+    trace_path: str = DEFAULT_TRACE
+    """A Mooncake-format ``.jsonl`` (``simulator.trace``)."""
+    start: int = 0
+    """Index, in arrival order, of the slice's first request. The synthetic trace reuses blocks
+    from far back: 58% of its 32-request slices, the first one too, share no block within
+    themselves (ceiling 0); the slice from 3944 has ceiling ~0.52."""
+    num_requests: int = 32
+    """Consecutive requests in the slice. The default slice's prompts, scaled: mean ~1,730
+    tokens, median ~1,020, p90 ~4,980, max ~7,050 (55k prompt tokens)."""
+    block_words: int = 64
+    """Words (~SmolLM2 tokens) per trace block of ``TRACE_BLOCK_TOKENS`` (512) tokens."""
+    time_scale: float = 4.0
+    """Arrival times are the trace's, counted from the slice's first request, times this. The
+    trace's rate is far beyond two CPU cores even with 8x shorter prompts: the default slice
+    arrives over 8.1 s (~6,800 scaled prompt tokens/s), x4 over 32.5 s (~1,700 tokens/s,
+    about half of two engines' prefill rate, with the trace's bursts left in)."""
+    max_model_len: int = 8_192
+    """The engines' context window (tokens): longer prompts are cut to fit with the cue and
+    ``max_tokens``."""
+    max_tokens: int = 32
+    """Tokens every request generates (ignore_eos), whatever the trace's output_length."""
+    seed: int = 0
+
+
+def trace_block_text(seed: int, hash_id: int, num_words: int) -> str:
+    """Block ``hash_id``'s text: its first ``num_words`` seeded words, so equal ids give the
+    same text and a partial block is a prefix of the whole one."""
+    return words_text(_seeded(seed, "trace-block", hash_id), num_words)
+
+
+def trace_prompt(request: TraceRequest, options: TraceSliceOptions) -> str:
+    """The request's blocks' texts joined, the last block scaled like the others (at least one
+    word), cut to the window, then the cue. Every word is one SmolLM2 token after a space, so
+    requests share a token prefix exactly where the trace shares blocks."""
+    last_block_tokens = request.input_length - TRACE_BLOCK_TOKENS * (len(request.hash_ids) - 1)
+    num_words = [options.block_words] * (len(request.hash_ids) - 1)
+    num_words.append(max(1, math.ceil(last_block_tokens * options.block_words / TRACE_BLOCK_TOKENS)))
+    text = " ".join(trace_block_text(options.seed, h, n) for h, n in zip(request.hash_ids, num_words))
+    max_words = options.max_model_len - options.max_tokens - TRACE_CUE_TOKENS_BOUND
+    return " ".join(text.split(" ")[:max_words]) + TRACE_CUE
+
+
+def trace_slice_workload(trace: Sequence[TraceRequest], options: TraceSliceOptions) -> Workload:
+    """Requests ``start`` to ``start + num_requests`` of ``trace`` (in arrival order), each its
+    own one-step agent started at its arrival time less the slice's first, times ``time_scale``.
+
+    The trace's 512-token blocks become ``block_words``-word blocks (64: 8x shorter) so the
+    prompts fit SmolLM2's 8,192-token window and a slice runs in under a minute on two cores.
+    Raises ``TraceError`` when the slice is empty, runs past the trace or leaves no room for a
+    prompt.
+    """
+    if options.num_requests < 1 or options.block_words < 1 or options.time_scale < 0:
+        raise TraceError("--trace-requests and --trace-block-words must be at least 1, "
+                         "--trace-time-scale at least 0")
+    if options.max_model_len - options.max_tokens - TRACE_CUE_TOKENS_BOUND < 1:
+        raise TraceError(f"--max-tokens {options.max_tokens} leaves no room for a prompt in a "
+                         f"{options.max_model_len}-token window")
+    if not 0 <= options.start <= len(trace) - options.num_requests:
+        raise TraceError(f"the trace holds {len(trace)} requests: --trace-start plus "
+                         f"--trace-requests must be at most that (got {options.start} + "
+                         f"{options.num_requests})")
+    ordered = sorted(trace, key=lambda r: r.timestamp)
+    sliced = ordered[options.start:options.start + options.num_requests]
+    origin_ms = sliced[0].timestamp
+    agents = []
+    for agent, request in enumerate(sliced):
+        peer = PeerRequest(f"mc-r{options.start + agent}", agent, 0, trace_prompt(request, options),
+                           options.max_tokens)
+        start_s = round((request.timestamp - origin_ms) / 1000 * options.time_scale, 6)
+        agents.append(AgentScript(agent, start_s, (AgentStep(0.0, (peer,)),)))
+    return _released(Workload("mooncake_slice", tuple(agents), msgspec.structs.asdict(options)))
+
+
+def mooncake_slice_workload(options: TraceSliceOptions) -> Workload:
+    """``trace_slice_workload`` of the trace at ``options.trace_path``."""
+    return trace_slice_workload(load_trace(Path(options.trace_path)), options)
 
 
 def _released(workload: Workload) -> Workload:

@@ -350,7 +350,9 @@ def bench_peers(
     runs: int = typer.Option(3, help="Runs of every stack, interleaved (1: a quick look)."),
     stacks: str = typer.Option("smg-cache_aware,smg-round_robin,baton-1p1d,baton-0p2d",
                                help="Comma-separated stacks, in run 1's order."),
-    workloads: str = typer.Option("private_prefix,agent_fleet", help="Comma-separated workloads."),
+    workloads: str = typer.Option("private_prefix,agent_fleet", help="Comma-separated workloads: "
+                                  "private_prefix, agent_fleet, mooncake_slice (a slice of the "
+                                  "Mooncake trace; ~40 s per stack and run, not in the default)."),
     agents: int = typer.Option(4, help="Agents per workload."),
     steps: int = typer.Option(4, help="Steps per agent."),
     prefix_words: int = typer.Option(1_500, help="private_prefix: words (~tokens) of each "
@@ -360,6 +362,19 @@ def bench_peers(
                                      "prompt (the tool definitions come on top)."),
     fanout_width: int = typer.Option(3, help="agent_fleet: parallel sub-requests of the fan-out "
                                      "step (step 3)."),
+    trace: Optional[Path] = typer.Option(None, help="mooncake_slice: a Mooncake-format trace "
+                                         "(.jsonl); default: the repository's copy of the shared "
+                                         "synthetic trace, tests/data/mooncake_synthetic_trace.jsonl."),
+    trace_start: int = typer.Option(0, help="mooncake_slice: index of the slice's first request. "
+                                    "The synthetic trace reuses blocks from far back: 58% of its "
+                                    "32-request slices, the first one too, share no block within "
+                                    "themselves (ceiling 0); 3944 starts one with ceiling ~0.5."),
+    trace_requests: int = typer.Option(32, help="mooncake_slice: consecutive requests (the "
+                                       "default slice: ~1,700 prompt tokens mean, 7,050 max)."),
+    trace_block_words: int = typer.Option(64, help="mooncake_slice: words (~tokens) per 512-token "
+                                          "trace block (8x shorter, to fit SmolLM2's window)."),
+    trace_time_scale: float = typer.Option(4.0, help="mooncake_slice: arrival times are the "
+                                           "trace's times this (x4: 32 requests over 32 s)."),
     max_tokens: int = typer.Option(32, help="Tokens each request generates (ignore_eos)."),
     model: str = typer.Option("smollm2", help="'smollm2' or 'tiny' (a smoke test)."),
     seed: int = typer.Option(0, help="Seed of every prompt and think time."),
@@ -373,7 +388,12 @@ def bench_peers(
     agent workloads. Reports `vllm bench serve` metrics, hit ratio against the workload's
     ceiling and fan-out TTFT, medians over runs, and Baton's ratios against the better SMG."""
     from bench.peers import PeersOptions, run_peers
-    from bench.peers_workloads import AgentFleetOptions, PrivatePrefixOptions
+    from bench.peers_workloads import (
+        DEFAULT_TRACE,
+        AgentFleetOptions,
+        PrivatePrefixOptions,
+        TraceSliceOptions,
+    )
     from protos.errors import BatonError
 
     options = PeersOptions(
@@ -382,6 +402,10 @@ def bench_peers(
                                      step_words=step_words, max_tokens=max_tokens, seed=seed),
         fleet=AgentFleetOptions(num_agents=agents, num_steps=steps, system_words=system_words,
                                 fanout_width=fanout_width, max_tokens=max_tokens, seed=seed),
+        trace=TraceSliceOptions(trace_path=str(trace or DEFAULT_TRACE), start=trace_start,
+                                num_requests=trace_requests,
+                                block_words=trace_block_words, time_scale=trace_time_scale,
+                                max_tokens=max_tokens, seed=seed),
         model=model, vllm_omp_bind=vllm_omp_bind)
     try:
         run_peers(options, out_dir, echo=lambda m: err.print(m, highlight=False))

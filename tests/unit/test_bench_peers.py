@@ -3,19 +3,28 @@ benchmark runs outside CI)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from bench.peers import median_table, ratios_vs_best_smg, run_order
+from bench.peers import PeersOptions, build_workloads, median_table, ratios_vs_best_smg, run_order
 from bench.peers_client import PeerRecord, fanout_stats, reason_kind, summarise
+from bench.peers_stacks import PeersError
 from bench.peers_workloads import (
+    DEFAULT_TRACE,
+    TRACE_CUE,
     AgentFleetOptions,
     PeerRequest,
     PrivatePrefixOptions,
+    TraceSliceOptions,
     agent_fleet_workload,
     ceiling_hit_ratio,
+    mooncake_slice_workload,
     private_prefix_workload,
     system_prompt,
+    trace_block_text,
+    trace_slice_workload,
 )
+from simulator.trace import TraceError, TraceRequest, load_trace
 
 
 def words(text: str) -> list[int]:
@@ -100,6 +109,97 @@ def test_ceiling_of_the_private_prefix_workload_is_its_agents_own_history():
     assert ceiling.prompt_tokens == 2 * sum(lengths)
     # ... and agent 1's first step shares the word "Agent" with agent 0's prompts.
     assert ceiling.reusable_tokens == 2 * sum(reusable) + 1
+
+
+def test_trace_blocks_are_seeded_by_their_hash_id():
+    block = trace_block_text(0, 7, 64)
+    assert trace_block_text(0, 7, 64) == block and len(block.split(" ")) == 64
+    assert trace_block_text(0, 8, 64) != block
+    assert trace_block_text(1, 7, 64) != block  # --seed changes every text
+    assert block.startswith(trace_block_text(0, 7, 10) + " ")  # a partial block is its prefix
+
+
+# Four requests in the file's order, not arrival order; ids 1 and 2 start r0, r1 and (id 1) r2.
+HAND_TRACE = [
+    TraceRequest(0.0, 1_024, 5, (1, 2)),              # r0: two whole blocks
+    TraceRequest(500.0, 1_792, 5, (1, 2, 3, 4)),      # r1: r0's blocks, a third, half a fourth
+    TraceRequest(250.0, 600, 5, (1, 5)),              # r2: r0's first block, then 88 tokens
+    TraceRequest(1_000.0, 100, 5, (9,)),              # r3: 100 tokens of its own
+]
+HAND_OPTIONS = TraceSliceOptions(num_requests=4, block_words=8, time_scale=2.0, max_tokens=4)
+
+
+def test_trace_slice_prompts_share_text_exactly_where_the_trace_shares_blocks():
+    workload = trace_slice_workload(HAND_TRACE, HAND_OPTIONS)
+    requests = workload.requests()
+    assert workload.name == "mooncake_slice"
+    assert [r.request_id for r in requests] == ["mc-r0", "mc-r1", "mc-r2", "mc-r3"]
+    assert [r.agent for r in requests] == [0, 1, 2, 3] and all(r.step == 0 for r in requests)
+    # Arrival order r0, r2, r1, r3 at the trace's times x2, each its own one-step agent.
+    assert [r.release_s for r in requests] == [0.0, 0.5, 1.0, 2.0]
+    assert [a.start_s for a in workload.agents] == [0.0, 0.5, 1.0, 2.0]
+    assert all(len(a.steps) == 1 and a.steps[0].think_s == 0.0 for a in workload.agents)
+    assert all(r.max_tokens == 4 for r in requests)
+    r0, r2, r1, r3 = (r.prompt.removesuffix(TRACE_CUE) for r in requests)
+    assert all(r.prompt.endswith(TRACE_CUE) for r in requests)
+    b = {h: trace_block_text(0, h, 8) for h in (1, 2, 3, 4, 5, 9)}
+    # Whole blocks are 8 words; a last block of t tokens is ceil(t * 8 / 512) words.
+    assert r0 == f"{b[1]} {b[2]}"
+    assert r1 == f"{b[1]} {b[2]} {b[3]} {trace_block_text(0, 4, 4)}"  # 256 tokens: 4 words
+    assert r2 == f"{b[1]} {trace_block_text(0, 5, 2)}"                # 88 tokens: 2 words
+    assert r3 == trace_block_text(0, 9, 2)                              # 100 tokens: 2 words
+    assert len({b[h] for h in b}) == len(b)
+
+
+def test_the_ceiling_of_a_hand_made_trace_is_its_shared_blocks():
+    requests = trace_slice_workload(HAND_TRACE, HAND_OPTIONS).requests()
+    # Whitespace tokens: words plus the cue's "Answer:": 17, 11, 29, 3. In release order r0
+    # reuses nothing; r2 block 1 of r0 (8 words, two blocks of 4); r1 blocks 1-2 of r0 (16); r3
+    # nothing (its 2 words are under a block).
+    ceiling = ceiling_hit_ratio(requests, words, block_tokens=4)
+    assert ceiling.prompt_tokens == 17 + 11 + 29 + 3
+    assert ceiling.reusable_tokens == 0 + 8 + 16 + 0
+    assert ceiling.hit_ratio == pytest.approx(24 / 60)
+
+
+def test_trace_slice_takes_consecutive_requests_and_cuts_prompts_to_the_window():
+    options = msgspec.structs.replace(HAND_OPTIONS, start=1, num_requests=2,
+                                      max_model_len=20 + 4 + 16)  # room for 20 words
+    requests = trace_slice_workload(HAND_TRACE, options).requests()
+    assert [r.request_id for r in requests] == ["mc-r1", "mc-r2"]
+    assert [r.release_s for r in requests] == [0.0, 0.5]  # counted from the slice's first
+    assert [len(r.prompt.removesuffix(TRACE_CUE).split(" ")) for r in requests] == [10, 20]
+    # r1's 28 words cut to 20: blocks 1 and 2 and the first 4 words of block 3.
+    assert requests[1].prompt.removesuffix(TRACE_CUE) == " ".join(
+        [trace_block_text(0, 1, 8), trace_block_text(0, 2, 8), trace_block_text(0, 3, 4)])
+    with pytest.raises(TraceError, match="holds 4 requests"):
+        trace_slice_workload(HAND_TRACE, msgspec.structs.replace(HAND_OPTIONS, start=1))
+    with pytest.raises(TraceError, match="at least 1"):
+        trace_slice_workload(HAND_TRACE, msgspec.structs.replace(HAND_OPTIONS, num_requests=0))
+    with pytest.raises(TraceError, match="no room"):
+        trace_slice_workload(HAND_TRACE, msgspec.structs.replace(HAND_OPTIONS, max_model_len=20))
+
+
+def test_the_default_slice_is_the_shared_traces_first_requests_at_a_quarter_of_its_rate():
+    trace = load_trace(DEFAULT_TRACE)
+    workload = build_workloads(PeersOptions(workloads=("mooncake_slice",)))["mooncake_slice"]
+    requests = workload.requests()
+    assert len(requests) == 32
+    assert [r.release_s for r in requests] == [round(t.timestamp / 1000 * 4, 6) for t in trace[:32]]
+    assert requests[-1].release_s == pytest.approx(32.452)
+    # 40,160 tokens: 78 whole blocks and 224 tokens, 78 x 64 + 28 words.
+    assert len(requests[0].prompt.removesuffix(TRACE_CUE).split(" ")) == 78 * 64 + 28
+    assert [r.prompt for r in requests] == [r.prompt for r in mooncake_slice_workload(
+        TraceSliceOptions()).requests()]
+    # The trace's first 32 requests share no block: nothing to reuse but chance words.
+    assert ceiling_hit_ratio(requests, words, block_tokens=128).reusable_tokens == 0
+
+
+def test_peers_races_the_trace_slice_only_when_asked():
+    assert PeersOptions().workloads == ("private_prefix", "agent_fleet")
+    assert set(build_workloads(PeersOptions())) == {"private_prefix", "agent_fleet"}
+    with pytest.raises(PeersError, match="mooncake_slice"):
+        build_workloads(PeersOptions(workloads=("mooncake",)))
 
 
 def record(request_id: str, sent: float, deltas: list[float], prompt: int, cached: int,
