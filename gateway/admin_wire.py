@@ -69,6 +69,7 @@ def status_to_pb(view: StatusView) -> apb.StatusResponse:
         reply.autoscale.CopyFrom(autoscale_to_pb(pools.autoscale))
     if pools.cost_model is not None:
         reply.cost_model.calibrating = pools.cost_model.calibrating
+        reply.cost_model.prefill_source = pools.cost_model.prefill_source
         for name in ("prefill", "decode"):
             error = getattr(pools.cost_model, name)
             if error is not None:
@@ -84,7 +85,7 @@ def _cost_model(m: apb.CostModelStatus) -> CostModelStatus:
         e = getattr(m, name)
         return PredictionError(e.median_pct, e.p90_pct, e.num_predictions)
 
-    return CostModelStatus(m.calibrating, error("prefill"), error("decode"))
+    return CostModelStatus(m.calibrating, error("prefill"), error("decode"), m.prefill_source)
 
 
 def autoscale_to_pb(a: AutoscaleStatus) -> apb.AutoscaleStatus:

@@ -65,6 +65,11 @@ def test_the_queue_book_prices_booked_work_and_decays_with_time():
     view = state.snapshot().prefill[0]
     assert view.queued_prefill_ms == pytest.approx(28.0)
     assert view.num_queued_prefill_tokens == 128
+    clock.now += 0.1  # 200 ms in: past its prediction, a tenth of it is left until it is done
+    view = state.snapshot().prefill[0]
+    assert view.queued_prefill_ms == pytest.approx(12.8)
+    assert state.place(request("c", list(range(9000, 9000 + 8 * BS)))).queue_ms == pytest.approx(12.8)  # not 128
+    state.finished("c")
     state.prefill_done("a", 0)
     assert state.snapshot().prefill[0].queued_prefill_ms == 0.0
     assert state.num_in_flight() == (1, 2)
