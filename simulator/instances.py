@@ -127,7 +127,7 @@ class PrefillInstance(Instance):
             self.current = None
             return
         job = self.queue.pop()
-        duration_ms = self.sim.begin_prefill(self, job, now_ms)
+        duration_ms = self.sim.begin_prefill(self, job, now_ms).total_ms
         self.current = job
         num_pulled = int(self.sim.num_pulled_blocks[job.req])
         if num_pulled:
@@ -162,13 +162,24 @@ class DecodeInstance(Instance):
     Between events that change the batch the step time is constant (it is computed when the
     segment starts; context growth within a segment, at most a few % of the KV term, is not
     re-priced), so a run of steps is one event, not one event per token. New sequences join,
-    and queued short prefills run, at the next step boundary. A prefill here runs as vLLM's
-    chunked prefill does and as ``conductor.pricing.colocated_price`` prices it: its uncached
-    suffix in chunks of ``baton_prefill_chunk_tokens``, each chunk one mixed step that also steps
-    the running batch (chunk's share of the prefill + the batch's decode step), so the prefill
-    takes its own time plus one decode step per chunk and each running sequence gains a token
-    per chunk; sequences that arrive meanwhile join when it ends. A sequence is admitted once its prompt blocks and
-    the private blocks for its whole output fit the device cache (no preemption).
+    and queued short prefills start, at the next step boundary.
+
+    A prefill here (co-location) runs one at a time, in two phases. First its cached prefix
+    loads from the node's host and disk tiers (the load part of ``Simulation.begin_prefill``),
+    as the KV connector's asynchronous load does live: the request waits for its KV while the
+    running batch keeps decoding at its plain step time and handed-off sequences keep joining at
+    step boundaries; the prefill holds the instance's prefill slot meanwhile, so the next queued
+    prefill waits for it to end (vLLM could start one meanwhile; the conductor's queue book
+    prices them in series, and so does this). Then, at the first step boundary after the load
+    lands (at once without one), its compute runs as vLLM's chunked prefill does and as
+    ``conductor.pricing.colocated_price`` prices it: the uncached suffix in chunks of
+    ``baton_prefill_chunk_tokens``, each chunk one mixed step that also steps the running batch
+    (chunk's share of the compute + the batch's decode step), so the compute takes its own time
+    plus one decode step per chunk and each running sequence gains a token per chunk; sequences
+    that arrive meanwhile join when it ends. Only the compute is spread over the chunks, never
+    the load. A sequence is admitted once its prompt blocks and the private blocks for its
+    whole output fit the device cache (no preemption); a prefill reserves its blocks when its
+    load starts.
     """
 
     def __init__(self, *args) -> None:
@@ -183,6 +194,9 @@ class DecodeInstance(Instance):
         self.num_boundary_steps = 0
         self.num_context_tokens = 0
         self.current: Job | None = None
+        """The prefill holding the prefill slot, from its load's start to its last chunk's end."""
+        self.loading = False
+        """Whether ``current``'s prefix load is still in flight (its chunks not yet started)."""
         self.chunk_ms = 0.0
         self.num_chunks_left = 0
 
@@ -198,6 +212,12 @@ class DecodeInstance(Instance):
     def on_kv_arrived(self, now_ms: float, seq: Seq) -> None:
         """The KV of a request prefilled elsewhere is here."""
         self.waiting.append(seq)
+        self._wake(now_ms)
+
+    def on_load_done(self, now_ms: float, job: Job) -> None:
+        """``job``'s prefix has landed: its chunks start at the next step boundary."""
+        assert self.current is job and self.loading
+        self.loading = False
         self._wake(now_ms)
 
     def _wake(self, now_ms: float) -> None:
@@ -235,6 +255,24 @@ class DecodeInstance(Instance):
         self.mode = IDLE
         self.sim.dirty.add(self)
         self._start(now_ms)
+
+    def _begin_prefill(self, now_ms: float) -> None:
+        """Take the first queued prefill into the prefill slot if its blocks fit; its load, when
+        it has one, lands ``load_ms`` from now (``on_load_done``)."""
+        job = self.prefill_queue.peek()
+        keys = self.sim.keys[job.req]
+        num_private = self.sim.num_private_blocks[job.req]
+        if not self.cache.can_acquire(keys, num_private):
+            return
+        self.prefill_queue.pop()
+        times = self.sim.begin_prefill(self, job, now_ms)
+        self.cache.acquire(keys, num_private, visible=False)  # published when it ends
+        self.current = job
+        self.num_chunks_left = self.sim.num_prefill_chunks(job.req)
+        self.chunk_ms = times.compute_ms / self.num_chunks_left
+        if times.load_ms > 0:
+            self.loading = True
+            self.sim.schedule(now_ms + times.load_ms, self.on_load_done, job)
 
     def _prefill_segment(self, now_ms: float) -> None:
         """Mixed steps of the running prefill until its last chunk or the batch's next finish."""
@@ -291,25 +329,19 @@ class DecodeInstance(Instance):
         seq.last_token_ms = now_ms
 
     def _start(self, now_ms: float) -> None:
-        """At a step boundary with nothing in progress: admit, prefill, or decode."""
+        """At a step boundary with no segment in progress: admit, begin the next prefill (its
+        load, if any, in flight from now), run the loaded prefill's chunks, or decode."""
         cache = self.cache
         while self.waiting and cache.can_acquire(self.waiting[0].keys, self.waiting[0].num_private_blocks):
             seq = self.waiting.popleft()
             cache.acquire(seq.keys, seq.num_private_blocks)
             self._join(seq, now_ms)
-        if self.prefill_queue:
-            job = self.prefill_queue.peek()
-            keys = self.sim.keys[job.req]
-            num_private = self.sim.num_private_blocks[job.req]
-            if cache.can_acquire(keys, num_private):
-                self.prefill_queue.pop()
-                duration_ms = self.sim.begin_prefill(self, job, now_ms)
-                cache.acquire(keys, num_private, visible=False)  # published when it ends
-                self.mode, self.current = PREFILLING, job
-                self.num_chunks_left = self.sim.num_prefill_chunks(job.req)
-                self.chunk_ms = duration_ms / self.num_chunks_left
-                self._prefill_segment(now_ms)
-                return
+        if self.current is None and self.prefill_queue:
+            self._begin_prefill(now_ms)
+        if self.current is not None and not self.loading:
+            self.mode = PREFILLING
+            self._prefill_segment(now_ms)
+            return
         if self.running:
             self.mode = DECODING
             self.segment_start_ms = now_ms

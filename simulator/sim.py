@@ -28,7 +28,7 @@ import heapq
 import itertools
 import logging
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -103,6 +103,19 @@ WARM_CHUNK_BLOCKS = 8
 
 def _instance_order(inst: Instance) -> int:
     return inst.idx
+
+
+class PrefillTimes(NamedTuple):
+    """What one prefill takes once it starts (ms): its prefix load, then its compute."""
+
+    load_ms: float
+    """The local prefix from the host and disk tiers plus the pull from the placement's source."""
+    compute_ms: float
+    """The prompt past the cached blocks."""
+
+    @property
+    def total_ms(self) -> float:
+        return self.load_ms + self.compute_ms
 
 
 class SimKvIndex:
@@ -340,9 +353,10 @@ class Simulation:
 
     # -- the mechanism, called by instances -------------------------------------------------------
 
-    def begin_prefill(self, inst: Instance, job: Job, now_ms: float) -> float:
+    def begin_prefill(self, inst: Instance, job: Job, now_ms: float) -> PrefillTimes:
         """Load the local prefix, pull the rest from the placement's source, compute the remainder:
-        returns how long that takes (ms), priced on the caches as they are now."""
+        returns how long the load and the compute take (ms), priced on the caches as they are now,
+        each times the request's drawn error factor."""
         i = job.req
         keys = self.job_keys(job)
         request = self.workload.placement_requests[i]
@@ -370,14 +384,14 @@ class Simulation:
         if job.decode is None:  # a warming chunk: the request's compute is the sum of its chunks
             self.prefill_ms[i] += prefill_ms
             self.num_computed_tokens[i] += request.num_prompt_tokens - cached_tokens
-            return transfer_ms + prefill_ms
+            return PrefillTimes(transfer_ms, prefill_ms)
         self.num_cached_blocks[i] = cost.num_cached_blocks
         self.num_pulled_blocks[i] = cost.num_pulled_blocks
         self.num_computed_tokens[i] = request.num_prompt_tokens - cached_tokens
         self.prefill_ms[i] = prefill_ms
         self.transfer_ms[i] = transfer_ms
         self.queue_wait_ms[i] = now_ms - self.workload.arrival_ms[i] / self.rate_scale
-        return transfer_ms + prefill_ms
+        return PrefillTimes(transfer_ms, prefill_ms)
 
     def num_prefill_chunks(self, i: int) -> int:
         """The mixed steps request ``i``'s prefill takes on a decode instance (its computed

@@ -4,6 +4,8 @@ links with 1 ms setup across nodes, 1,000 KV bytes per token)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from conductor.cost_model import CostProfile, DecodeCostModel, LinkCost, PrefillCostModel, TransferModel
@@ -84,6 +86,68 @@ def test_a_multi_chunk_colocated_prefill_steps_the_batch_once_per_chunk():
     # 54.88); then both at 59.88.
     assert sim.ttft_ms.tolist() == pytest.approx([25.0, 59.88 - 27.0])
     assert sim.max_gap_ms.tolist() == pytest.approx([12.44, 5.0])
+
+
+SLOW_HOST_PROFILE = PROFILE.model_copy(update={"transfer": PROFILE.transfer.model_copy(
+    update={"same_node": LinkCost(bytes_per_s=1e8, setup_ms=0.0)})})
+"""PROFILE with a 100 MB/s host tier: a 512-token block (512,000 bytes) loads in 5.12 ms."""
+
+
+def host_tier_colocation(prediction_error: float = 0.0) -> Simulation:
+    """One decode instance of 5 device blocks, every prompt prefilled on it in 256-token chunks.
+    X ([1, 2]) at 0 leaves its blocks on device and in the node's host tier; Z at 30 evicts
+    them from the device; A at 75 decodes 20 tokens; B ([1, 2, 9]) at 92 finds [1, 2] in the
+    host tier only."""
+    w = workload((0.0, 1000, 1, [1, 2]), (30.0, 2500, 1, [3, 4, 5, 6, 7]), (75.0, 500, 20, [8]),
+                 (92.0, 1500, 2, [1, 2, 9]))
+    f = fleet(device_kv_bytes=5 * 512 * 1000, prediction_error=prediction_error,
+              policy_overrides={"short_prefill_tokens": 10_000, "baton_prefill_chunk_tokens": 256})
+    return Simulation(w, f, SLOW_HOST_PROFILE, "baton").run()
+
+
+def test_a_colocated_prefill_loads_its_host_tier_prefix_while_the_batch_decodes():
+    """The prefix load does not stall the running batch (live, the connector loads it
+    asynchronously); only the compute runs as mixed steps, from the first step boundary after
+    the load lands."""
+    sim = host_tier_colocation()
+    assert sim.colocated.tolist() == [True] * 4
+    # X: 0 -> 20 (4 chunks, no batch), token at 25. Z: 30 -> 65, token at 70; it evicts [1, 2].
+    # A: 75 -> 90 (10 + 5 ms), tokens every 5 ms from 95. B arrives at 92; its prefill begins at
+    # A's next step boundary, 95: the load of 2 host blocks, 1,024,000 B / 100 MB/s = 10.24 ms,
+    # lands at 105.24 while A steps on at 5 ms (tokens at 100, 105, 110); from the boundary at
+    # 110 B computes 1500 - 1024 = 476 tokens (10 + 4.76 = 14.76 ms) in 2 chunks of 7.38 ms,
+    # each a mixed step of 7.38 + 5 = 12.38 ms (A's tokens at 122.38 and 134.76); B joins at
+    # 134.76, its tokens at 139.76 and 144.76; A's last 12 follow, to 204.76.
+    assert sim.ttft_ms.tolist() == pytest.approx([25.0, 40.0, 20.0, 139.76 - 92.0])
+    assert sim.transfer_ms.tolist() == pytest.approx([0.0, 0.0, 0.0, 10.24])
+    assert sim.prefill_ms.tolist() == pytest.approx([20.0, 35.0, 15.0, 14.76])
+    assert sim.queue_wait_ms.tolist() == pytest.approx([0.0, 0.0, 0.0, 3.0])
+    assert sim.max_gap_ms.tolist() == pytest.approx([0.0, 0.0, 12.38, 5.0])
+    # A's 19 gaps: 3 plain during the load, 2 mixed, 14 plain after; B's one gap
+    gaps: dict[float, int] = {}
+    for value, weight in zip(sim.tbt_values, sim.tbt_weights):
+        gaps[round(value, 9)] = gaps.get(round(value, 9), 0) + weight
+    assert gaps == {5.0: 3 + 14 + 1, 12.38: 2}
+    sim.check_invariants()
+
+
+def test_a_colocated_prefills_load_and_chunks_take_their_own_drawn_errors():
+    """With prediction error the load lasts its priced time times the request's transfer factor
+    and the chunks share its prefill time times the prefill factor (the draws as before)."""
+    sim = host_tier_colocation(prediction_error=0.3)
+    transfer_factor, prefill_factor = sim.transfer_factor[3], sim.prefill_factor[3]
+    assert sim.transfer_ms[3] == pytest.approx(10.24 * transfer_factor)
+    assert sim.prefill_ms[3] == pytest.approx(14.76 * prefill_factor)
+    # A's prefill runs alone from 75 and A joins at 75 + 15 ms x its factor; B's prefill begins
+    # then if B arrived before (this seed: 93.89), else at A's first step boundary after 92;
+    # its load lands, and its chunks start at A's next step boundary after that
+    assert sim.queue_wait_ms[2] == 0.0
+    a_join_ms = 75.0 + sim.prefill_ms[2]
+    begin_ms = a_join_ms + 5.0 * max(0, math.ceil((92.0 - a_join_ms) / 5.0))
+    chunks_ms = a_join_ms + 5.0 * math.ceil((begin_ms + sim.transfer_ms[3] - a_join_ms) / 5.0)
+    mixed_ms = sim.prefill_ms[3] / 2 + 5.0
+    assert sim.ttft_ms[3] == pytest.approx(chunks_ms + 2 * mixed_ms + 5.0 - 92.0)
+    assert sim.max_gap_ms[2] == pytest.approx(mixed_ms)
 
 
 def test_decode_admission_waits_for_memory():
