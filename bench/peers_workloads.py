@@ -210,16 +210,17 @@ class TraceSliceOptions(msgspec.Struct, frozen=True):
     """Index, in arrival order, of the slice's first request. The synthetic trace reuses blocks
     from far back: 58% of its 32-request slices, the first one too, share no block within
     themselves (ceiling 0); the slice from 3944 has ceiling ~0.52."""
-    num_requests: int = 32
-    """Consecutive requests in the slice. The default slice's prompts, scaled: mean ~1,730
-    tokens, median ~1,020, p90 ~4,980, max ~7,050 (55k prompt tokens)."""
+    num_requests: int = 16
+    """Consecutive requests in the slice. The default slice's prompts, scaled: mean ~2,820
+    tokens, median ~2,630, max ~7,050 (45k prompt tokens). 32 (55k tokens) at x4 left every
+    stack at 14-19 s mean TTFT on two cores, queueing more than placing."""
     block_words: int = 64
     """Words (~SmolLM2 tokens) per trace block of ``TRACE_BLOCK_TOKENS`` (512) tokens."""
-    time_scale: float = 4.0
+    time_scale: float = 12.0
     """Arrival times are the trace's, counted from the slice's first request, times this. The
     trace's rate is far beyond two CPU cores even with 8x shorter prompts: the default slice
-    arrives over 8.1 s (~6,800 scaled prompt tokens/s), x4 over 32.5 s (~1,700 tokens/s,
-    about half of two engines' prefill rate, with the trace's bursts left in)."""
+    arrives over 3.4 s at its own rate, x12 over 41 s (~1,100 prompt tokens/s, the trace's
+    bursts left in); its longest prompts still keep every stack's mean TTFT at 8-10 s here."""
     max_model_len: int = 8_192
     """The engines' context window (tokens): longer prompts are cut to fit with the cue and
     ``max_tokens``."""

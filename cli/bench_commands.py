@@ -369,12 +369,12 @@ def bench_peers(
                                     "The synthetic trace reuses blocks from far back: 58% of its "
                                     "32-request slices, the first one too, share no block within "
                                     "themselves (ceiling 0); 3944 starts one with ceiling ~0.5."),
-    trace_requests: int = typer.Option(32, help="mooncake_slice: consecutive requests (the "
-                                       "default slice: ~1,700 prompt tokens mean, 7,050 max)."),
+    trace_requests: int = typer.Option(16, help="mooncake_slice: consecutive requests (the "
+                                       "default slice: ~2,800 prompt tokens mean, 7,050 max)."),
     trace_block_words: int = typer.Option(64, help="mooncake_slice: words (~tokens) per 512-token "
                                           "trace block (8x shorter, to fit SmolLM2's window)."),
-    trace_time_scale: float = typer.Option(4.0, help="mooncake_slice: arrival times are the "
-                                           "trace's times this (x4: 32 requests over 32 s)."),
+    trace_time_scale: float = typer.Option(12.0, help="mooncake_slice: arrival times are the "
+                                           "trace's times this (x12: 16 requests over 41 s)."),
     max_tokens: int = typer.Option(32, help="Tokens each request generates (ignore_eos)."),
     model: str = typer.Option("smollm2", help="'smollm2' or 'tiny' (a smoke test)."),
     seed: int = typer.Option(0, help="Seed of every prompt and think time."),

@@ -51,13 +51,13 @@ BANDWIDTH_EWMA = 0.3
 """Weight of the newest bandwidth observation in the priced same-node bandwidth."""
 MAX_REFRESHES_PER_SNAPSHOT = 2
 QUEUE_REFRESH_S = 0.005
+"""How stale the decaying queue term of a busy instance may get before it is recomputed (s)."""
 OVERRUN_REMAINING_FRAC = 0.1
 """An instance whose booked prefills have run past their predicted time still has work queued:
 this share of it, until the engine reports them done. At zero it read as a queue of tokens
 without a priced time, which the price re-prices as a whole new prefill of them: an instance
 was priced busiest exactly when its prefill was about to finish (a 128 ms prefill 200 ms in
 priced 128 ms of queue)."""
-"""How stale the decaying queue term of a busy instance may get before it is recomputed (s)."""
 
 
 @dataclass
@@ -350,7 +350,8 @@ class ConductorState:
         never under ``OVERRUN_REMAINING_FRAC`` of it while it is booked."""
         if not inst.prefills:
             return 0.0
-        return max(OVERRUN_REMAINING_FRAC * inst.queued_ms, inst.queued_ms - (now - inst.busy_since()) * 1000.0)
+        left_ms = inst.queued_ms - (now - inst.busy_since()) * 1000.0
+        return max(OVERRUN_REMAINING_FRAC * inst.queued_ms, left_ms)
 
     def _refresh_view(self, instance_id: str, now: float | None = None) -> None:
         inst = self._instances[instance_id]

@@ -71,7 +71,7 @@ class EngineConfig(BaseModel):
         3.0, ge=0, description="The cap on kv_lookup_wait_step_fraction's wait (ms).")
     warm_up: bool = Field(
         True, description="Before taking requests, each engine runs a few prefills of random "
-        "tokens (about 2.4x min(2048, half the context) tokens: ~3 s on a CPU core): the first "
+        "tokens (about 2.4x min(2048, half the context) tokens: ~6 s on a CPU core): the first "
         "request does not pay a cold engine's first steps, and the conductor's cost model fits "
         "this machine's prefill times from them when no profile was given (engine.warmup).")
     omp_threads_bind: str = Field(

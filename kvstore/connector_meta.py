@@ -113,9 +113,9 @@ def request_transfer_params(request: EngineRequest) -> dict[str, Any] | None:
     """What the connector needs of ``request`` beyond its tokens, as vLLM carries it per request
     (``SamplingParams.extra_args["kv_transfer_params"]`` becomes ``Request.kv_transfer_params``):
     the prompt's block keys hashed at the gateway, whether to look its blocks up in the
-    store at all and to save them there, and the token offset its salt applies from (``cache_salt_offset``: the
-    connector keys what it hashes itself, its output blocks, under the same segments). None
-    when there is nothing to carry."""
+    store at all and to save them there, and the token offset its salt applies from
+    (``cache_salt_offset``: the connector keys what it hashes itself, its output blocks, under
+    the same segments). None when there is nothing to carry."""
     carried: dict[str, Any] = {}
     blocks = request.blocks
     if blocks is not None:

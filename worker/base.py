@@ -93,9 +93,8 @@ class EngineWorker:
             from engine.warmup import warm_up
 
             _, block_size = self.runner.kv_layout()
-            max_len = min(config.max_model_len_tokens or model.max_model_len, model.max_model_len)
             warm_started = time.perf_counter()
-            self.warmup_prefills = warm_up(self.runner, max_len, block_size)
+            self.warmup_prefills = warm_up(self.runner, self.runner.max_model_len(), block_size)
             log.info("%s %s: warm-up of %d prefills in %.1f s: %s", self.role, instance_id,
                      len(self.warmup_prefills), time.perf_counter() - warm_started,
                      ", ".join(f"{p.uncached_tokens}/{p.cached_tokens} {p.prefill_ms:.0f} ms"

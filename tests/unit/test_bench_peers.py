@@ -180,18 +180,18 @@ def test_trace_slice_takes_consecutive_requests_and_cuts_prompts_to_the_window()
         trace_slice_workload(HAND_TRACE, msgspec.structs.replace(HAND_OPTIONS, max_model_len=20))
 
 
-def test_the_default_slice_is_the_shared_traces_first_requests_at_a_quarter_of_its_rate():
+def test_the_default_slice_is_the_shared_traces_first_requests_at_a_twelfth_of_its_rate():
     trace = load_trace(DEFAULT_TRACE)
     workload = build_workloads(PeersOptions(workloads=("mooncake_slice",)))["mooncake_slice"]
     requests = workload.requests()
-    assert len(requests) == 32
-    assert [r.release_s for r in requests] == [round(t.timestamp / 1000 * 4, 6) for t in trace[:32]]
-    assert requests[-1].release_s == pytest.approx(32.452)
+    assert len(requests) == 16
+    assert [r.release_s for r in requests] == [round(t.timestamp / 1000 * 12, 6) for t in trace[:16]]
+    assert requests[-1].release_s == pytest.approx(41.244)
     # 40,160 tokens: 78 whole blocks and 224 tokens, 78 x 64 + 28 words.
     assert len(requests[0].prompt.removesuffix(TRACE_CUE).split(" ")) == 78 * 64 + 28
     assert [r.prompt for r in requests] == [r.prompt for r in mooncake_slice_workload(
         TraceSliceOptions()).requests()]
-    # The trace's first 32 requests share no block: nothing to reuse but chance words.
+    # The trace's first 16 requests share no block: nothing to reuse but chance words.
     assert ceiling_hit_ratio(requests, words, block_tokens=128).reusable_tokens == 0
 
 
