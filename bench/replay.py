@@ -13,10 +13,23 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from protos.errors import BatonError
 from simulator.fleet import GIB, FleetConfig
+from simulator.live_error import LIVE_PREFILL_ERROR, DrawnError, read_measured_error
 from simulator.profile import load_profile
 from simulator.replay import estimated_sims, parse_policies, replay, write_results
 from simulator.sim import Workload
 from simulator.trace import load_trace
+
+
+def drawn_error(prediction_error: float | None, live_error: Path | None) -> DrawnError:
+    """What the error factors are drawn with: ``prediction_error`` as given, else fitted to the
+    live measurement in ``live_error``, else to the recorded one."""
+    if prediction_error is not None:
+        if live_error is not None:
+            raise BatonError("--prediction-error and --live-error both say which error to draw; give one")
+        if not 0 <= prediction_error < 2:
+            raise BatonError(f"--prediction-error must be in [0, 2), got {prediction_error:g}")
+        return DrawnError.given(prediction_error)
+    return DrawnError.fitted(read_measured_error(live_error) if live_error is not None else LIVE_PREFILL_ERROR)
 
 
 def replay_command(trace: Path, num_prefill: int, num_decode: int, policy: str, out: Path,
@@ -24,10 +37,14 @@ def replay_command(trace: Path, num_prefill: int, num_decode: int, policy: str, 
                    goodput: bool, jobs: int, instances_per_node: int, device_kv_gib: float | None,
                    host_gib_per_node: float | None, disk_gib_per_node: float | None,
                    admission: bool, console: Console, tune: bool = True, tune_fraction: float = 0.25,
-                   prediction_error: float = 0.0, error_seed: int = 0, coalesce: bool = True) -> None:
-    """Raises ``typer.Exit(2)`` with a message for anything the user can fix."""
+                   prediction_error: float | None = None, error_seed: int = 0, coalesce: bool = True,
+                   live_error: Path | None = None) -> None:
+    """Raises ``typer.Exit(2)`` with a message for anything the user can fix. A
+    ``prediction_error`` of None draws the error fitted to the live one: ``live_error``'s, else
+    ``LIVE_PREFILL_ERROR``."""
     try:
         policies = parse_policies(policy)
+        drawn = drawn_error(prediction_error, live_error)
         profile = load_profile(profile_spec)
         if rate_scale <= 0:
             raise BatonError(f"--rate-scale must be positive, got {rate_scale:g}")
@@ -42,7 +59,7 @@ def replay_command(trace: Path, num_prefill: int, num_decode: int, policy: str, 
             overrides["disk_kv_bytes_per_node"] = disk_gib_per_node * GIB
         fleet = FleetConfig(num_prefill_instances=num_prefill, num_decode_instances=num_decode,
                             instances_per_node=instances_per_node, ttft_slo_ms=ttft_slo_ms,
-                            tbt_slo_ms=tbt_slo_ms, admission=admission, prediction_error=prediction_error,
+                            tbt_slo_ms=tbt_slo_ms, admission=admission, prediction_error=drawn.mean_abs_error,
                             error_seed=error_seed, coalesce_policies=("baton",) if coalesce else (),
                             **overrides)
         workload = Workload(load_trace(trace), trace.name)
@@ -74,7 +91,8 @@ def replay_command(trace: Path, num_prefill: int, num_decode: int, policy: str, 
         "trace": str(trace), "trace_name": trace.name, "num_requests": len(workload),
         "ceiling_hit_ratio": outcome.oracle.hit_ratio, "rate_scale": rate_scale,
         "simulated": True, "profile_name": profile_spec, "profile": profile.model_dump(exclude={"samples"}),
-        "fleet": fleet.model_dump(), "policies": policies, "wall_s": wall_s, "jobs": jobs,
+        "fleet": fleet.model_dump(), "prediction_error": drawn.model_dump() | {"drawn_with": drawn.describe()},
+        "policies": policies, "wall_s": wall_s, "jobs": jobs,
         "per_policy_wall_s": {p: run.wall_s for p, run in runs.items()},
         "per_policy_cpu_s": {p: run.cpu_s for p, run in runs.items()},
         "num_tune_requests": outcome.num_tune_requests, "num_race_requests": outcome.num_race_requests,

@@ -58,8 +58,13 @@ def bench_replay(
     admission: bool = typer.Option(True, help="Let the conductor reject requests predicted to miss SLOs."),
     tune: bool = typer.Option(True, help="Tune each policy's knobs on the trace's first slice, race on the rest."),
     tune_fraction: float = typer.Option(0.25, help="Share of the trace (first requests) held apart for tuning."),
-    prediction_error: float = typer.Option(
-        0.0, help="Mean relative error of actual prefill/transfer times around the prediction (0.1: 10%)."),
+    prediction_error: Optional[float] = typer.Option(
+        None, help="Mean relative error of actual prefill/transfer times around the prediction (0.1: "
+        "10%). Default: fitted to the live cost model's measured error (--live-error, else the "
+        "figure recorded in simulator/live_error.py)."),
+    live_error: Optional[Path] = typer.Option(
+        None, help="Draw the error fitted to the live prefill error in this 'baton status --json' "
+        "output or 'baton bench peers' peers.json (its median)."),
     error_seed: int = typer.Option(0, help="Seed of the per-request prediction errors."),
     coalesce: bool = typer.Option(True, help="Model baton's in-flight prefix coalescing (its live conductor's)."),
 ) -> None:
@@ -71,7 +76,8 @@ def bench_replay(
 
     replay_command(trace, prefill, decode, policy, out, rate_scale, profile, ttft_slo_ms, tbt_slo_ms,
                    goodput, jobs or default_jobs(), instances_per_node, device_kv_gib, host_gib,
-                   disk_gib, admission, err, tune, tune_fraction, prediction_error, error_seed, coalesce)
+                   disk_gib, admission, err, tune, tune_fraction, prediction_error, error_seed, coalesce,
+                   live_error)
 
 
 @bench_app.command("kvstore")

@@ -29,6 +29,14 @@ def _knobs(knobs: dict) -> str:
                      for k, v in knobs.items()) or "-"
 
 
+def _error(meta: dict) -> str:
+    """Which prediction error the figures were drawn with (``DrawnError.describe``)."""
+    drawn = meta.get("prediction_error")
+    if drawn is None:
+        return f"prediction error {meta['fleet']['prediction_error']:.0%}"
+    return drawn["drawn_with"]
+
+
 def markdown_table(outcome: ReplayOutcome, meta: dict) -> str:
     fleet = meta["fleet"]
     runs, oracle = outcome.runs, outcome.oracle
@@ -40,8 +48,8 @@ def markdown_table(outcome: ReplayOutcome, meta: dict) -> str:
         "",
         f"{sliced}. Rate scale {meta['rate_scale']:g}; trace hit ceiling {meta['ceiling_hit_ratio']:.3f}; "
         f"SLOs: TTFT <= {fleet['ttft_slo_ms']:g} ms, worst inter-token gap <= {fleet['tbt_slo_ms']:g} ms; "
-        f"admission {'on' if fleet['admission'] else 'off'}; prediction error "
-        f"{fleet['prediction_error']:.0%}; coalescing for {', '.join(fleet['coalesce_policies']) or 'none'}. "
+        f"admission {'on' if fleet['admission'] else 'off'}; {_error(meta)}; coalescing for "
+        f"{', '.join(fleet['coalesce_policies']) or 'none'}. "
         "TTFT over all requests, a rejected or unservable one at the SLO bound. Goodput: highest rate "
         "scale with >= 90% of requests meeting both SLOs, bracketed to 2%.",
         "",
