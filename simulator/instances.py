@@ -175,9 +175,13 @@ class DecodeInstance(Instance):
     ``conductor.pricing.colocated_price`` prices it: the uncached suffix in chunks of
     ``baton_prefill_chunk_tokens``, each chunk one mixed step that also steps the running batch
     (chunk's share of the compute + the batch's decode step), so the compute takes its own time
-    plus one decode step per chunk and each running sequence gains a token per chunk; sequences
-    that arrive meanwhile join when it ends. Only the compute is spread over the chunks, never
-    the load. A sequence is admitted once its prompt blocks and the private blocks for its
+    plus one decode step per chunk and each running sequence gains a token per chunk. Sequences
+    that arrive meanwhile join as vLLM's scheduler lets them (``vllm/v1/core/sched/scheduler.py``,
+    0.32: running requests first, a prefill chunk takes what is left of the step's token budget,
+    waiting requests are scheduled only while budget remains): a full chunk leaves none, so they
+    wait for the last chunk, and join at its start when it is shorter than a full one (up to as
+    many as the tokens it leaves; the budget counts prefill tokens only, as pricing does), else
+    when the prefill ends. Only the compute is spread over the chunks, never the load. A sequence is admitted once its prompt blocks and the private blocks for its
     whole output fit the device cache (no preemption); a prefill reserves its blocks when its
     load starts.
     """
@@ -199,6 +203,9 @@ class DecodeInstance(Instance):
         """Whether ``current``'s prefix load is still in flight (its chunks not yet started)."""
         self.chunk_ms = 0.0
         self.num_chunks_left = 0
+        self.num_last_chunk_room_tokens = 0
+        """The token budget ``current``'s last chunk leaves: how many waiting sequences may join
+        at its start (0: it is a full chunk)."""
 
     def load(self) -> tuple[int, float]:
         return (len(self.waiting) + len(self.prefill_queue),
@@ -225,10 +232,15 @@ class DecodeInstance(Instance):
         self.sim.dirty.add(self)
         if self.mode == IDLE:
             self._start(now_ms)
-        elif self.mode == DECODING:
-            steps = math.ceil((now_ms - self.segment_start_ms) / self.step_ms - 1e-9)
-            if steps < self.num_boundary_steps:
-                self._schedule_boundary(max(0, steps))
+            return
+        steps = max(0, math.ceil((now_ms - self.segment_start_ms) / self.step_ms - 1e-9))
+        if self.mode == PREFILLING:
+            # a waiting sequence can join at the last chunk's start only (see the class)
+            if not (self.waiting and self.num_last_chunk_room_tokens > 0):
+                return
+            steps = max(steps, self.num_chunks_left - 1)
+        if steps < self.num_boundary_steps:
+            self._schedule_boundary(steps)
 
     def _schedule_boundary(self, num_steps: int) -> None:
         self.version += 1
@@ -244,6 +256,8 @@ class DecodeInstance(Instance):
             self._advance(self.num_boundary_steps)
             self.num_chunks_left -= self.num_boundary_steps
             if self.num_chunks_left > 0:
+                if self.num_chunks_left == 1:
+                    self._admit(now_ms, self.num_last_chunk_room_tokens)
                 self._prefill_segment(now_ms)
                 return
             job = self.current
@@ -270,6 +284,7 @@ class DecodeInstance(Instance):
         self.current = job
         self.num_chunks_left = self.sim.num_prefill_chunks(job.req)
         self.chunk_ms = times.compute_ms / self.num_chunks_left
+        self.num_last_chunk_room_tokens = self.sim.num_last_chunk_room_tokens(job.req)
         if times.load_ms > 0:
             self.loading = True
             self.sim.schedule(now_ms + times.load_ms, self.on_load_done, job)
@@ -328,14 +343,21 @@ class DecodeInstance(Instance):
         self.num_context_tokens += seq.num_context_tokens
         seq.last_token_ms = now_ms
 
-    def _start(self, now_ms: float) -> None:
-        """At a step boundary with no segment in progress: admit, begin the next prefill (its
-        load, if any, in flight from now), run the loaded prefill's chunks, or decode."""
-        cache = self.cache
-        while self.waiting and cache.can_acquire(self.waiting[0].keys, self.waiting[0].num_private_blocks):
+    def _admit(self, now_ms: float, max_seqs: int | None = None) -> None:
+        """At a step boundary: waiting sequences join the batch in arrival order while their
+        blocks fit (at most ``max_seqs``)."""
+        cache, num_joined = self.cache, 0
+        while (self.waiting and (max_seqs is None or num_joined < max_seqs)
+               and cache.can_acquire(self.waiting[0].keys, self.waiting[0].num_private_blocks)):
             seq = self.waiting.popleft()
             cache.acquire(seq.keys, seq.num_private_blocks)
             self._join(seq, now_ms)
+            num_joined += 1
+
+    def _start(self, now_ms: float) -> None:
+        """At a step boundary with no segment in progress: admit, begin the next prefill (its
+        load, if any, in flight from now), run the loaded prefill's chunks, or decode."""
+        self._admit(now_ms)
         if self.current is None and self.prefill_queue:
             self._begin_prefill(now_ms)
         if self.current is not None and not self.loading:

@@ -398,6 +398,13 @@ class Simulation:
         suffix in chunks of ``baton_prefill_chunk_tokens``, at least one), as pricing counts them."""
         return max(1, -(-int(self.num_computed_tokens[i]) // self.config.baton_prefill_chunk_tokens))
 
+    def num_last_chunk_room_tokens(self, i: int) -> int:
+        """The step's token budget (``baton_prefill_chunk_tokens``) left beside the last chunk
+        of request ``i``'s prefill on a decode instance: 0 when that chunk is a full one."""
+        chunk_tokens = self.config.baton_prefill_chunk_tokens
+        last_tokens = int(self.num_computed_tokens[i]) - (self.num_prefill_chunks(i) - 1) * chunk_tokens
+        return chunk_tokens - last_tokens
+
     def end_prefill(self, inst: Instance, job: Job, now_ms: float) -> None:
         """The KV connector writes every block of the prompt to the node's store; the worker
         reports the prefill to the conductor."""

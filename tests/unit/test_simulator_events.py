@@ -88,6 +88,39 @@ def test_a_multi_chunk_colocated_prefill_steps_the_batch_once_per_chunk():
     assert sim.max_gap_ms.tolist() == pytest.approx([12.44, 5.0])
 
 
+def handoff_during_a_colocated_prefill(chunk_tokens: int) -> Simulation:
+    """A (1,000 tokens, 6 out) and C (600, 1 out) prefill on the prefill instance; B (block 1
+    cached on the decode instance: 488 new tokens, under the 500-token cut) on the decode
+    instance, in 2 chunks of ``chunk_tokens``. A: 0 -> 20, hand-off 2 ms, joins at 22, tokens
+    at 27, ... B arrives at 27, its prefill starts at that boundary: 14.88 ms in 2 mixed steps
+    of 7.44 + 5 = 12.44 ms, 27 -> 39.44 -> 51.88. C arrives at 5, prefills after A, 20 -> 36,
+    hand-off 1 + 0.6 ms: its KV is at the decode instance at 37.6, during B's first chunk."""
+    w = workload((0.0, 1000, 6, [1, 2]), (5.0, 600, 1, [4, 5]), (27.0, 1000, 2, [1, 3]))
+    f = fleet(policy_overrides={"short_prefill_tokens": 500, "baton_prefill_chunk_tokens": chunk_tokens})
+    sim = Simulation(w, f, PROFILE, "baton").run()
+    assert sim.colocated.tolist() == [False, False, True]
+    return sim
+
+
+def test_a_handed_off_sequence_joins_at_a_colocated_prefills_last_chunk_when_it_leaves_budget():
+    """Chunks of 256: B's last chunk is 232 tokens, leaving 24 of the step's budget, so C joins
+    at its start (39.44; vLLM schedules a waiting request while budget remains) and gets its
+    first token at its end, 51.88; B's first token one step after its prefill, 56.88."""
+    sim = handoff_during_a_colocated_prefill(256)
+    assert sim.ttft_ms.tolist() == pytest.approx([27.0, 51.88 - 5.0, 56.88 - 27.0])
+    assert sim.max_gap_ms[0] == pytest.approx(12.44)
+    sim.check_invariants()
+
+
+def test_a_handed_off_sequence_waits_out_a_colocated_prefills_full_chunks():
+    """Chunks of 244: both of B's chunks are full, so the budget leaves C no room in either
+    (vLLM's scheduler: the chunk takes what the running decodes leave); C joins when B's
+    prefill ends, 51.88, with B, and their first tokens come one step later, 56.88."""
+    sim = handoff_during_a_colocated_prefill(244)
+    assert sim.ttft_ms.tolist() == pytest.approx([27.0, 56.88 - 5.0, 56.88 - 27.0])
+    sim.check_invariants()
+
+
 SLOW_HOST_PROFILE = PROFILE.model_copy(update={"transfer": PROFILE.transfer.model_copy(
     update={"same_node": LinkCost(bytes_per_s=1e8, setup_ms=0.0)})})
 """PROFILE with a 100 MB/s host tier: a 512-token block (512,000 bytes) loads in 5.12 ms."""
