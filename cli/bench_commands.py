@@ -80,6 +80,20 @@ def bench_replay(
                    live_error)
 
 
+@bench_app.command("replay-breakdown")
+def bench_replay_breakdown(
+    out: Path = typer.Argument(..., help="A 'baton bench replay' output folder (run.json, results.json)."),
+    policy: str = typer.Option("baton,mooncake", help="'all' or policy names, comma-separated."),
+    rate_scale: Optional[float] = typer.Option(None, help="Arrival-rate multiplier (default: the replay's)."),
+) -> None:
+    """SIMULATE again the replay's policies with their tuned knobs and split each one's TTFT
+    over the oracle's into parts: rejections, holds, queue, prefix transfer, missed blocks,
+    hand-off and decode steps."""
+    from bench.replay_breakdown import breakdown_command
+
+    breakdown_command(out, policy, rate_scale, err)
+
+
 @bench_app.command("kvstore")
 def bench_kvstore(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
