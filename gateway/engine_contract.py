@@ -30,9 +30,10 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 
 from gateway import engine_replies as replies
 from gateway.auth import KeySet, bearer_key
-from gateway.engine_requests import ModelLimits, engine_request
+from gateway.engine_requests import ModelLimits, contract_session_fields, engine_request
 from gateway.inference import NOT_READY_MESSAGE, UndecodableRequest, status_details
 from gateway.router import Placed, Router
+from gateway.sessions import SessionsConfig, with_session
 from gateway.status import retry_after_s, status_of
 from gateway.tokenization import PromptTokenizer
 from protos.errors import BatonError, ConfigError
@@ -123,8 +124,10 @@ class EngineContractServicer:
 
     def __init__(self, router: Router, cluster: ClusterView, tokenizer: PromptTokenizer,
                  model: ServedModel, api_keys: frozenset[str] = frozenset(),
-                 structured_backend: str = "auto") -> None:
+                 structured_backend: str = "auto",
+                 sessions: SessionsConfig = SessionsConfig()) -> None:
         self._router = router
+        self._sessions = sessions
         self._cluster = cluster
         self._tokenizer = tokenizer
         self._model = model
@@ -184,6 +187,10 @@ class EngineContractServicer:
         self._last_receive = time.time()
         try:
             built = await asyncio.to_thread(engine_request, request, self._tokenizer, self._limits)
+            metadata = context.invocation_metadata()
+            api_key = bearer_key(metadata) if self._api_keys else ""
+            built = with_session(built, contract_session_fields(metadata), self._sessions,
+                                 api_key or "")
         except BatonError as e:
             await context.abort(status_of(e).grpc_code, status_details(e))
         if not self._router.is_ready():

@@ -17,6 +17,7 @@ import math
 import msgspec
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 
+from gateway.sessions import InvalidField, SessionFields
 from gateway.tokenization import PromptTokenizer
 from gateway.validation import validate_and_build
 from protos.baton.v1 import inference_pb2 as pb
@@ -27,6 +28,15 @@ UNSUPPORTED_CONSTRAINTS = ("regex", "grammar", "structural_tag", "choice")
 REMOTE_PREFILL_KEYS = ("do_remote_prefill", "do_remote_decode")
 """``kv_transfer_params_json`` keys with which a PD router hands a request's KV between two of its
 workers: Baton moves KV between its own prefill and decode pools itself."""
+
+
+SESSION_ID_KEY = "x-session-id"
+SESSION_TTL_KEY = "x-session-ttl-s"
+NEXT_STEP_KEY = "x-expected-next-step-s"
+"""The gRPC metadata keys in which a caller of the engine contract names its agent session: the
+contract's ``GenerateRequest`` (SMG's proto) has no field for it, and Baton adds none to a proto
+it does not own. Same meanings as ``baton.v1``'s ``session_id``, ``session_ttl_s`` and
+``expected_next_step_s`` (and HTTP's ``X-Session-Id``)."""
 
 
 class ModelLimits(msgspec.Struct, frozen=True):
@@ -55,6 +65,31 @@ def engine_request(request: vpb.GenerateRequest, tokenizer: PromptTokenizer,
         built = msgspec.structs.replace(
             built, sampling=msgspec.structs.replace(built.sampling, ignore_eos=True))
     return built
+
+
+def contract_session_fields(metadata) -> SessionFields:
+    """The session a contract call names in its gRPC metadata (``SESSION_ID_KEY`` and the two
+    beside it; none: no session). ``InvalidField`` naming the key for a value that is not a
+    number; the ranges are checked where every front's are (``gateway.sessions.with_session``)."""
+    values: dict[str, str] = {}
+    for key, value in metadata or ():
+        if key in (SESSION_ID_KEY, SESSION_TTL_KEY, NEXT_STEP_KEY):
+            if key in values:
+                raise InvalidField(f"gRPC metadata {key!r} is sent twice; send it once", key)
+            values[key] = value if isinstance(value, str) else value.decode("utf-8", "replace")
+
+    def number(key: str) -> float | None:
+        if key not in values:
+            return None
+        try:
+            return float(values[key])
+        except ValueError as e:
+            raise InvalidField(f"gRPC metadata {key!r} must be a number of seconds, got "
+                               f"{values[key]!r}", key) from e
+
+    return SessionFields(values.get(SESSION_ID_KEY, "").strip(), number(SESSION_TTL_KEY),
+                         number(NEXT_STEP_KEY), session_id_field=SESSION_ID_KEY,
+                         ttl_field=SESSION_TTL_KEY, next_step_field=NEXT_STEP_KEY)
 
 
 def baton_generate_request(request: vpb.GenerateRequest) -> pb.GenerateRequest:

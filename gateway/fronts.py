@@ -139,7 +139,8 @@ class Fronts:
         servicer = EngineContractServicer(self.router, RayClusterView(conductor), self.tokenizer,
                                           served, api_keys=self.secrets.api_keys
                                           if cfg.engine_grpc.require_api_key else frozenset(),
-                                          structured_backend=cfg.structured_backend)
+                                          structured_backend=cfg.structured_backend,
+                                          sessions=cfg.sessions)
         self.engine_contract = await start_engine_contract(
             servicer, cfg.engine_grpc.host, cfg.engine_grpc.port, tls=self.secrets.grpc_tls)
         self.progress(f"engine gRPC contract (vllm.grpc.engine) on "

@@ -26,6 +26,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vpb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb_grpc
 from smg_grpc_proto.generated import common_pb2 as cpb
 
+from gateway.sessions import scoped_session_id
 from gateway.tokenization import PromptTokenizer
 from tests.integration.engines import running_server
 
@@ -227,3 +228,26 @@ async def test_kv_events_of_the_engines_reach_a_subscriber(server, smg, tiny_mod
         events.cancel()
         model = await stub.GetModelInfo(vpb.GetModelInfoRequest())
         assert (model.served_model_name, model.model_path) == ("tiny", str(tiny_model.path))
+
+
+async def test_a_session_named_in_contract_metadata_reaches_the_conductor(server, tiny_model):
+    """SMG's proto has no session field: a caller names its session in gRPC metadata, and the
+    conductor's session table counts its steps as it does for the other fronts'."""
+    prompt = PromptTokenizer(tiny_model.path).encode_chat([("user", LONG)])
+    metadata = (("x-session-id", "contract-agent"), ("x-session-ttl-s", "60"))
+    async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{server.fronts.engine_contract.port}") as channel:
+        stub = vpb_grpc.VllmEngineStub(channel)
+        for step in range(2):
+            request = vpb.GenerateRequest(
+                request_id=f"contract-session-{step}", stream=False,
+                tokenized=vpb.TokenizedInput(input_ids=prompt + [7] * step),
+                sampling_params=vpb.SamplingParams(temperature=0, max_tokens=2))
+            answers = [r async for r in stub.Generate(request, metadata=metadata)]
+            assert answers[-1].complete.finish_reason in ("length", "stop")
+    view = await server.cluster.conductor.session.remote(
+        scoped_session_id("", "", "contract-agent"))
+    assert view is not None and view.num_steps == 2
+    closed = await server.cluster.conductor.close_session.remote(
+        scoped_session_id("", "", "contract-agent"))
+    assert closed is not None and closed.num_steps == 2

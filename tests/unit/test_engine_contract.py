@@ -22,6 +22,7 @@ from engine.models import prepare_model
 from gateway import engine_replies as replies
 from gateway.engine_contract import EngineContractServicer, ServedModel, start_engine_contract
 from gateway.engine_requests import ModelLimits, engine_request
+from gateway.sessions import SessionsConfig, scoped_session_id
 from gateway.tokenization import PromptTokenizer
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from protos.errors import InvalidRequest, NoWorkerReady
@@ -333,6 +334,51 @@ async def test_bad_input_is_invalid_argument_before_the_router(stub, router):
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "top_k" in raised.value.details()
     assert router.requests == []
+
+
+async def test_a_session_named_in_metadata_makes_a_scoped_leased_session_step(stub, router):
+    metadata = (("x-session-id", "agent-7"), ("x-session-ttl-s", "120"),
+                ("x-expected-next-step-s", "4.5"))
+    [_ async for _ in stub.Generate(tokenized(max_tokens=4), metadata=metadata)]
+    [_ async for _ in stub.Generate(tokenized(max_tokens=4))]
+    step, plain = router.requests
+    assert step.session_id == scoped_session_id("", "", "agent-7")
+    assert step.expected_next_step_s == 4.5
+    assert [(lease.lease_id, lease.ttl_s, lease.num_tokens) for lease in step.leases] == [
+        (step.session_id, 120.0, 3)]
+    assert (plain.session_id, plain.expected_next_step_s, plain.leases) == ("", 0.0, ())
+
+
+@pytest.mark.parametrize("metadata, key", [
+    ((("x-session-id", "a"), ("x-session-ttl-s", "soon")), "x-session-ttl-s"),
+    ((("x-session-id", "a"), ("x-session-ttl-s", "999999")), "x-session-ttl-s"),
+    ((("x-expected-next-step-s", "3"),), "x-expected-next-step-s"),
+    ((("x-session-id", "a"), ("x-session-id", "b")), "x-session-id"),
+])
+async def test_bad_session_metadata_is_invalid_argument_naming_the_key(stub, router, metadata, key):
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in stub.Generate(tokenized(max_tokens=4), metadata=metadata):
+            pass
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert key in raised.value.details()
+    assert router.requests == []
+
+
+async def test_sessions_off_serves_a_named_session_as_a_plain_request(router, cluster, tokenizer,
+                                                                     model):
+    servicer = EngineContractServicer(router, cluster, tokenizer,
+                                      ServedModel(model.path, "tiny", MAX_MODEL_LEN,
+                                                  tokenizer.vocab_size, "float32", 64),
+                                      sessions=SessionsConfig(enabled=False))
+    running = await start_engine_contract(servicer, "127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            call = vpb_grpc.VllmEngineStub(channel).Generate(
+                tokenized(max_tokens=4), metadata=(("x-session-id", "agent-7"),))
+            [_ async for _ in call]
+    finally:
+        await running.stop(None)
+    assert (router.requests[0].session_id, router.requests[0].leases) == ("", ())
 
 
 async def test_not_ready_is_unavailable_and_unhealthy(stub, contract):
