@@ -17,6 +17,15 @@ run's second half (after warm-up; a least-squares line) beside its first, last a
 and ``live`` what the live data explains (the store's used blocks bound what Redis and the index
 may hold). After the load the books must be empty, nothing pinned (``bench.leaks``), no block
 leased and no session live.
+
+Resident memory is also sampled per role of process (``bench.peers_cpu.role_of``: engine,
+frontend, conductor, store, ray, redis, other) and per kind, as the kernel counts it in
+``/proc/<pid>/status``: ``anon`` (the process's own heap), ``file`` (mapped files: libraries,
+model weights) and ``shmem`` (shared memory it touched: the store's host-tier arena, which the
+store node and every engine that copies blocks in or out map, so a page appears in each of their
+RSS once they touched it). ``rss_growth_by_role`` gives each role and kind's slope over the
+second half, so growth can be told apart: a heap that keeps growing, or arena pages touched for
+the first time (bounded by the host tier's size times its mappers).
 """
 
 from __future__ import annotations
@@ -58,6 +67,8 @@ class Sample(msgspec.Struct):
     """Blocks the store holds under the agents' session leases."""
     live_sessions: int = 0
     """Sessions the conductor's table holds."""
+    rss_mb_by_role: dict[str, dict[str, float]] = {}
+    """Resident MB per role of process and kind (``anon``, ``file``, ``shmem``; module docstring)."""
 
 
 class Growth(msgspec.Struct):
@@ -77,6 +88,8 @@ class SoakReport(msgspec.Struct):
     growth: dict[str, Growth]
     leaks: dict[str, int]
     ok: bool
+    rss_growth_by_role: dict[str, dict[str, Growth]] = {}
+    """``growth_of``'s figures for each role's resident MB of each kind."""
 
 
 def slope_per_hour(points: list[tuple[float, float]]) -> float:
@@ -94,11 +107,41 @@ def slope_per_hour(points: list[tuple[float, float]]) -> float:
 def growth_of(samples: list[Sample]) -> dict[str, Growth]:
     """Each sampled series' first, last and peak value and its slope over the second half."""
     half = samples[len(samples) // 2:]
-    fields = [name for name in Sample.__struct_fields__ if name != "at_s"]
-    return {name: Growth(float(getattr(samples[0], name)), float(getattr(samples[-1], name)),
-                         float(max(getattr(s, name) for s in samples)),
-                         round(slope_per_hour([(s.at_s, float(getattr(s, name))) for s in half]), 1))
+    fields = [name for name in Sample.__struct_fields__
+              if name not in ("at_s", "rss_mb_by_role")]
+    return {name: _growth([(s.at_s, float(getattr(s, name))) for s in samples], len(half))
             for name in fields}
+
+
+def _growth(points: list[tuple[float, float]], num_second_half: int) -> Growth:
+    values = [v for _, v in points]
+    return Growth(values[0], values[-1], max(values),
+                  round(slope_per_hour(points[len(points) - num_second_half:]), 1))
+
+
+def rss_growth_by_role(samples: list[Sample]) -> dict[str, dict[str, Growth]]:
+    """``growth_of`` for each role's resident MB of each kind (a role or kind missing from a
+    sample counts 0 there: its processes had not started or had ended)."""
+    roles = sorted({role for s in samples for role in s.rss_mb_by_role})
+    kinds = sorted({kind for s in samples for by_kind in s.rss_mb_by_role.values() for kind in by_kind})
+    num_half = len(samples) - len(samples) // 2
+    return {role: {kind: _growth([(s.at_s, s.rss_mb_by_role.get(role, {}).get(kind, 0.0))
+                                  for s in samples], num_half) for kind in kinds}
+            for role in roles}
+
+
+RSS_KINDS = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+
+
+def rss_kinds_mb(status_text: str) -> dict[str, float]:
+    """A process's resident MB by kind from its ``/proc/<pid>/status`` text (kB lines)."""
+    out = {kind: 0.0 for kind in RSS_KINDS.values()}
+    for line in status_text.splitlines():
+        fields = line.split()
+        kind = RSS_KINDS.get(fields[0]) if len(fields) >= 2 else None
+        if kind is not None:
+            out[kind] = int(fields[1]) / 1024.0
+    return out
 
 
 class _Processes:
@@ -109,18 +152,27 @@ class _Processes:
 
         self._root = psutil.Process()
 
-    def sample(self) -> tuple[float, int, int]:
+    def sample(self) -> tuple[float, int, int, dict[str, dict[str, float]]]:
+        """Total RSS MB, open fds, processes, and resident MB by role and kind."""
         import psutil
 
+        from bench.peers_cpu import role_of
+
         rss, fds, count = 0, 0, 0
+        by_role: dict[str, dict[str, float]] = {}
         for process in [self._root, *self._root.children(recursive=True)]:
             try:
                 rss += process.memory_info().rss
                 fds += process.num_fds()
+                role = role_of(process.name(), " ".join(process.cmdline()))
+                kinds = rss_kinds_mb(Path(f"/proc/{process.pid}/status").read_text())
                 count += 1
-            except psutil.Error:
+            except (psutil.Error, OSError):
                 continue
-        return rss / 2**20, fds, count
+            into = by_role.setdefault(role, {kind: 0.0 for kind in kinds})
+            for kind, mb in kinds.items():
+                into[kind] = round(into[kind] + mb, 1)
+        return rss / 2**20, fds, count, by_role
 
 
 async def _sample(server: BatonServer, processes: _Processes, started: float) -> Sample:
@@ -134,13 +186,13 @@ async def _sample(server: BatonServer, processes: _Processes, started: float) ->
         redis_keys = await client.dbsize()
     finally:
         await client.aclose()
-    rss_mb, fds, count = processes.sample()
+    rss_mb, fds, count, by_role = processes.sample()
     live = await cluster.conductor.live_sessions.remote()
     return Sample(round(time.monotonic() - started, 1), round(rss_mb, 1), fds, count,
                   store.used_blocks, store.pinned_blocks, redis_keys,
                   sum(books.indexed_blocks.values()),
                   books.num_in_flight_prefills + books.num_in_flight_decodes,
-                  store.leased_blocks, live)
+                  store.leased_blocks, live, by_role)
 
 
 async def _grpc_step(stub, prompt: list[int], max_tokens: int, cancel: bool,
@@ -259,7 +311,8 @@ async def run_soak(config: ClusterConfig, duration_s: float, sessions: int = 8,
     growth = growth_of(samples)
     ok = (not any(left.values()) and steps.get("failed", 0) == 0
           and steps.get("session_close_failed", 0) == 0)
-    return SoakReport(round(duration_s, 1), sessions, steps, samples, growth, left, ok)
+    return SoakReport(round(duration_s, 1), sessions, steps, samples, growth, left, ok,
+                      rss_growth_by_role(samples))
 
 
 def main(config: ClusterConfig, duration_s: float, sessions: int, sample_every_s: float,
@@ -267,7 +320,10 @@ def main(config: ClusterConfig, duration_s: float, sessions: int, sample_every_s
     report = asyncio.run(run_soak(config, duration_s, sessions, sample_every_s, seed=seed,
                                   progress=progress))
     print(json.dumps({"steps": report.steps, "leaks": report.leaks, "ok": report.ok,
-                      "growth_per_hour": {k: g.per_hour for k, g in report.growth.items()}},
+                      "growth_per_hour": {k: g.per_hour for k, g in report.growth.items()},
+                      "rss_mb_growth_per_hour_by_role": {
+                          role: {kind: g.per_hour for kind, g in kinds.items()}
+                          for role, kinds in report.rss_growth_by_role.items()}},
                      indent=1))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -352,8 +352,9 @@ def bench_soak(
     set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
 ) -> None:
     """LIVE soak: agent sessions with growing histories, long-tailed think times, cancels and
-    HTTP disconnects; RSS and open fds of every cluster process, store blocks, Redis keys and the
-    index sampled over time, each series' growth per hour over the second half. Exit code 1 when
+    HTTP disconnects; RSS and open fds of every cluster process (RSS also per role and kind:
+    heap, mapped files, shared memory), store blocks, Redis keys and the index sampled over time,
+    each series' growth per hour over the second half. Exit code 1 when
     a step fails or something is left pinned or booked after the load."""
     from bench.soak import main as run_soak
 

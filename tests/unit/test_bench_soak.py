@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import Sample, growth_of, slope_per_hour
+from bench.soak import Sample, growth_of, rss_growth_by_role, rss_kinds_mb, slope_per_hour
 
 
 @pytest.mark.parametrize("points, expected", [
@@ -36,4 +36,36 @@ def test_growth_fits_only_the_second_half_after_warm_up():
         100.0, 1000.0, 1000.0)
     assert growth["rss_mb"].per_hour == 0.0  # the second half is flat
     assert growth["redis_keys"].per_hour == 60.0
-    assert set(growth) == set(Sample.__struct_fields__) - {"at_s"}
+    assert set(growth) == set(Sample.__struct_fields__) - {"at_s", "rss_mb_by_role"}
+
+
+STATUS = """Name:\tray::KVStoreNode
+VmRSS:\t  309248 kB
+RssAnon:\t  102400 kB
+RssFile:\t   51200 kB
+RssShmem:\t  155648 kB
+VmSwap:\t       0 kB
+"""
+
+
+def test_resident_memory_by_kind_is_read_from_the_kernels_status_lines():
+    assert rss_kinds_mb(STATUS) == {"anon": 100.0, "file": 50.0, "shmem": 152.0}
+    assert rss_kinds_mb("Name:\tkthreadd\n") == {"anon": 0.0, "file": 0.0, "shmem": 0.0}
+
+
+def test_growth_by_role_tells_a_growing_heap_from_arena_pages_touched():
+    # the engine's heap holds while its arena pages grow 60 MB a minute; the store starts late
+    samples = []
+    for minute in range(5):
+        by_role = {"engine": {"anon": 500.0, "file": 80.0, "shmem": 60.0 * minute}}
+        if minute >= 2:
+            by_role["store"] = {"anon": 40.0 + minute, "file": 10.0, "shmem": 256.0}
+        samples.append(Sample(minute * 60.0, 0, 100, 12, 0, 0, 0, 40, 0, rss_mb_by_role=by_role))
+
+    growth = rss_growth_by_role(samples)
+
+    assert growth["engine"]["anon"].per_hour == 0.0
+    assert growth["engine"]["shmem"].per_hour == 3600.0
+    assert (growth["engine"]["shmem"].first, growth["engine"]["shmem"].last) == (0.0, 240.0)
+    assert growth["store"]["anon"].per_hour == 60.0  # one MB a minute over the second half
+    assert (growth["store"]["shmem"].first, growth["store"]["shmem"].peak) == (0.0, 256.0)
