@@ -9,12 +9,14 @@ creating, renaming and unlinking one file per block (format version 2) cost ~300
 block on ext4 here, about as much as writing it.
 
 Atomicity. A put writes a free slot whole (so the kernel never reads a page back to merge a partial
-write) with one ``pwritev`` and indexes the
-block only after the write returned, so no reader in this process sees a partial block; a failed
-write zeroes the slot's header and frees the slot. Dropping a block (eviction, removal, a failed
-check) zeroes its slot's header before freeing the slot, so a restart does not bring it back.
-After a crash, a torn slot holds either a header that fails its own checksum (the slot is free)
-or a sound header whose payload fails its XXH3 on read: a counted miss, never served. Without
+write): with the payload's XXH3 known (``put``'s ``payload_xxh3``), one ``pwritev`` of header and
+payload; without it, the slot under a zero header, then the header once the payload is hashed
+(``_write_slot`` says why). It indexes the block only after its writes returned, so no reader in
+this process sees a partial block; a failed write zeroes the slot's header and frees the slot.
+Dropping a block (eviction, removal, a failed check) zeroes its slot's header before freeing the
+slot, so a restart does not bring it back. After a crash, a torn slot holds either a zero header
+or one that fails its own checksum (the slot is free) or a sound header whose payload fails its
+XXH3 on read: a counted miss, never served. Without
 ``fsync`` a crash may also undo a header zeroing and bring a dropped block back; its bytes are
 still its key's (keys name content), and a block dropped as corrupt fails its check again.
 A block that fails any check on read is dropped, counted in ``corrupt_blocks`` and reported as a
@@ -79,8 +81,6 @@ from kvstore.keys import KEY_SIZE_BYTES, BlockKey, key_hex
 __all__ = ["HEADER_BYTES", "SLOT_FILE_NAME", "DiskTier", "DiskTierStats", "find_block"]
 
 logger = logging.getLogger(__name__)
-
-_MAX_RUN_BLOCKS = 128  # blocks per pwritev in put_many: 4 buffers each, under IOV_MAX (1024)
 
 
 
@@ -184,80 +184,57 @@ class DiskTier:
     # -- writes ----------------------------------------------------------------------------------
 
     def put(self, key: BlockKey, parent: BlockKey | None, payload: Any, *,
-            leased: bool = False) -> bool:
+            leased: bool = False, payload_xxh3: int | None = None) -> bool:
         """Store one block; True when it is on disk afterwards (already present counts, and
         then takes ``leased`` as its mark).
 
         ``payload`` is ``bytes``, a ``memoryview``/``bytearray`` or a uint8 tensor, of exactly
-        ``block_bytes`` bytes (``ValueError`` otherwise). Evicts leaf-LRU blocks to make room,
-        never a pinned one, never ``parent`` and, for a plain block, never a leased one. Returns
-        False, with nothing left behind, when no room can be made (``rejected_puts``) or the
-        write fails, e.g. a full disk (``write_errors``, logged): the caller degrades to
-        recompute.
+        ``block_bytes`` bytes (``ValueError`` otherwise). ``payload_xxh3``, when the caller
+        knows it, is the payload's XXH3-64 (``transfer_wire.block_checksum``: the node keeps it
+        for blocks it served or pulled); the tier then writes it into the header without
+        hashing the payload again. A wrong one is the caller's bug, and reads as a corrupt
+        block (a counted miss), never as wrong bytes. Evicts leaf-LRU blocks to make room,
+        never a pinned one, never ``parent`` and, for a plain block, never a leased one.
+        Returns False, with nothing left behind, when no room can be made (``rejected_puts``)
+        or the write fails, e.g. a full disk (``write_errors``, logged): the caller degrades
+        to recompute.
         """
-        assert len(key) == KEY_SIZE_BYTES and (parent is None or len(parent) == KEY_SIZE_BYTES)
-        view = as_byte_view(payload)
-        if len(view) != self.block_bytes:
-            raise ValueError(f"a disk block holds {self.block_bytes} bytes, got {len(view)}")
-        if key in self._entries:
-            self.set_leased(key, leased)
+        stored = self._put_unsynced(key, parent, payload, leased, payload_xxh3)
+        if stored is None:
             return True
-        if not self._make_room(self.slot_bytes, guard=parent, max_class=LEASED if leased else PLAIN):
-            self._rejected_puts += 1
+        if not stored:
             return False
-        slot = heapq.heappop(self._free_slots)
-        try:
-            self._write_slot(slot, key, parent, view)
-        except OSError as e:
-            self._write_errors += 1
-            hint = " (disk full: free space or lower the disk tier capacity)" if (
-                e.errno == errno.ENOSPC
-            ) else ""
-            logger.warning("disk tier write of block %s failed%s: %s", key_hex(key), hint, e)
-            self._free_slot(slot)  # its header may be whole: zero it
-            return False
-        self._insert(key, parent, slot, self._next_tick(), leased)
+        if self.fsync:
+            try:
+                os.fdatasync(self._fd)
+            except OSError as e:
+                self._write_errors += 1
+                logger.warning("disk tier sync of block %s failed: %s", key_hex(key), e)
+                self._drop(self._entries[key])
+                self._removed_keys.pop()  # never announced as stored: no removal to announce
+                return False
         return True
 
     def put_many(self, blocks: Sequence[tuple[BlockKey, BlockKey | None, Any]], *,
-                 leased: bool = False) -> list[bool]:
-        """``put`` of each ``(key, parent, payload)`` in order; element ``i`` of the result is
-        ``put``'s answer for block ``i``, except that blocks landing in consecutive free slots
-        are written with one ``pwritev`` and fail together if it fails (``write_errors``, one
-        per block). With ``fsync=True`` the batch costs one ``fdatasync``, before returning,
-        instead of one per block; if that sync fails, every block this call wrote is dropped
-        again and reads False. Nothing is visible to a reader before its write returned (the
-        owner serialises calls); a queued block is indexed and pinned, so eviction for the
-        batch's later blocks treats it as a written one and never picks it. ``leased`` marks
-        every block of the batch, as ``put``'s does."""
+                 leased: bool = False,
+                 payload_xxh3s: Sequence[int | None] | None = None) -> list[bool]:
+        """``put`` of each ``(key, parent, payload)`` in order (``payload_xxh3s[i]``, when
+        given, is block ``i``'s known digest, as ``put``'s ``payload_xxh3``); element ``i`` of
+        the result is ``put``'s answer for block ``i``. With ``fsync=True`` the batch costs one
+        ``fdatasync``, before returning, instead of one per block; if that sync fails, every
+        block this call wrote is dropped again and reads False. ``leased`` marks every block
+        of the batch, as ``put``'s does. Each block is its own writes: coalescing consecutive
+        slots into one ``pwritev`` measured no faster here, and hashing each payload just
+        after its own write reads it from the CPU's cache (see ``_write_slot``)."""
+        assert payload_xxh3s is None or len(payload_xxh3s) == len(blocks)
         results = [False] * len(blocks)
-        run: list[tuple[int, BlockKey, int, list[memoryview]]] = []  # consecutive slots
         written: list[tuple[int, BlockKey]] = []
-        try:
-            for i, (key, parent, payload) in enumerate(blocks):
-                assert len(key) == KEY_SIZE_BYTES and (
-                    parent is None or len(parent) == KEY_SIZE_BYTES)
-                view = as_byte_view(payload)
-                if len(view) != self.block_bytes:
-                    raise ValueError(f"a disk block holds {self.block_bytes} bytes, got {len(view)}")
-                if key in self._entries:
-                    results[i] = True
-                    continue
-                if not self._make_room(self.slot_bytes, guard=parent,
-                                       max_class=LEASED if leased else PLAIN):
-                    self._rejected_puts += 1
-                    continue
-                slot = heapq.heappop(self._free_slots)
-                if run and (slot != run[-1][2] + 1 or len(run) >= _MAX_RUN_BLOCKS):
-                    written += self._write_run(run)
-                buffers = self._slot_buffers(key, parent, view)
-                self._insert(key, parent, slot, self._next_tick(), leased)
-                self.pin(key)
-                run.append((i, key, slot, buffers))
-        finally:
-            written += self._write_run(run)
-        for i, _ in written:
-            results[i] = True
+        for i, (key, parent, payload) in enumerate(blocks):
+            digest = payload_xxh3s[i] if payload_xxh3s is not None else None
+            stored = self._put_unsynced(key, parent, payload, leased, digest)
+            results[i] = stored is None or stored
+            if stored:
+                written.append((i, key))
         if self.fsync and written:
             try:
                 os.fdatasync(self._fd)
@@ -274,31 +251,33 @@ class DiskTier:
                 self._removed_keys = [k for k in self._removed_keys if k not in unannounced]
         return results
 
-    def _write_run(self, run: list[tuple[int, BlockKey, int, list[memoryview]]]
-                   ) -> list[tuple[int, BlockKey]]:
-        """Write ``put_many``'s queued blocks in consecutive slots with one ``pwritev`` and
-        unpin them; on failure drop them all. Returns (index, key) of the blocks written."""
-        if not run:
-            return []
-        queued, run[:] = list(run), []
+    def _put_unsynced(self, key: BlockKey, parent: BlockKey | None, payload: Any, leased: bool,
+                      payload_xxh3: int | None) -> bool | None:
+        """``put`` without its sync: True when written and indexed, None when already present
+        (marked ``leased``), False when refused or failed (counted, logged, nothing left)."""
+        assert len(key) == KEY_SIZE_BYTES and (parent is None or len(parent) == KEY_SIZE_BYTES)
+        view = as_byte_view(payload)
+        if len(view) != self.block_bytes:
+            raise ValueError(f"a disk block holds {self.block_bytes} bytes, got {len(view)}")
+        if key in self._entries:
+            self.set_leased(key, leased)
+            return None
+        if not self._make_room(self.slot_bytes, guard=parent, max_class=LEASED if leased else PLAIN):
+            self._rejected_puts += 1
+            return False
+        slot = heapq.heappop(self._free_slots)
         try:
-            self._pwrite_all([b for *_, buffers in queued for b in buffers],
-                             queued[0][2] * self.slot_bytes)
-            failure = None
+            self._write_slot(slot, key, parent, view, payload_xxh3)
         except OSError as e:
-            failure = e
-        for _, key, _, _ in queued:
-            self.unpin(key)
-        if failure is None:
-            return [(i, key) for i, key, _, _ in queued]
-        self._write_errors += len(queued)
-        hint = " (disk full: free space or lower the disk tier capacity)" if (
-            failure.errno == errno.ENOSPC) else ""
-        logger.warning("disk tier write of %d blocks failed%s: %s", len(queued), hint, failure)
-        for _, key, _, _ in queued:
-            self._drop(self._entries[key])
-            self._removed_keys.pop()  # never announced as stored: no removal to announce
-        return []
+            self._write_errors += 1
+            hint = " (disk full: free space or lower the disk tier capacity)" if (
+                e.errno == errno.ENOSPC
+            ) else ""
+            logger.warning("disk tier write of block %s failed%s: %s", key_hex(key), hint, e)
+            self._free_slot(slot)  # its header may be whole: zero it
+            return False
+        self._insert(key, parent, slot, self._next_tick(), leased)
+        return True
 
     def set_leased(self, key: BlockKey, leased: bool) -> bool:
         """Mark a present block as leased (evicted after plain blocks) or plain again, its
@@ -591,22 +570,24 @@ class DiskTier:
         return False
 
     def _write_slot(self, slot: int, key: BlockKey, parent: BlockKey | None,
-                    payload: memoryview) -> None:
-        self._pwrite_all(self._slot_buffers(key, parent, payload), slot * self.slot_bytes)
-        if self.fsync:
-            os.fdatasync(self._fd)
-
-    def _slot_buffers(self, key: BlockKey, parent: BlockKey | None,
-                      payload: memoryview) -> list[memoryview]:
-        """The whole slot as buffers for one ``pwritev``: header and payload, and in aligned
-        slots the zeros around them (whole pages only). Checksumming the payload in pieces, each
-        just before writing it from the CPU's cache, measured slower here: a ``pwritev`` per
-        piece costs more than the checksum's own pass (XXH3: 13-23 GB/s on a cold 47 MB batch)."""
-        header = memoryview(pack_header(key, parent, payload))
-        if self._aligned:
+                    payload: memoryview, payload_xxh3: int | None) -> None:
+        """Write the whole slot (so no page of it is read back; in aligned slots the zeros
+        around header and payload too). With the digest known: one ``pwritev``, header
+        included. Without it: the slot with a zero header first, then the payload's XXH3 (in
+        the CPU's cache now: the copy into the page cache has just read it), then the header.
+        Hashing first was a second pass over cold memory (XXH3 at ~9 GB/s on a cold batch
+        here, a third of the write's time); hashing after costs a second, small write per
+        block instead. Until its header lands the slot reads as free, so a crash between the
+        two writes leaves no block behind."""
+        offset = slot * self.slot_bytes
+        padding = memoryview(self._padding)
+        if payload_xxh3 is not None:
+            header = memoryview(pack_header(key, parent, payload, payload_xxh3))
             gap = memoryview(self._cleared_prefix)[HEADER_BYTES:]
-            return [header, gap, payload, memoryview(self._padding)]
-        return [header, payload]
+            self._pwrite_all([header, gap, payload, padding], offset)
+        else:
+            self._pwrite_all([memoryview(self._cleared_prefix), payload, padding], offset)
+            self._pwrite_all([memoryview(pack_header(key, parent, payload))], offset)
 
     def _pwrite_all(self, buffers: list[memoryview], offset: int) -> None:
         """``pwritev`` of ``buffers`` at ``offset``; a short write (rare) resumes where it

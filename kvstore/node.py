@@ -127,7 +127,9 @@ class KVStoreNode(NodePulls, NodeLeases):
         self._block_size_tokens = block_size_tokens
         self.store = BlockStore(num_slots, on_evict=self._demote)
         self.promoted_blocks = 0
-        self._checksums: dict[BlockKey, int] = {}  # of served blocks, until evicted
+        # XXH3s of host blocks known without hashing again (served, or pulled and verified),
+        # until evicted: a demotion hands its block's to the disk tier
+        self._checksums: dict[BlockKey, int] = {}
         self.demoted_blocks = 0
         self._directory: BlockDirectory | None = None
         self._soft_pin_keys: set[BlockKey] = set()  # operator-pinned prefixes' blocks
@@ -229,6 +231,7 @@ class KVStoreNode(NodePulls, NodeLeases):
             info = self.store.block_info(key)
             if info is not None:
                 self.arena.slot(info.slot).bitwise_not_()
+                self._checksums.pop(key, None)  # a pulled block's no longer matches
                 self._corrupt_budget -= 1
 
     @_locked
@@ -306,11 +309,12 @@ class KVStoreNode(NodePulls, NodeLeases):
     def _demote(self, key: BlockKey, parent: BlockKey | None, slot: int) -> None:
         """BlockStore eviction hook: the slot still holds the block; copy it to disk first (a
         leased block goes there leased, and may displace plain disk blocks; a plain one never
-        displaces a leased one)."""
-        self._checksums.pop(key, None)
+        displaces a leased one), with its checksum when the node knows it (the disk tier then
+        does not hash it again)."""
+        checksum = self._checksums.pop(key, None)
         leased = self._leases.is_leased(key)
         if self.disk is not None and self.disk.put(key, parent, self.arena.slot(slot),
-                                                   leased=leased):
+                                                   leased=leased, payload_xxh3=checksum):
             self.demoted_blocks += 1
             self._record(removed_host=[key], stored_disk=[(key, parent)])
         else:

@@ -185,6 +185,7 @@ class NodePulls:
                 self._extend_lease(grant.lease_id, grant.tenant,
                                    local + [wanted[i] for i in grant.block_indices if i < got],
                                    grant.ttl_s)
+            self._checksums.update(zip(wanted[:got], result.checksums))  # verified: reused
             self.commit(wanted[:got])
             self.store.abort(wanted[got:])
             self.pulled_blocks += got

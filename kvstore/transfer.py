@@ -87,6 +87,8 @@ class ReadResult(msgspec.Struct, frozen=True):
     seconds: float
     leases: list[LeaseGrant] = []
     """The source's leases naming blocks of ``keys[:num_blocks]`` (indices into ``keys``)."""
+    checksums: list[int] = []
+    """``block_checksum`` of ``into[:num_blocks]``, verified on arrival."""
 
 
 class PathStats(msgspec.Struct, frozen=True):
@@ -315,7 +317,7 @@ class TransferClient:
             for grant in reply.leases) if grant.block_indices]
         return ReadResult(num_blocks=num_verified, from_disk=reply.from_disk[:num_verified],
                           corrupt_blocks=corrupt, path=path, num_bytes=num_bytes, seconds=seconds,
-                          leases=leases)
+                          leases=leases, checksums=list(reply.checksums[:num_verified]))
 
     async def _choose_path(self, peer: PeerAddress) -> str:
         config = self._config

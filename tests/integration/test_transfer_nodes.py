@@ -28,6 +28,7 @@ from kvstore.node import KVStoreNode
 from kvstore.redis_server import start_local_redis
 from kvstore.standalone import synthetic_block, synthetic_chain
 from kvstore.transfer import PeerAddress, PeerRefused, PeerUnavailable, TransferClient
+from kvstore.transfer_wire import block_checksum
 
 BLOCK_BYTES = 368_640  # one SmolLM2 block: 16 tokens x 23,040 bytes in bf16
 SECRET = "integration-secret"
@@ -320,6 +321,9 @@ def test_pull_makes_the_run_local_from_the_node_that_holds_it(redis_url, node_a,
         result = node_b.pull(keys, source_node="a")
         assert (result.num_local, result.num_pulled, result.source, result.path, result.error) == (
             3, 9, "a", backend, "")
+        # the pulled blocks' checksums, verified on arrival, are kept for serving and demotion
+        assert node_b._checksums == {
+            key: block_checksum(synthetic_block(key, BLOCK_BYTES)) for key in keys[3:]}
         held = node_b.acquire(keys)
         assert len(held) == 12
         assert_blocks(keys, [node_b.arena.slot(s).numpy() for s in held])

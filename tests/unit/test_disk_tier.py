@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvstore import disk_tier
 from kvstore.disk_tier import HEADER_BYTES, SLOT_FILE_NAME, DiskTier, find_block
 from kvstore.keys import BlockKey, key_hex
+from kvstore.transfer_wire import block_checksum
 
 BLOCK_BYTES = 64
 FILE_BYTES = HEADER_BYTES + BLOCK_BYTES  # one slot: header and payload
@@ -218,20 +219,71 @@ class SimulatedCrash(BaseException):
 
 
 def test_crash_mid_write_never_exposes_the_block(tmp_path: Path, monkeypatch) -> None:
+    """Without a known digest the payload goes first under a zero header: a torn payload
+    write leaves a free slot, not a block."""
+    tier = make_tier(tmp_path, 2)
+    put(tier, "A")
+    real_pwritev = os.pwritev
+
+    def zero_header_and_half_the_payload_then_crash(fd, buffers, offset):
+        torn = bytes(buffers[0]) + bytes(buffers[1])[: BLOCK_BYTES // 2]
+        real_pwritev(fd, [torn], offset)
+        raise SimulatedCrash
+
+    monkeypatch.setattr(disk_tier.os, "pwritev", zero_header_and_half_the_payload_then_crash)
+    with pytest.raises(SimulatedCrash):
+        tier.put(k("B"), None, payload("B"))
+    monkeypatch.undo()
+    assert not tier.contains(k("B"))  # indexed only after its write returns
+    assert find_block(tmp_path, k("B"), BLOCK_BYTES) is None  # its header was never written
+
+    restarted = make_tier(tmp_path, 2)
+    assert sorted(restarted.keys()) == [k("A")] and restarted.get(k("B")) is None
+    assert restarted.stats().corrupt_blocks == 0 and restarted.stats().misses == 1
+    restarted.check_invariants()
+    assert put(restarted, "B")  # the slot is free again
+    assert restarted.get(k("B")) == payload("B")
+
+
+def test_crash_before_the_header_leaves_a_free_slot(tmp_path: Path, monkeypatch) -> None:
+    tier = make_tier(tmp_path, 2)
+    real_pwritev = os.pwritev
+    writes = []
+
+    def payload_then_crash(fd, buffers, offset):
+        writes.append(offset)
+        if len(writes) == 2:  # the header's write, after the whole payload's
+            raise SimulatedCrash
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(disk_tier.os, "pwritev", payload_then_crash)
+    with pytest.raises(SimulatedCrash):
+        tier.put(k("B"), None, payload("B"))
+    monkeypatch.undo()
+    assert writes == [0, 0]
+    assert slot_bytes(tier, 0) == bytes(HEADER_BYTES) + payload("B")
+    restarted = make_tier(tmp_path, 2)
+    assert restarted.keys() == [] and restarted.stats().corrupt_blocks == 0
+
+
+def test_crash_mid_write_with_a_known_digest_is_a_counted_miss(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """With the digest known the header goes in the same write as the payload: a torn write
+    leaves a sound header whose payload fails its XXH3 on read."""
     tier = make_tier(tmp_path, 2)
     put(tier, "A")
     real_pwritev = os.pwritev
 
     def header_and_half_the_payload_then_crash(fd, buffers, offset):
-        torn = bytes(buffers[0]) + bytes(buffers[1])[: BLOCK_BYTES // 2]
+        torn = b"".join(bytes(b) for b in buffers)[: HEADER_BYTES + BLOCK_BYTES // 2]
         real_pwritev(fd, [torn], offset)
         raise SimulatedCrash
 
     monkeypatch.setattr(disk_tier.os, "pwritev", header_and_half_the_payload_then_crash)
     with pytest.raises(SimulatedCrash):
-        tier.put(k("B"), None, payload("B"))
+        tier.put(k("B"), None, payload("B"), payload_xxh3=block_checksum(payload("B")))
     monkeypatch.undo()
-    assert not tier.contains(k("B"))  # indexed only after its write returns
+    assert not tier.contains(k("B"))
     assert find_block(tmp_path, k("B"), BLOCK_BYTES) is not None  # the torn slot's sound header
 
     restarted = make_tier(tmp_path, 2)  # the header is sound: the payload check decides, on read
@@ -239,8 +291,6 @@ def test_crash_mid_write_never_exposes_the_block(tmp_path: Path, monkeypatch) ->
     assert restarted.stats().corrupt_blocks == 1 and not restarted.contains(k("B"))
     assert restarted.get(k("A")) == payload("A")
     restarted.check_invariants()
-    assert put(restarted, "B")  # the slot is free again
-    assert restarted.get(k("B")) == payload("B")
 
 
 def test_full_disk_rejects_put_without_leaving_a_block(
@@ -285,7 +335,10 @@ def test_short_writes_resume_until_the_block_is_whole(tmp_path: Path, monkeypatc
     assert put(tier, "A")
     assert put(tier, "B")
     monkeypatch.undo()
-    assert offsets == list(range(0, FILE_BYTES, 7)) + list(range(FILE_BYTES, 2 * FILE_BYTES, 7))
+    slot_then_header = [  # each slot under a zero header, then its header
+        list(range(start, start + FILE_BYTES, 7)) + list(range(start, start + HEADER_BYTES, 7))
+        for start in (0, FILE_BYTES)]
+    assert offsets == slot_then_header[0] + slot_then_header[1]
     assert tier.get(k("A")) == payload("A") and tier.get(k("B")) == payload("B")
 
 

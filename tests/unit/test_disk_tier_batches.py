@@ -1,5 +1,6 @@
 """DiskTier's page-aligned slots for large blocks and ``put_many``: the same answers and bytes as
-a loop of ``put``, one sync per durable batch, a failed write or sync leaving nothing indexed."""
+a loop of ``put``, one sync per durable batch, a failed write or sync leaving nothing indexed; a
+payload hashed after its write when its digest is unknown, never hashed again when it is known."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 
 import pytest
 
-from kvstore import disk_tier
+from kvstore import disk_format, disk_tier
 from kvstore.disk_format import (
     HEADER_BYTES,
     PAGE_BYTES,
@@ -17,6 +18,7 @@ from kvstore.disk_format import (
 )
 from kvstore.disk_tier import DiskTier
 from kvstore.keys import BlockKey
+from kvstore.transfer_wire import block_checksum
 
 LARGE_BLOCK_BYTES = 16 * PAGE_BYTES  # a KV-sized block: slots padded to whole pages
 
@@ -122,13 +124,13 @@ def test_a_failed_sync_drops_the_whole_batch(tmp_path, monkeypatch):
     tier.check_invariants()
 
 
-def test_a_failed_write_in_a_batch_drops_the_blocks_it_carried(tmp_path, monkeypatch):
+def test_a_failed_write_in_a_batch_drops_only_its_block(tmp_path, monkeypatch):
     tier = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
-    assert tier.put(k(9), None, block(9))  # slot 0; the batch's run is slots 1-3
+    assert tier.put(k(9), None, block(9))  # slot 0; the batch's blocks go to slots 1-3
     real = os.pwritev
     failures = []
 
-    def flaky(fd, buffers, offset):  # the batch's one write fails, once
+    def flaky(fd, buffers, offset):  # the batch's first write fails, once
         if not failures:
             failures.append(offset)
             raise OSError(errno.ENOSPC, "no space")
@@ -136,25 +138,69 @@ def test_a_failed_write_in_a_batch_drops_the_blocks_it_carried(tmp_path, monkeyp
 
     monkeypatch.setattr(disk_tier.os, "pwritev", flaky)
     tier.drain_removed_keys()
-    assert tier.put_many([(k(i), None, block(i)) for i in range(3)]) == [False] * 3
-    assert failures == [tier.slot_bytes] and tier.stats().write_errors == 3
-    assert tier.keys() == [k(9)] and tier.drain_removed_keys() == []  # never announced
+    assert tier.put_many([(k(i), None, block(i)) for i in range(3)]) == [False, True, True]
+    assert failures == [tier.slot_bytes] and tier.stats().write_errors == 1
+    assert sorted(tier.keys()) == sorted([k(9), k(1), k(2)])
+    assert tier.drain_removed_keys() == []  # never announced
+    assert [tier.block_location(k(i))[1] for i in (1, 2)] == [tier.slot_bytes, 2 * tier.slot_bytes]
     tier.check_invariants()
     assert tier.put_many([(k(i), None, block(i)) for i in range(3)]) == [True] * 3
     assert [tier.get(k(i)) for i in range(3)] == [block(i) for i in range(3)]
     tier.check_invariants()
 
 
-def test_consecutive_slots_go_in_one_write(tmp_path, monkeypatch):
+def _record_writes_and_hashes(monkeypatch):
+    """Every ``pwritev`` (offset, bytes) and every payload hash, in order."""
+    events = []
+    real_pwritev, real_hash = os.pwritev, disk_format.xxhash.xxh3_64_intdigest
+    monkeypatch.setattr(disk_tier.os, "pwritev", lambda fd, buffers, offset: (
+        events.append(("write", offset, sum(len(b) for b in buffers))),
+        real_pwritev(fd, buffers, offset))[1])
+    monkeypatch.setattr(disk_format.xxhash, "xxh3_64_intdigest", lambda data: (
+        events.append(("hash", len(memoryview(data).cast("B")))), real_hash(data))[1])
+    return events
+
+
+def test_an_unknown_digest_is_hashed_after_the_payload_is_written(tmp_path, monkeypatch):
+    """The slot under a zero header, then the hash (the payload in the CPU's cache), then the
+    header: per block, in order."""
     tier = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
-    real = os.pwritev
-    offsets = []
-    monkeypatch.setattr(disk_tier.os, "pwritev",
-                        lambda fd, buffers, offset: (offsets.append(offset),
-                                                     real(fd, buffers, offset))[1])
-    assert tier.put_many([(k(i), None, block(i)) for i in range(5)]) == [True] * 5
-    assert offsets == [0]
-    assert [tier.get(k(i)) for i in range(5)] == [block(i) for i in range(5)]
+    events = _record_writes_and_hashes(monkeypatch)
+    assert tier.put_many([(k(i), None, block(i)) for i in range(2)]) == [True, True]
+    slot = tier.slot_bytes
+    assert events == [("write", 0, slot), ("hash", LARGE_BLOCK_BYTES), ("write", 0, HEADER_BYTES),
+                      ("write", slot, slot), ("hash", LARGE_BLOCK_BYTES),
+                      ("write", slot, HEADER_BYTES)]
+    monkeypatch.undo()
+    assert [tier.get(k(i)) for i in range(2)] == [block(0), block(1)]
+    tier.check_invariants()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_known_digest_is_written_without_hashing_again(tmp_path, monkeypatch, batched):
+    tier = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
+    digests = [block_checksum(block(i)) for i in range(2)]
+    events = _record_writes_and_hashes(monkeypatch)
+    if batched:
+        assert tier.put_many([(k(i), None, block(i)) for i in range(2)],
+                             payload_xxh3s=digests) == [True, True]
+    else:
+        assert all(tier.put(k(i), None, block(i), payload_xxh3=digests[i]) for i in range(2))
+    assert events == [("write", 0, tier.slot_bytes), ("write", tier.slot_bytes, tier.slot_bytes)]
+    assert tier.get(k(1)) == block(1)
+    assert events[2:] == [("hash", LARGE_BLOCK_BYTES)]  # reads still verify
+    monkeypatch.undo()
+    restarted = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
+    tier.close()
+    assert restarted.get(k(0)) == block(0) and restarted.stats().corrupt_blocks == 0
+
+
+def test_a_wrong_digest_reads_as_a_corrupt_block_never_as_bytes(tmp_path):
+    tier = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
+    assert tier.put(k(1), None, block(1), payload_xxh3=block_checksum(block(2)))
+    assert tier.get(k(1)) is None
+    stats = tier.stats()
+    assert (stats.corrupt_blocks, stats.misses, stats.used_blocks) == (1, 1, 0)
     tier.check_invariants()
 
 

@@ -14,6 +14,7 @@ from kvstore.config import KVStoreConfig
 from kvstore.disk_tier import HEADER_BYTES, find_block
 from kvstore.keys import KeyExtras, block_keys
 from kvstore.node import KVStoreNode
+from kvstore.transfer_wire import block_checksum
 from protos.wire import TierCounters
 
 BLOCK_BYTES = 256 * 1024
@@ -73,6 +74,33 @@ def test_evicted_host_blocks_are_demoted_and_promoted_back_intact(node):
         "disk_corrupt_blocks", "disk_evictions", "disk_write_errors", "disk_rejected_puts",
         "leased_blocks", "leased_bytes", "lease_evictions"]  # new names only ever at the end
     node.store.check_invariants()
+    node.disk.check_invariants()
+
+
+def test_a_demoted_block_whose_checksum_the_node_knows_is_not_hashed_again(node, monkeypatch):
+    """A block the node served (or pulled) carries its XXH3 to the disk tier; one it never
+    hashed is hashed once, by the tier. Reads from disk still verify every block."""
+    from kvstore import disk_format
+
+    a, b, c = chain(1, 4), chain(2, 3), chain(3, 3)
+    write(node, a)
+    served = node.pin_for_transfer(a)  # hashes a's four blocks, as the block server does
+    node.release(a)
+    hashed = []
+    real = disk_format.xxhash.xxh3_64_intdigest
+    monkeypatch.setattr(disk_format.xxhash, "xxh3_64_intdigest",
+                        lambda data: (hashed.append(1), real(data))[1])
+    write(node, b)  # evicts a[1:] (served): their checksums go along
+    assert node.tier_counters().demoted_blocks == 3 and hashed == []
+    write(node, c)  # evicts a[0] (served) and b[2], b[1] (never served): two hashes
+    assert node.tier_counters().demoted_blocks == 6 and len(hashed) == 2
+    assert [node.disk.contains(key) for key in (*a, *b)] == [True] * 4 + [False, True, True]
+    monkeypatch.undo()
+    assert node._checksums == {}  # an evicted block's entry goes with it
+    data = read(node, a)
+    assert [torch.equal(d, payload(k)) for d, k in zip(data, a)] == [True] * 4
+    assert node.tier_counters().disk_corrupt_blocks == 0
+    assert served.checksums == [block_checksum(payload(k).numpy()) for k in a]
     node.disk.check_invariants()
 
 
