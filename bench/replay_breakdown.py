@@ -54,7 +54,9 @@ def breakdown_table(out_dir: Path, policies: list[str], rate_scale: float | None
         notes.append(
             f"{policy}: TTFT mean {ttft_ms.mean():,.0f} ms; {int((~sim.served).sum())} rejected or unservable "
             f"({int((~sim.served & (oracle_raw_ms <= fleet.ttft_slo_ms)).sum())} within the oracle's reach); "
-            f"{int((sim.served & missed).sum())} served over the TTFT SLO; {int(sim.colocated.sum())} prefilled "
+            f"{int((sim.served & missed).sum())} served over the TTFT SLO, "
+            f"{int((sim.served & (sim.max_gap_ms > fleet.tbt_slo_ms)).sum())} over the TBT SLO; "
+            f"{int(sim.colocated.sum())} prefilled "
             f"on their decode instance; {int(sim.coalesced.sum())} coalesced")
     oracle_mean_ms = float(np.minimum(oracle_raw_ms, fleet.ttft_slo_ms).mean())
     header = " | ".join(f"{p} (all / on decode / disaggregated)" for p in policies)

@@ -181,9 +181,9 @@ class DecodeInstance(Instance):
     waiting requests are scheduled only while budget remains): a full chunk leaves none, so they
     wait for the last chunk, and join at its start when it is shorter than a full one (up to as
     many as the tokens it leaves; the budget counts prefill tokens only, as pricing does), else
-    when the prefill ends. Only the compute is spread over the chunks, never the load. A sequence is admitted once its prompt blocks and the private blocks for its
-    whole output fit the device cache (no preemption); a prefill reserves its blocks when its
-    load starts.
+    when the prefill ends. Only the compute is spread over the chunks, never the load. A
+    sequence is admitted once its prompt blocks and the private blocks for its whole output fit
+    the device cache (no preemption); a prefill reserves its blocks when its load starts.
     """
 
     def __init__(self, *args) -> None:

@@ -64,7 +64,8 @@ def test_replay_breakdown_re_simulates_a_written_replay(tmp_path):
     trace.write_text("".join(TRACE.read_text().splitlines(keepends=True)[:160]))
     out = tmp_path / "out"
     args = ["--prefill", "2", "--decode", "2", "--policy", "mooncake,baton", "--prediction-error", "0.3"]
-    result = CliRunner().invoke(app, ["bench", "replay", "--trace", str(trace), *args, "--no-goodput", "--out", str(out)])
+    result = CliRunner().invoke(app, ["bench", "replay", "--trace", str(trace), *args, "--no-goodput",
+                                      "--out", str(out)])
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
     result = CliRunner().invoke(app, ["bench", "replay-breakdown", str(out)])
