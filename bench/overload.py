@@ -17,6 +17,11 @@ then:
    the other, are admitted with a TTFT within ``RECOVERED_TTFT_FACTOR`` of the sustainable
    run's median.
 
+The clients run in a process of their own (``ClientProcess``), as a fleet's clients do: in the
+cluster's own process they shared the gateway's event loop and interpreter lock, so at 10x the
+load generator's own work delayed the admitted requests' tokens inside the gateway, and their
+measured TTFT with them. The two still share this machine's cores.
+
 A request meets its SLOs when its TTFT (gateway receipt to first token) is within
 ``ttft_slo_ms`` and its mean inter-token time ((end-to-end - TTFT) / (tokens - 1)) within
 ``tbt_slo_ms``. Requests go over gRPC on one channel; each asks ``max_tokens`` tokens of a prompt
@@ -27,8 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
 import random
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -122,10 +130,11 @@ async def _one(stub, prompt: list[int], max_tokens: int) -> Outcome:
 class _Rss:
     """The peak resident memory of this process and its descendants (the cluster), sampled."""
 
-    def __init__(self) -> None:
+    def __init__(self, exclude_pids: frozenset[int] = frozenset()) -> None:
         import psutil
 
         self._root = psutil.Process()
+        self._exclude = exclude_pids
         self.peak_mb = 0.0
 
     def sample(self) -> None:
@@ -133,6 +142,8 @@ class _Rss:
 
         total = 0
         for process in [self._root, *self._root.children(recursive=True)]:
+            if process.pid in self._exclude:  # the load generator is not the cluster
+                continue
             try:
                 total += process.memory_info().rss
             except psutil.Error:
@@ -142,27 +153,22 @@ class _Rss:
 
 async def drive(stub, pool: list[list[int]], rate_rps: float, duration_s: float, max_tokens: int,
                 rng: random.Random, ttft_slo_ms: float, tbt_slo_ms: float,
-                factor: float = 1.0, after_arrivals=None) -> Run:
+                factor: float = 1.0, after_arrivals=None, peak_rss_mb: float = 0.0) -> Run:
     """Open-loop Poisson arrivals at ``rate_rps`` for ``duration_s``; waits for every request.
     ``after_arrivals`` (a coroutine function) starts when the last request is sent, while the
-    rest are still answering, and is awaited too (the recovery probe)."""
-    rss = _Rss()
+    rest are still answering, and is awaited too (the recovery probe). ``peak_rss_mb``: what
+    the cluster's sampler saw (``ClientProcess.drive`` fills it in)."""
     tasks: list[asyncio.Task] = []
     started = time.monotonic()
     next_at = started
-    last_sample = 0.0
     while True:
         next_at += rng.expovariate(rate_rps)
         if next_at - started >= duration_s:
             break
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
         tasks.append(asyncio.ensure_future(_one(stub, rng.choice(pool), max_tokens)))
-        if time.monotonic() - last_sample > 1.0:
-            rss.sample()
-            last_sample = time.monotonic()
     follow_up = asyncio.ensure_future(after_arrivals()) if after_arrivals is not None else None
     outcomes = await asyncio.gather(*tasks)
-    rss.sample()
     if follow_up is not None:
         await follow_up
     admitted = [o for o in outcomes if o.status == "OK"]
@@ -186,8 +192,76 @@ async def drive(stub, pool: list[list[int]], rate_rps: float, duration_s: float,
         p50_ttft_ms_admitted=round(percentile(ttfts, 0.5), 1),
         p99_ttft_ms_admitted=round(percentile(ttfts, 0.99), 1),
         p99_tbt_ms_admitted=round(percentile([o.tbt_ms for o in admitted], 0.99), 1),
-        peak_rss_mb=round(rss.peak_mb, 1),
+        peak_rss_mb=round(peak_rss_mb, 1),
     )
+
+
+class DriveOrder(msgspec.Struct, frozen=True):
+    """One ``drive`` for the client process: everything it needs, picklable."""
+
+    target: str
+    pool: list[list[int]]
+    rate_rps: float
+    duration_s: float
+    max_tokens: int
+    seed: float
+    """Seeds the arrivals and prompt choices (drawn from the parent's RNG: the run replays)."""
+    ttft_slo_ms: float
+    tbt_slo_ms: float
+    factor: float = 1.0
+    recovery_normal_ttft_ms: float | None = None
+    """Set: measure the recovery after the last arrival (``_recovery_s``) against this TTFT."""
+    recovery_seed: int = 0
+
+
+def _drive_in_process(order: DriveOrder) -> tuple[Run, float | None]:
+    """The client process's side: its own event loop and gRPC channel."""
+
+    async def go() -> tuple[Run, float | None]:
+        recovered: list[float | None] = []
+        async with grpc.aio.insecure_channel(order.target) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+
+            async def recovery_probe() -> None:
+                recovered.append(await _recovery_s(stub, order.pool, order.max_tokens,
+                                                   order.recovery_normal_ttft_ms,
+                                                   random.Random(order.recovery_seed)))
+
+            run = await drive(stub, order.pool, order.rate_rps, order.duration_s,
+                              order.max_tokens, random.Random(order.seed), order.ttft_slo_ms,
+                              order.tbt_slo_ms, order.factor,
+                              after_arrivals=(recovery_probe if order.recovery_normal_ttft_ms
+                                              is not None else None))
+        return run, (recovered[0] if recovered else None)
+
+    return asyncio.run(go())
+
+
+class ClientProcess:
+    """The load generator in a process of its own (module docstring), reused for every drive;
+    the cluster's peak RSS is sampled here, in the cluster's process, while it drives."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self._executor = ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        self._pid: int | None = None
+
+    async def drive(self, order: DriveOrder) -> tuple[Run, float | None]:
+        loop = asyncio.get_running_loop()
+        if self._pid is None:
+            self._pid = await loop.run_in_executor(self._executor, os.getpid)
+        rss = _Rss(frozenset({self._pid}))
+        done = loop.run_in_executor(self._executor, _drive_in_process, order)
+        while not done.done():
+            rss.sample()
+            await asyncio.wait({done}, timeout=1.0)
+        rss.sample()
+        run, recovery_s = await done
+        return msgspec.structs.replace(run, peak_rss_mb=round(rss.peak_mb, 1)), recovery_s
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
 
 
 def sustains(run: Run) -> bool:
@@ -242,58 +316,58 @@ async def run_overload(config: ClusterConfig, factors: tuple[float, ...] = (3.0,
     rng = random.Random(seed)
     pool = prompts(seed)
     probes: list[Run] = []
+    clients = ClientProcess(server.target)
     try:
         workers = len(server.cluster.prefill_ids) + len(server.cluster.decode_ids)
-        async with grpc.aio.insecure_channel(server.target) as channel:
-            stub = pb_grpc.InferenceStub(channel)
-            await drive(stub, pool, 1.0, 5.0, max_tokens, rng, ttft_slo_ms, tbt_slo_ms)  # warm-up
 
-            async def probe(rate: float) -> Run:
-                run = await drive(stub, pool, rate, probe_s, max_tokens, rng, ttft_slo_ms,
-                                  tbt_slo_ms)
-                probes.append(run)
-                progress(f"probe {rate:.2f} req/s: {run.admitted} admitted, {run.rejected} "
-                         f"rejected, SLO attainment {run.slo_attainment_admitted:.0%} -> "
-                         f"{'sustained' if sustains(run) else 'not sustained'}")
-                return run
+        def order(rate: float, duration_s: float, factor: float = 1.0,
+                  recovery_normal_ttft_ms: float | None = None) -> DriveOrder:
+            return DriveOrder(server.target, pool, rate, duration_s, max_tokens, rng.random(),
+                              ttft_slo_ms, tbt_slo_ms, factor, recovery_normal_ttft_ms, seed)
 
-            low, high = 0.0, start_rps
-            while sustains(await probe(high)):
-                low, high = high, high * 2
-            for _ in range(bisect_steps):
-                middle = (low + high) / 2
-                low, high = (middle, high) if sustains(await probe(middle)) else (low, middle)
-            if low == 0.0:
-                raise RuntimeError(f"no rate down to {high:.2f} req/s meets the SLOs; raise them")
-            sustainable = low
-            normal = await probe(sustainable)
-            progress(f"sustainable: {sustainable:.2f} req/s (TTFT p50 "
-                     f"{normal.p50_ttft_ms_admitted:.0f} ms)")
-            runs = []
-            recovered: list[float | None] = []
+        await clients.drive(order(1.0, 5.0))  # warm-up (and the client process's start)
 
-            async def recovery_probe() -> None:
-                recovered.append(await _recovery_s(stub, pool, max_tokens,
-                                                   normal.p50_ttft_ms_admitted, random.Random(seed)))
+        async def probe(rate: float) -> Run:
+            run, _ = await clients.drive(order(rate, probe_s))
+            probes.append(run)
+            progress(f"probe {rate:.2f} req/s: {run.admitted} admitted, {run.rejected} "
+                     f"rejected, SLO attainment {run.slo_attainment_admitted:.0%} -> "
+                     f"{'sustained' if sustains(run) else 'not sustained'}")
+            return run
 
-            for number, factor in enumerate(factors):
-                last = number == len(factors) - 1
-                run = await drive(stub, pool, factor * sustainable, burst_s, max_tokens, rng,
-                                  ttft_slo_ms, tbt_slo_ms, factor,
-                                  after_arrivals=recovery_probe if last else None)
-                runs.append(run)
-                progress(f"{factor:g}x ({run.rate_rps:.1f} req/s): {run.admitted} admitted "
-                         f"({run.slo_attainment_admitted:.0%} within both SLOs: TTFT "
-                         f"{run.ttft_attainment_admitted:.0%}, inter-token "
-                         f"{run.tbt_attainment_admitted:.0%}; TTFT p99 "
-                         f"{run.p99_ttft_ms_admitted:.0f} ms), {run.rejected} rejected with a "
-                         f"retry hint, {run.other_errors} other errors; peak RSS "
-                         f"{run.peak_rss_mb:,.0f} MB")
-            recovery = recovered[0] if recovered else None
-            progress(f"recovered in {recovery} s" if recovery is not None
-                     else f"not recovered within {RECOVERY_LIMIT_S:.0f} s")
+        low, high = 0.0, start_rps
+        while sustains(await probe(high)):
+            low, high = high, high * 2
+        for _ in range(bisect_steps):
+            middle = (low + high) / 2
+            low, high = (middle, high) if sustains(await probe(middle)) else (low, middle)
+        if low == 0.0:
+            raise RuntimeError(f"no rate down to {high:.2f} req/s meets the SLOs; raise them")
+        sustainable = low
+        normal = await probe(sustainable)
+        progress(f"sustainable: {sustainable:.2f} req/s (TTFT p50 "
+                 f"{normal.p50_ttft_ms_admitted:.0f} ms)")
+        runs = []
+        recovery = None
+        for number, factor in enumerate(factors):
+            last = number == len(factors) - 1
+            run, recovered = await clients.drive(order(
+                factor * sustainable, burst_s, factor,
+                normal.p50_ttft_ms_admitted if last else None))
+            runs.append(run)
+            recovery = recovered if last else recovery
+            progress(f"{factor:g}x ({run.rate_rps:.1f} req/s): {run.admitted} admitted "
+                     f"({run.slo_attainment_admitted:.0%} within both SLOs: TTFT "
+                     f"{run.ttft_attainment_admitted:.0%}, inter-token "
+                     f"{run.tbt_attainment_admitted:.0%}; TTFT p99 "
+                     f"{run.p99_ttft_ms_admitted:.0f} ms), {run.rejected} rejected with a "
+                     f"retry hint, {run.other_errors} other errors; peak RSS "
+                     f"{run.peak_rss_mb:,.0f} MB")
+        progress(f"recovered in {recovery} s" if recovery is not None
+                 else f"not recovered within {RECOVERY_LIMIT_S:.0f} s")
         died = workers - await _live_workers(server)
     finally:
+        clients.close()
         await server.stop()
     ok = (died == 0 and recovery is not None and recovery <= 10.0 and all(
         r.other_errors == 0 and r.slo_attainment_admitted >= MIN_ATTAINMENT for r in runs))

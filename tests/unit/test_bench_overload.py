@@ -4,6 +4,7 @@ benchmark itself runs outside CI (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import grpc
@@ -91,3 +92,21 @@ def test_percentiles_are_the_nearest_rank(values, q, expected):
     from bench.stats import percentile
 
     assert percentile(values, q) == expected
+
+
+async def test_the_clients_drive_from_a_process_of_their_own():
+    # nothing listens on the target: every request is UNAVAILABLE, answered in the client process
+    clients = overload.ClientProcess("127.0.0.1:1")
+    try:
+        order = overload.DriveOrder("127.0.0.1:1", [[1, 2, 3]], rate_rps=200.0, duration_s=0.2,
+                                    max_tokens=2, seed=0.25, ttft_slo_ms=100.0, tbt_slo_ms=10.0)
+        run, recovery_s = await clients.drive(order)
+        again, _ = await clients.drive(order)
+    finally:
+        clients.close()
+
+    assert clients._pid is not None and clients._pid != os.getpid()
+    assert run.sent > 0 and run.other_statuses == {"UNAVAILABLE": run.sent}
+    assert again.sent == run.sent  # the same seed: the same arrivals
+    assert recovery_s is None  # no recovery asked for
+    assert run.peak_rss_mb > 0  # this process sampled, the client's own excluded
