@@ -2,8 +2,8 @@
 
 ``admit(snapshot, request, config, placement)`` is the one admission rule, for every policy: it
 raises ``Overloaded`` when the placement's priced TTFT exceeds ``ttft_slo_ms`` or the decode
-instance's predicted inter-token time, with this request added to its batch, exceeds
-``tbt_slo_ms``; otherwise it returns. Policies only choose; ``ConductorState.place`` (live and in
+instance's predicted inter-token time, with this request added to its batch and widened by the
+decode model's measured error (``tbt_error_frac``), exceeds ``tbt_slo_ms``; otherwise it returns. Policies only choose; ``ConductorState.place`` (live and in
 the simulator) prices the choice and then admits it.
 """
 
@@ -48,10 +48,12 @@ def admit(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
     context_tokens = (view.num_active_decode_blocks * config.block_size_tokens
                       + request.num_prompt_tokens + request.max_tokens)
     tbt_ms = config.decode_cost.t_step_ms(load(view) + 1, context_tokens)
-    if tbt_ms > slo:
+    if tbt_ms * (1.0 + config.tbt_error_frac) > slo:
+        margin = (f" (+{config.tbt_error_frac:.0%}, the decode model's p90 error)"
+                  if config.tbt_error_frac else "")
         raise Overloaded(
-            f"predicted inter-token time {tbt_ms:.1f} ms on {view.instance_id} ({load(view)} "
-            f"sequences, {context_tokens} context tokens with this request) exceeds tbt_slo_ms "
-            f"{slo:g}; retry later, add decode instances, or raise tbt_slo_ms",
+            f"predicted inter-token time {tbt_ms:.1f} ms{margin} on {view.instance_id} "
+            f"({load(view)} sequences, {context_tokens} context tokens with this request) exceeds "
+            f"tbt_slo_ms {slo:g}; retry later, add decode instances, or raise tbt_slo_ms",
             config.min_retry_after_s,
         )

@@ -19,6 +19,11 @@ log = logging.getLogger(__name__)
 _warned_short_prefill_tokens = False
 
 
+
+TBT_ERROR_FRAC_CAP = 0.5
+"""The most admission's inter-token margin may be: a model off by more than half is re-fitted
+long before it should shut admission."""
+
 class PolicyConfig(BaseModel):
     """Knobs of every policy; each policy reads only its own (prefixed by its name)."""
 
@@ -92,6 +97,12 @@ class PolicyConfig(BaseModel):
         "with this request exceeds this (ms); unset: never reject."
     )
     decode_cost: DecodeCostModel = Field(DecodeCostModel(), description="Predicted decode step time.")
+    tbt_error_frac: float = Field(
+        0.0, ge=0, le=TBT_ERROR_FRAC_CAP, description="Admission's margin on the predicted "
+        "inter-token time: a request is rejected when the prediction times (1 + this) exceeds "
+        "tbt_slo_ms. The live conductor sets it to its decode model's measured p90 error on steps "
+        "it was not fitted on (capped); 0 where there is no calibration (the simulator)."
+    )
     min_retry_after_s: float = Field(1.0, ge=0, description="Least retry-after hint on rejection (s).")
 
     @property

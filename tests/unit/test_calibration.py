@@ -163,6 +163,27 @@ def test_the_state_prices_decode_steps_with_the_refitted_model():
     assert calibration.decode.step_ms_per_seq == pytest.approx(STEPS.step_ms_per_seq, rel=1e-6)
 
 
+def test_admissions_tbt_margin_follows_the_decode_models_measured_p90_error():
+    from conductor.state import MIN_TBT_ERROR_SAMPLES, tbt_error_margin
+    from protos.wire import DecodeStep, PredictionError
+
+    assert tbt_error_margin(None) == 0.0
+    assert tbt_error_margin(PredictionError(5.0, 12.0, MIN_TBT_ERROR_SAMPLES - 1)) == 0.0
+    assert tbt_error_margin(PredictionError(5.0, 12.0, MIN_TBT_ERROR_SAMPLES)) == 0.12
+    assert tbt_error_margin(PredictionError(40.0, 80.0, 100)) == 0.5  # capped
+
+    calibration = CostCalibration(PrefillCostModel(), STEPS, min_samples=6, refit_every=6,
+                                  fitted=True)
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=16), calibration=calibration)
+    # every step runs 1.2x what the model predicts: a 1/6 error on each (|pred - real| / real)
+    steps = [DecodeStep(n, c, STEPS.t_step_ms(n, c) * 1.2) for n in (1, 4, 16) for c in (500, 8000)]
+    state.observe_decode_steps(steps[:2])
+    assert state.config.tbt_error_frac == 0.0  # too few held-out steps yet
+    state.observe_decode_steps(steps * 3)
+    assert calibration.decode_error().num_predictions >= MIN_TBT_ERROR_SAMPLES
+    assert state.config.tbt_error_frac == tbt_error_margin(calibration.decode_error()) > 0.0
+
+
 # --- engines' warm-up measurements: the first fit ----------------------------------------------
 
 SHOP = PrefillCostModel(intercept_ms=30.0, per_token_ms=0.43, per_token_sq_ms=1e-4,

@@ -181,6 +181,17 @@ def test_tbt_admission_uses_the_decode_model_with_the_request_added():
         state.place(request("d", PROMPT))
 
 
+def test_tbt_admission_widens_the_prediction_by_the_decode_models_error():
+    state, _ = make(tbt_slo_ms=10.0, tbt_error_frac=0.25,
+                    decode_cost=DecodeCostModel(step_ms_base=4.0, step_ms_per_seq=2.0,
+                                                step_ms_per_kv_token=0.0))
+    state.place(request("a", PROMPT))  # 6 ms, 7.5 with the margin
+    state.place(request("b", PROMPT))  # 8 ms, 10.0: at the SLO, admitted
+    with pytest.raises(Overloaded, match=r"inter-token time 10.0 ms \(\+25%, the decode model's "
+                                         r"p90 error\)"):
+        state.place(request("c", PROMPT))  # 10 ms, 12.5: rejected (admitted without a margin)
+
+
 def test_every_policy_runs_on_the_live_state_and_reports_priced_terms():
     for name in ("random", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv", "mooncake"):
         state, _ = make(name)
