@@ -288,7 +288,10 @@ def test_a_hung_then_dead_peer_gives_a_clear_error_fast(tmp_path):
             started = time.monotonic()
             with pytest.raises(PeerUnavailable, match="is its store node running"):
                 client.read(node.address, keys, empty_blocks(2), path=path)
-            assert time.monotonic() - started < 2.5  # refused at once; retries back off briefly
+            # Refused: no request timeout is waited for, as it is for a hung peer. Usually at
+            # once; under a loaded box UCX reported the refused endpoint only at its connect
+            # timeout (3.03 s for the two attempts in one CI run), so that is the bound.
+            assert time.monotonic() - started < attempts * FAST.connect_timeout_s + 0.5
 
         assert [(s.path, s.requests, s.failures) for s in client.path_stats()] == [
             ("tcp", 1, 2 * attempts), ("ucx", 1, 2 * attempts)]
