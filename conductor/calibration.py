@@ -30,9 +30,10 @@ import msgspec
 import numpy as np
 
 from conductor.cost_model import DecodeCostModel, PrefillCostModel, PrefillSample
+from conductor.policy_config import TBT_ERROR_FRAC_CAP
 from protos.wire import PredictionError
 
-__all__ = ["CostCalibration", "PredictionError"]
+__all__ = ["CostCalibration", "PredictionError", "tbt_error_margin"]
 
 MAX_WARMUP_SAMPLES = 64
 """Warm-up measurements kept for the first fit (the newest; an engine brings about seven)."""
@@ -51,6 +52,19 @@ def _summary(errors: deque) -> PredictionError | None:
     values = np.fromiter(errors, dtype=np.float64, count=len(errors))
     return PredictionError(round(float(np.median(values)), 2), round(float(np.percentile(values, 90)), 2),
                            len(values))
+
+
+MIN_TBT_ERROR_SAMPLES = 16
+"""Held-out decode steps the margin waits for before it trusts the measured error."""
+
+
+def tbt_error_margin(error: PredictionError | None) -> float:
+    """Admission's inter-token margin (``PolicyConfig.tbt_error_frac``) from the decode model's
+    measured error (``PredictionError``, in percent): its p90 as a fraction, capped; 0 until
+    ``MIN_TBT_ERROR_SAMPLES`` steps were predicted before being fitted."""
+    if error is None or error.num_predictions < MIN_TBT_ERROR_SAMPLES:
+        return 0.0
+    return round(min(TBT_ERROR_FRAC_CAP, error.p90_pct / 100.0), 3)
 
 
 class CostCalibration:

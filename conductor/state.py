@@ -24,7 +24,7 @@ from typing import Callable
 import msgspec
 
 from conductor import _scan
-from conductor.calibration import CostCalibration
+from conductor.calibration import CostCalibration, tbt_error_margin
 from conductor.kv_index import KvIndex, RunGroups
 from conductor.policy import (
     POLICIES,
@@ -39,7 +39,6 @@ from conductor.policy import (
     admit,
     with_prices,
 )
-from conductor.policy_config import TBT_ERROR_FRAC_CAP
 from conductor.pricing import predicted_ttft_ms
 from conductor.sessions import SessionTable
 from conductor.snapshot import GroupedHits
@@ -59,18 +58,6 @@ this share of it, until the engine reports them done. At zero it read as a queue
 without a priced time, which the price re-prices as a whole new prefill of them: an instance
 was priced busiest exactly when its prefill was about to finish (a 128 ms prefill 200 ms in
 priced 128 ms of queue)."""
-
-MIN_TBT_ERROR_SAMPLES = 16
-"""Held-out decode steps the margin waits for before it trusts the measured error."""
-
-
-def tbt_error_margin(error) -> float:
-    """Admission's inter-token margin (``PolicyConfig.tbt_error_frac``) from the decode model's
-    measured error (``PredictionError``, in percent): its p90 as a fraction, capped; 0 until
-    ``MIN_TBT_ERROR_SAMPLES`` steps were predicted before being fitted."""
-    if error is None or error.num_predictions < MIN_TBT_ERROR_SAMPLES:
-        return 0.0
-    return round(min(TBT_ERROR_FRAC_CAP, error.p90_pct / 100.0), 3)
 
 
 @dataclass

@@ -189,8 +189,7 @@ class EngineContractServicer:
             built = await asyncio.to_thread(engine_request, request, self._tokenizer, self._limits)
             metadata = context.invocation_metadata()
             api_key = bearer_key(metadata) if self._api_keys else ""
-            built = with_session(built, contract_session_fields(metadata), self._sessions,
-                                 api_key or "")
+            built = with_session(built, contract_session_fields(metadata), self._sessions, api_key)
         except BatonError as e:
             await context.abort(status_of(e).grpc_code, status_details(e))
         if not self._router.is_ready():

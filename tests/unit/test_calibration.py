@@ -164,7 +164,7 @@ def test_the_state_prices_decode_steps_with_the_refitted_model():
 
 
 def test_admissions_tbt_margin_follows_the_decode_models_measured_p90_error():
-    from conductor.state import MIN_TBT_ERROR_SAMPLES, tbt_error_margin
+    from conductor.calibration import MIN_TBT_ERROR_SAMPLES, tbt_error_margin
     from protos.wire import DecodeStep, PredictionError
 
     assert tbt_error_margin(None) == 0.0
