@@ -9,8 +9,14 @@ schedules run side by side. Every draw (prompts, streams, fault times, victims) 
 - about every ``kill_every_s`` (a random draw between half and one and a half times it) a worker
   is killed without warning and a fresh one started in its place. The victim is aimed at
   streams in flight: a pool with two live instances or more is drawn, then, within it, an
-  instance with requests running (a prefill mid-prefill or mid-save, a decode mid-stream) if
-  there is one. When no pool can spare an instance (the replacements are still starting), the
+  instance with requests running (a decode mid-stream) if there is one. A prefill victim is
+  killed mid-transfer: its engine is told to die in the middle of its next KV save
+  (``EngineWorker.crash_mid_save``: half the blocks copied into the slots it reserved, none
+  committed, then SIGKILL), since a tiny-model prefill lasts milliseconds and is never found
+  running by a look from outside; a quarter of the requests carry a prompt whose tail the
+  store has never seen, so a save comes within moments. Such a kill counts as
+  ``prefill_mid_transfer``; one whose save did not come within ``ARM_WINDOW_S`` is a plain
+  kill (``prefill_worker``). When no pool can spare an instance (the replacements are still starting), the
   tick kills the KV store node instead, if its schedule is on, so a run of S seconds injects
   about S / ``kill_every_s`` faults; otherwise the tick is counted in ``skipped_ticks``;
 - about every ``kill_store_every_s`` (drawn the same way) the KV store node is killed without
@@ -66,6 +72,12 @@ CLIENT_TIMEOUT_S = 120.0
 """A request with no answer and no error by then is counted as lost."""
 
 
+ARM_WINDOW_S = 8.0
+"""How long a prefill victim told to die mid-save may take to reach a save before it is killed
+plainly."""
+FRESH_SHARE = 0.25
+"""Of the requests, the share that carries a prompt the store has never seen (while those last)."""
+
 CORRUPT_EVERY_BLOCK = 1 << 40
 """A corruption budget no run exhausts."""
 RETRYABLE = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
@@ -74,7 +86,7 @@ RETRYABLE = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 
 class FaultHit(msgspec.Struct):
     kind: str
-    """prefill_worker, decode_worker, store_node or redis."""
+    """prefill_mid_transfer, prefill_worker, decode_worker, store_node or redis."""
     victim: str
     at_s: float
     """Seconds into the load."""
@@ -97,7 +109,8 @@ class ChaosReport(msgspec.Struct):
     kills: list[str] = []
     """The workers killed, in order."""
     faults: dict[str, int] = {}
-    """Faults injected by kind: prefill_worker, decode_worker, store_node, redis."""
+    """Faults injected by kind: prefill_mid_transfer (a prefill worker that died in the middle
+    of a KV save), prefill_worker (killed plainly), decode_worker, store_node, redis."""
     hits: list[FaultHit] = []
     """Each fault, in order, and the requests in flight on its victim."""
     skipped_ticks: int = 0
@@ -105,6 +118,8 @@ class ChaosReport(msgspec.Struct):
     node's schedule is off)."""
     corrupt_kv: bool = False
     """A positive-control run (module docstring)."""
+    pool_size: int = 0
+    """Prompts in the reused pool (the fresh ones, sent once each, come after them)."""
     leaks: dict[str, int] = {}
     duration_s: float = 0.0
 
@@ -123,6 +138,16 @@ def prompt_pool(num_prompts: int, seed: int, block_tokens: int = 128) -> list[li
     rng = random.Random(seed)
     prefixes = [[rng.randrange(100, 30_000) for _ in range(2 * block_tokens)] for _ in range(3)]
     return [prefixes[i % len(prefixes)] + [rng.randrange(100, 30_000) for _ in range(rng.randrange(8, 200))]
+            for i in range(num_prompts)]
+
+
+def fresh_prompts(pool: list[list[int]], num_prompts: int, seed: int,
+                  block_tokens: int = 128) -> list[list[int]]:
+    """Prompts sent once each: a pool prompt's shared prefix, then two blocks and a few tokens
+    the store has never seen, so their prefill saves at least two new blocks."""
+    rng = random.Random(seed + 7)
+    return [pool[i % len(pool)][:2 * block_tokens]
+            + [rng.randrange(100, 30_000) for _ in range(2 * block_tokens + rng.randrange(1, 64))]
             for i in range(num_prompts)]
 
 
@@ -153,9 +178,14 @@ async def _references(model, prompts: list[list[int]], max_tokens: int) -> list[
 
 
 async def _client_loop(server: BatonServer, prompts, references, max_tokens: int, deadline: float,
-                       rng: random.Random, report: ChaosReport) -> None:
+                       rng: random.Random, report: ChaosReport, fresh: list[int]) -> None:
+    """Requests back to back until ``deadline``: a pool prompt, or (``FRESH_SHARE`` of the time)
+    the next of the fresh prompts, whose indices ``fresh`` holds (shared by every loop)."""
     while time.monotonic() < deadline:
-        i = rng.randrange(len(prompts))
+        if fresh and rng.random() < FRESH_SHARE:
+            i = fresh.pop()
+        else:
+            i = rng.randrange(report.pool_size or len(prompts))
         report.sent += 1
         try:
             result = await asyncio.wait_for(
@@ -228,14 +258,38 @@ async def _chaos_loop(server: BatonServer, started: float, deadline: float, kill
         busy = await _in_flight(cluster, pool)
         aimed = [i for i in pool if busy[i] > 0]
         victim = rng.choice(aimed or pool)
-        progress(f"killing {victim} ({busy[victim]} requests in flight on it)")
         report.kills.append(victim)
-        kind = "prefill_worker" if victim in cluster.prefill_ids else "decode_worker"
-        _hit(report, kind, victim, started, busy[victim])
-        ray.kill(cluster.actor(victim), no_restart=True)
+        if victim in cluster.prefill_ids and await _died_mid_save(cluster, victim, progress):
+            _hit(report, "prefill_mid_transfer", victim, started, 1)
+        else:
+            progress(f"killing {victim} ({busy[victim]} requests in flight on it)")
+            kind = "prefill_worker" if victim in cluster.prefill_ids else "decode_worker"
+            _hit(report, kind, victim, started, busy[victim])
+            ray.kill(cluster.actor(victim), no_restart=True)
         replacing.append(asyncio.ensure_future(asyncio.to_thread(cluster.replace_worker, victim)))
     for new_id in await asyncio.gather(*replacing):
         progress(f"{new_id} replaced a killed worker")
+
+
+async def _died_mid_save(cluster, victim: str, progress: Callable[[str], None],
+                         window_s: float = ARM_WINDOW_S) -> bool:
+    """Tell ``victim``'s engine to die in the middle of its next KV save, and wait up to
+    ``window_s`` for it to have done so."""
+    actor = cluster.actor(victim)
+    progress(f"telling {victim} to die in the middle of its next KV save")
+    await actor.crash_mid_save.remote()
+    deadline = time.monotonic() + window_s
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.wait_for(actor.ready.remote(), 5)
+        except ray.exceptions.RayActorError:
+            progress(f"{victim} died mid-transfer")
+            return True
+        except asyncio.TimeoutError:
+            pass
+        await asyncio.sleep(0.1)
+    progress(f"{victim} made no save within {window_s:.0f} s")
+    return False
 
 
 def _lose_store(cluster, corrupt: bool = False, timeout_s: float = 120.0) -> None:
@@ -292,6 +346,10 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
     report = ChaosReport(seed=seed, corrupt_kv=corrupt_kv)
     try:
         prompts = prompt_pool(num_prompts, seed)
+        report.pool_size = len(prompts)
+        num_fresh = int(duration_s * 4) if kill_every_s > 0 else 0  # ~1/4 of ~15 requests/s
+        prompts += fresh_prompts(prompts, num_fresh, seed)
+        fresh = list(range(len(prompts) - 1, report.pool_size - 1, -1))  # popped in order
         progress(f"computing {len(prompts)} reference answers on a plain engine")
         references = await _references(server.cluster.model, prompts, max_tokens)
         retries = [metrics.RETRIES.labels(reason)
@@ -306,7 +364,8 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
         progress(f"load: {concurrency} streams for {duration_s:.0f} s; faults about every: worker "
                  f"{kill_every_s:.0f} s, store node {kill_store_every_s:.0f} s, Redis "
                  f"{restart_redis_every_s:.0f} s (0: never)")
-        report.faults = {"prefill_worker": 0, "decode_worker": 0, "store_node": 0, "redis": 0}
+        report.faults = {"prefill_mid_transfer": 0, "prefill_worker": 0, "decode_worker": 0,
+                         "store_node": 0, "redis": 0}
         if corrupt_kv:
             progress("positive control: the store node corrupts every block committed from now")
             await cluster.store.corrupt_on_commit.remote(CORRUPT_EVERY_BLOCK)
@@ -320,7 +379,7 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
             _fault_loop(server, "redis", cluster.restart_redis, restart_redis_every_s, started,
                         deadline, random.Random(seed + 3), report, progress),
             *(_client_loop(server, prompts, references, max_tokens, deadline,
-                           random.Random(rng.random()), report) for _ in range(concurrency)),
+                           random.Random(rng.random()), report, fresh) for _ in range(concurrency)),
         )
         report.duration_s = round(time.monotonic() - started, 1)
         report.retried = int(sum(r._value.get() for r in retries) - retried_before)

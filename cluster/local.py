@@ -10,6 +10,7 @@ dies is replaced by a watchdog thread (``store_watch_interval_s``). For failure 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -30,6 +31,7 @@ from engine.models import PreparedModel, prepare_model
 from kvstore.attach import StoreWiring
 from kvstore.events import with_event_endpoints
 from kvstore.node import KVStoreNode
+from kvstore.node_holders import ray_actor_alive
 from kvstore.redis_server import LocalRedis, RedisUnavailable, start_local_redis
 from prefill_worker.worker import PrefillWorker
 from protos.errors import ConfigError
@@ -210,7 +212,8 @@ class LocalCluster:
             .options(name=self.store_actor_name, namespace=self.namespace, num_cpus=0,
                      max_concurrency=1, enable_task_events=False)
             .remote("node0", self.config.name, kv, block_bytes, self.redis_url,
-                    block_size_for(self.config.engine.device))
+                    block_size_for(self.config.engine.device),
+                    holder_alive=functools.partial(ray_actor_alive, namespace=self.namespace))
         )
         ray.get(store.arena_info.remote())
         self._actors.append(store)

@@ -166,6 +166,9 @@ class StoreClient:
         self.stats = StoreClientStats()
         self.calls = CallCounts()
         """Every call this client made to a store actor (``kvstore.*`` and ``gcs.get_actor``)."""
+        self.holder = _process_holder
+        """The name the store files this client's reservations and pins under (``''``: not
+        filed): the worker's instance id (``set_process_holder``)."""
         self._commits: list[_InFlight] = []  # commits sent, not yet seen answered
         self._casts: list[_InFlight] = []  # releases and aborts sent
         deadline = time.monotonic() + attach_timeout_s
@@ -212,7 +215,7 @@ class StoreClient:
                 return PendingSlots(None, None, "", (), StoreSlots("", [None] * len(keys)))
             keys, parents = list(keys), list(parents)
             self.calls.count("store.reserve", "deferred")
-            ref = self._actor.reserve.remote(keys, parents)
+            ref = self._remote("reserve", keys, parents)
             return PendingSlots(self, ref, self.arena_path, (keys, parents))
 
     def acquire_many_later(self, key_lists: Sequence[Sequence[BlockKey]]) -> PendingRuns:
@@ -226,7 +229,7 @@ class StoreClient:
             if not lists or not self._ensure_attached():
                 return PendingRuns(None, None, "", lists, [StoreSlots("", [])] * len(lists))
             self.calls.count("store.acquire_many", "deferred")
-            ref = self._actor.acquire_many.remote(lists)
+            ref = self._remote("acquire_many", lists)
             return PendingRuns(self, ref, self.arena_path, lists)
 
     def reserve_many(self, chains: Sequence[tuple[Sequence[BlockKey], Sequence[BlockKey | None]]]
@@ -246,7 +249,7 @@ class StoreClient:
                 return none
             path = self.arena_path
             self.calls.count("store.reserve_many", "deferred")
-            ref = self._actor.reserve_many.remote(chains)
+            ref = self._remote("reserve_many", chains)
         return self._answer(ref, path, "reserve_many", (chains,), _slots_of_each, none)
 
     def release(self, keys: Sequence[BlockKey], arena_path: str) -> None:
@@ -353,7 +356,7 @@ class StoreClient:
             if not self._ensure_attached():
                 return StoreSlots("", [])
             self.calls.count(f"store.{method}")
-            ref = getattr(self._actor, method).remote(*args)
+            ref = self._remote(method, *args)
             return self._answer(ref, self.arena_path, method, args, wrap, StoreSlots("", []))
 
     def _settling(self, method: str, keys: Sequence[BlockKey], arena_path: str) -> bool:
@@ -381,7 +384,7 @@ class StoreClient:
                 return False
             kind = "deferred" if method == "commit" else "sent"
             self.calls.count(f"store.{method}", kind)
-            ref = getattr(self._actor, method).remote(list(keys))
+            ref = self._remote(method, list(keys))
             sent = _InFlight(method, ref, arena_path, len(keys), on_lost)
             (self._commits if method == "commit" else self._casts).append(sent)
             return True
@@ -457,7 +460,15 @@ class StoreClient:
 
     def _call(self, method: str, *args):
         self.calls.count(f"store.{method}")
-        return ray.get(getattr(self._actor, method).remote(*args), timeout=self._call_timeout_s)
+        return ray.get(self._remote(method, *args), timeout=self._call_timeout_s)
+
+    def _remote(self, method: str, *args):
+        """Send ``method`` to the store; the calls that pin or settle pins name this process's
+        holder, so the store can release what the process holds if it dies."""
+        call = getattr(self._actor, method)
+        if self.holder and method in _HOLDING_CALLS:
+            return call.remote(*args, holder=self.holder)
+        return call.remote(*args)
 
     def _ensure_attached(self) -> bool:
         if self._actor is not None:
@@ -497,6 +508,20 @@ class StoreClient:
 
 _SHARED: dict[tuple[str, str], StoreClient] = {}
 _SHARED_LOCK = threading.Lock()
+_HOLDING_CALLS = frozenset({"acquire", "acquire_many", "reserve", "reserve_many", "commit",
+                            "abort", "release"})
+_process_holder = ""
+
+
+def set_process_holder(name: str) -> None:
+    """Name this process to the store nodes (before its first store client is made): a worker
+    names itself by its instance id, its Ray actor's name, so that a store node that finds no
+    live actor by that name releases what the process reserved or pinned
+    (``kvstore.node_holders``)."""
+    global _process_holder
+    _process_holder = name
+    for client in _SHARED.values():
+        client.holder = name
 
 
 def shared_store_client(actor_name: str, namespace: str) -> StoreClient:

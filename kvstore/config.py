@@ -92,6 +92,11 @@ class KVStoreConfig(BaseModel):
         5.0, gt=0, description="Seconds after its last heartbeat that a node counts as dead and "
         "its block entries are removed by the other nodes."
     )
+    holder_sweep_interval_s: float = Field(
+        2.0, ge=0, description="Seconds between a node's looks for client processes that died "
+        "holding reserved or pinned blocks (a worker killed mid-transfer); their blocks are "
+        "released. 0: never looked for."
+    )
     events_endpoint: str | None = Field(
         None, description="ZMQ address the node binds to publish its KV events (vLLM's wire "
         "format, medium CPU or DISK), e.g. tcp://127.0.0.1:5600; unset: no events."

@@ -40,6 +40,10 @@ class ConnectorStats:
     """Blocks not saved because the store was gone (between its death and its return)."""
     hashed_prompts: int = 0
     """Prompts the connector hashed itself: the request carried no block keys under its scheme."""
+    crash_mid_save: bool = False
+    """Drill hook (``baton chaos``, armed by ``EngineWorker.crash_mid_save``): the next save
+    with two or more blocks copies half of them into their reserved slots and then kills the
+    process, as a crash in the middle of a KV transfer would: slots reserved, nothing committed."""
 
 
 _STATS: dict[str, ConnectorStats] = {}

@@ -25,6 +25,8 @@ A mixin of ``BatonConnector``, which sets the attributes declared below in its `
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -277,15 +279,24 @@ class ConnectorWorkerHalf:
         else:
             grants = [save.granted.result() for save in saves]
         commits: dict[str, list[BlockKey]] = {}
-        for save, granted in zip(saves, grants):
-            written = self._write_one(save, granted, outcome)
-            if written:
-                commits.setdefault(granted.arena_path, []).extend(written)
-                self._ledger.add_stored(save.request_id, len(written))
-        for arena_path, keys in commits.items():
-            # readable by other processes once answered: the prefill worker waits for that
-            # before its result returns (``StoreClient.unsettled_commits``)
-            self._store.commit_later(keys, arena_path, self._commit_lost)
+        done = 0
+        try:
+            for save, granted in zip(saves, grants):
+                written = self._write_one(save, granted, outcome)
+                done += 1
+                if written:
+                    commits.setdefault(granted.arena_path, []).extend(written)
+                    self._ledger.add_stored(save.request_id, len(written))
+        finally:
+            # a save that failed aborted its own slots; the ones after it give theirs back
+            for save, granted in list(zip(saves, grants))[done + 1:]:
+                reserved = [key for key, slot in zip(save.keys, granted.slots) if slot is not None]
+                if reserved and granted.arena_path:
+                    self._store.abort(reserved, granted.arena_path)
+            for arena_path, keys in commits.items():
+                # readable by other processes once answered: the prefill worker waits for that
+                # before its result returns (``StoreClient.unsettled_commits``)
+                self._store.commit_later(keys, arena_path, self._commit_lost)
         return outcome
 
     def _write_one(self, save: SaveSpec, granted: StoreSlots,
@@ -298,19 +309,33 @@ class ConnectorWorkerHalf:
         if not written:
             return []
         keys = [save.keys[i] for i, _ in written]
-        arena_layers = self._arena_view(granted.arena_path)
-        if arena_layers is None:
-            self._store.abort(keys, granted.arena_path)
-            outcome.dropped[save.request_id] = outcome.dropped.get(save.request_id, 0) + len(keys)
-            return []
         try:
+            arena_layers = self._arena_view(granted.arena_path)
+            if arena_layers is None:
+                self._store.abort(keys, granted.arena_path)
+                outcome.dropped[save.request_id] = (outcome.dropped.get(save.request_id, 0)
+                                                    + len(keys))
+                return []
+            if self.stats.crash_mid_save and len(written) >= 2:
+                self._crash_halfway(arena_layers, save, written)
             self._copier("save").save(arena_layers, [save.block_ids[i] for i, _ in written],
                                       [s for _, s in written]).wait()
-        except BaseException:
+        except BaseException:  # a live process gives its slots back (a dead one's: the store)
             self._store.abort(keys, granted.arena_path)
             raise
         outcome.saved_blocks += len(keys)
         return keys
+
+    def _crash_halfway(self, arena_layers: torch.Tensor, save: SaveSpec,
+                       written: list[tuple[int, int]]) -> None:
+        """The drill's crash mid-transfer: half the blocks copied, none committed, then the
+        process dies without a word (SIGKILL: no handler, no cleanup runs)."""
+        half = written[:len(written) // 2]
+        self._copier("save").save(arena_layers, [save.block_ids[i] for i, _ in half],
+                                  [s for _, s in half]).wait()
+        log.warning("drill: killing this engine's process mid-transfer (%d of %d blocks of %s "
+                    "copied, none committed)", len(half), len(written), save.request_id)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _apply(self, outcome: _SaveOutcome) -> None:
         self.stats.saved_blocks += outcome.saved_blocks

@@ -29,6 +29,7 @@ from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
 from kvstore.leases import LeaseRegistry
 from kvstore.metadata import BlockDirectory
+from kvstore.node_holders import NodeHolders
 from kvstore.node_leases import NodeLeases
 from kvstore.node_pulls import NO_TRANSFER, NodePulls, PullResult, TransferPlan
 from kvstore.transfer_server import BlockServer, PeerAddress, PinnedRun
@@ -89,7 +90,7 @@ class ArenaInfo(msgspec.Struct, frozen=True):
     num_slots: int
 
 
-class KVStoreNode(NodePulls, NodeLeases):
+class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
     """Host-tier owner for one node. Methods are called through Ray, one at a time."""
 
     def __init__(
@@ -101,8 +102,12 @@ class KVStoreNode(NodePulls, NodeLeases):
         redis_url: str | None,
         block_size_tokens: int = 0,
         lease_clock: Callable[[], float] = time.monotonic,
+        holder_alive: Callable[[str], bool] | None = None,
     ) -> None:
-        """``lease_clock`` tells lease expiry (seconds, monotonic): tests pass their own."""
+        """``lease_clock`` tells lease expiry (seconds, monotonic): tests pass their own.
+        ``holder_alive(name)``: whether the client process that named itself ``name`` still
+        runs (``kvstore.node_holders``; the cluster passes ``ray_actor_alive``); None: a holder
+        is forgotten only when told (``forget_holder``)."""
         num_slots = config.host_capacity_bytes // block_bytes
         if num_slots < 1:
             raise ValueError(
@@ -136,6 +141,7 @@ class KVStoreNode(NodePulls, NodeLeases):
         self._leases = LeaseRegistry(block_bytes, *config.lease_caps_bytes(), clock=lease_clock)
         self.dropped_leased_blocks = 0
         self._corrupt_budget = 0  # drill: blocks left to corrupt as they are committed
+        self._init_holders(holder_alive, config.holder_sweep_interval_s)
         self._transfer_client = None  # created at the first pull
         self._warned_no_transfer = False
         self.pulled_blocks = self.pulled_bytes = self.pull_failures = 0  # pulls from other nodes
@@ -165,17 +171,21 @@ class KVStoreNode(NodePulls, NodeLeases):
         return ArenaInfo(str(self.arena.path), self.arena.slot_bytes, self.arena.num_slots)
 
     @_locked
-    def acquire(self, keys: Sequence[BlockKey]) -> list[int]:
+    def acquire(self, keys: Sequence[BlockKey], holder: str = "") -> list[int]:
         """Pin and return the slots of the leading run of ``keys`` in host memory, first
         promoting the blocks that continue that run on disk (a disk hit is copied back to host;
-        a block that fails its checksum is a miss and ends the run)."""
+        a block that fails its checksum is a miss and ends the run). ``holder``: the calling
+        process's name, under which the pins are filed until released (``node_holders``)."""
         self._expire_leases()
         if self.disk is not None:
             self._promote(keys)
-        return self.store.acquire(keys)
+        slots = self.store.acquire(keys)
+        self._file_acquired(holder, keys, len(slots))
+        return slots
 
     @_locked
-    def acquire_many(self, key_lists: Sequence[Sequence[BlockKey]]) -> list[AcquiredRun]:
+    def acquire_many(self, key_lists: Sequence[Sequence[BlockKey]],
+                     holder: str = "") -> list[AcquiredRun]:
         """``acquire`` for several requests in one call (an engine step's new requests), each
         run with the positions of the blocks this call brought back from disk: a block one
         request's lookup promoted counts as promoted for every lookup of the call that pins it
@@ -187,30 +197,40 @@ class KVStoreNode(NodePulls, NodeLeases):
             if self.disk is not None:
                 promoted.update(self._promote(keys))
             slots = self.store.acquire(keys)
+            self._file_acquired(holder, keys, len(slots))
             runs.append(AcquiredRun(slots, tuple(
                 i for i, key in enumerate(keys[:len(slots)]) if key in promoted)))
         return runs
 
     @_locked
-    def release(self, keys: Sequence[BlockKey]) -> None:
+    def release(self, keys: Sequence[BlockKey], holder: str = "") -> None:
         self.store.release(keys)
+        self._unfile_released(holder, keys)
 
     @_locked
-    def reserve(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> list[int | None]:
+    def reserve(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None],
+                holder: str = "") -> list[int | None]:
         self._expire_leases()
-        return self.store.reserve(keys, parents).slots  # evictions were published by _demote
+        slots = self.store.reserve(keys, parents).slots  # evictions were published by _demote
+        self._file_reserved(holder, keys, slots)
+        return slots
 
     @_locked
-    def reserve_many(self, chains: Sequence[tuple[Sequence[BlockKey], Sequence[BlockKey | None]]]
-                     ) -> list[list[int | None]]:
+    def reserve_many(self, chains: Sequence[tuple[Sequence[BlockKey], Sequence[BlockKey | None]]],
+                     holder: str = "") -> list[list[int | None]]:
         """``reserve`` for several chains in one call (an engine step's saves): each chain
         stops at its own first block that cannot be stored, as ``reserve`` does."""
         self._expire_leases()
-        return [self.store.reserve(keys, parents).slots for keys, parents in chains]
+        granted = []
+        for keys, parents in chains:
+            granted.append(self.store.reserve(keys, parents).slots)
+            self._file_reserved(holder, keys, granted[-1])
+        return granted
 
     @_locked
-    def commit(self, keys: Sequence[BlockKey]) -> None:
+    def commit(self, keys: Sequence[BlockKey], holder: str = "") -> None:
         self.store.commit(keys)
+        self._unfile_written(holder, keys)
         if self._corrupt_budget > 0:
             self._corrupt(keys[:self._corrupt_budget])
         self._apply_soft_pins(keys)
@@ -254,8 +274,9 @@ class KVStoreNode(NodePulls, NodeLeases):
                     self.store.soft_pin_prefix([key])
 
     @_locked
-    def abort(self, keys: Sequence[BlockKey]) -> None:
+    def abort(self, keys: Sequence[BlockKey], holder: str = "") -> None:
         self.store.abort(keys)
+        self._unfile_written(holder, keys)
 
     @_locked
     def stats(self) -> StoreStats:
@@ -429,6 +450,7 @@ class KVStoreNode(NodePulls, NodeLeases):
 
     def shutdown(self) -> None:
         self._stop_heartbeat.set()
+        self._stop_sweep.set()
         if self._transfer_client is not None:
             self._transfer_client.close()
         if self.transfer_server is not None:

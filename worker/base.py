@@ -74,6 +74,7 @@ class EngineWorker:
             store = ensure_node_store(store, conductor.actor_name if conductor else None)
         self.node_id = store.node_id if store else ""
         self._store = store
+        _name_store_holder(instance_id)
         self._store_handle = None  # resolved at the first pull
         self.calls = CallCounts()
         """The remote calls this worker made itself on behalf of requests (its pulls)."""
@@ -279,5 +280,34 @@ class EngineWorker:
             loaded_bytes=s.loaded_bytes, load_seconds=s.load_seconds,
             hashed_prompts=s.hashed_prompts)
 
+    def crash_mid_save(self) -> None:
+        """Drill hook (``baton chaos``): the next KV save of two or more blocks this worker's
+        engine makes copies half of them and then kills the process, reservations made and
+        nothing committed, as a crash in the middle of a transfer would. The store node
+        releases what the dead process held (``kvstore.node_holders``)."""
+        from kvstore.connector import connector_stats
+
+        connector_stats(self.instance_id).crash_mid_save = True
+
     def shutdown(self) -> None:
         self.runner.shutdown()
+
+
+def _name_store_holder(instance_id: str) -> None:
+    """Name this process to the store by ``instance_id`` when it is the Ray actor of that name
+    (as the cluster starts workers): a store node that later finds no live actor by that name
+    releases what the process held. A worker made any other way (a test's, in-process) is not
+    named: nothing would tell its death from its absence."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    try:
+        name = ray.get_runtime_context().get_actor_name()
+    except Exception:  # noqa: BLE001 - not in an actor
+        return
+    if name == instance_id:
+        from kvstore.client import set_process_holder
+
+        set_process_holder(instance_id)
+

@@ -28,9 +28,10 @@ async def test_killing_workers_and_the_store_and_restarting_redis_loses_and_leak
     assert report.ok and report.seed == 3
     assert report.completed > 0 and len(report.kills) >= 2
     assert report.faults["store_node"] >= 1 and report.faults["redis"] >= 1, report.faults
-    assert report.faults["prefill_worker"] + report.faults["decode_worker"] == len(report.kills)
+    worker_kinds = ("prefill_mid_transfer", "prefill_worker", "decode_worker")
+    assert sum(report.faults[kind] for kind in worker_kinds) == len(report.kills)
     assert len(report.hits) == sum(report.faults.values())
-    assert [h.victim for h in report.hits if h.kind.endswith("_worker")] == report.kills
+    assert [h.victim for h in report.hits if h.kind in worker_kinds] == report.kills
     assert any(h.in_flight > 0 for h in report.hits)  # faults met requests in flight
     assert report.retried > 0 or report.failed_clean > 0, report  # and some request met a fault
     assert set(report.failed_by_status) <= {"UNAVAILABLE"}  # a decode worker died mid-stream
@@ -53,3 +54,60 @@ async def test_the_positive_control_corrupted_kv_is_caught_as_wrong_answers(tiny
     assert report.ok and report.lost == 0
     assert report.sent == (report.completed + report.failed_clean + report.failed_other
                            + report.lost + report.wrong)
+
+
+async def test_a_prefill_killed_mid_transfer_is_retried_and_its_reserved_slots_come_back(tiny_model):
+    """The drill's mid-transfer kill, on its own: a prefill worker dies with half of a prompt's
+    blocks copied into the slots it reserved and none committed. Every request is still
+    answered (placed again on the other prefill worker), the store node aborts the dead
+    process's reservations by itself, and the prompt is stored whole by the next prefill."""
+    import asyncio
+    import random
+    import time
+
+    import ray
+
+    from bench.chaos import fresh_prompts, prompt_pool
+    from cluster.serve import BatonServer
+    from gateway import client, metrics
+
+    config = load_config(None, {"engine.model": "tiny", "name": "chaosmid", "gateway.port": 0,
+                                "http.enabled": False, "prefill.num_instances": 2,
+                                "decode.num_instances": 1, "kvstore.host_capacity_bytes": 256 << 20,
+                                "conductor.tuning.short_prefill_tokens": 0})
+    server = BatonServer(config)
+    await server.start()
+    try:
+        cluster = server.cluster
+        victim = cluster.prefill_ids[0]
+        retried = metrics.RETRIES.labels("prefill_worker_died")
+        retried_before = retried._value.get()
+        prompts = fresh_prompts(prompt_pool(3, 9), 64, 9)
+        random.Random(0).shuffle(prompts)
+        await cluster.actor(victim).crash_mid_save.remote()
+        answers, died = [], False
+        for start in range(0, len(prompts), 4):  # rounds of 4 until the victim has died
+            batch = prompts[start:start + 4]
+            answers += await asyncio.gather(*(client.generate(
+                server.target, token_ids=p, max_tokens=4, timeout_s=60) for p in batch))
+            try:
+                await asyncio.wait_for(cluster.actor(victim).ready.remote(), 5)
+            except (ray.exceptions.RayActorError, ValueError):
+                died = True
+                break
+        assert died, "the victim never reached a save of two blocks"
+        assert [len(a["token_ids"]) for a in answers] == [4] * len(answers)  # none failed
+        assert retried._value.get() - retried_before >= 1
+        store = cluster.store
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if (await store.stats.remote()).pinned_blocks == 0 and await store.reclaimed.remote() != (0, 0):
+                break
+            await asyncio.sleep(0.2)
+        aborted, _ = await store.reclaimed.remote()
+        holders = await store.holder_counts.remote()
+        assert aborted >= 2, holders  # the victim died holding at least two blocks' reservations
+        assert (await store.stats.remote()).pinned_blocks == 0
+        assert victim not in holders
+    finally:
+        await server.stop()

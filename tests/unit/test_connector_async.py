@@ -182,6 +182,36 @@ def test_a_finished_requests_blocks_are_held_until_its_saves_are_written_and_com
     assert connector.stats.saved_blocks == 1
 
 
+def test_a_save_that_fails_gives_back_its_slots_and_those_after_it_and_commits_those_before():
+    """One step's saves, the second's copy failing: the first is committed, the second's and
+    the third's reservations are aborted (a live process never leaves slots reserved), and
+    every request is still reported finished, so vLLM frees its blocks."""
+    gate = threading.Event()
+    gate.set()
+    connector, store = worker_half(gate)
+    aborted: list[list] = []
+    store.abort = lambda keys, arena_path: aborted.append(list(keys))
+    copier, calls = connector._copiers["save"], []
+    real_save = copier.save
+
+    def save_failing_second(arena_layers, block_ids, slots):
+        calls.append(list(block_ids))
+        if len(calls) == 2:
+            raise RuntimeError("copy failed")
+        return real_save(arena_layers, block_ids, slots)
+
+    copier.save = save_failing_second
+    store.grants = [1, 2]
+    saves = [SaveSpec(r, block_ids=[i], keys=[f"{r}0".encode()], parents=[None])
+             for i, r in enumerate(("a", "b", "c"))]
+
+    step(connector, BatonConnectorMetadata(saves=saves), finished={"a", "b", "c"})
+    assert until(connector) == ({"a", "b", "c"}, None)
+    assert calls == [[0], [1]]  # the third was never copied
+    assert store.committed == [[b"a0"]]
+    assert aborted == [[b"b0"], [b"c0"]]
+
+
 def test_a_request_with_nothing_to_save_is_never_reported_as_sending():
     gate = threading.Event()
     gate.set()
