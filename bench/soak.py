@@ -69,6 +69,9 @@ class Sample(msgspec.Struct):
     """Sessions the conductor's table holds."""
     rss_mb_by_role: dict[str, dict[str, float]] = {}
     """Resident MB per role of process and kind (``anon``, ``file``, ``shmem``; module docstring)."""
+    engine_memory: dict[str, float] = {}
+    """The engine workers' own memory reports (``worker.memory.EngineMemory``), summed over
+    the engines: KV cache resident MB, glibc heap in use and kept free, Python objects."""
 
 
 class Growth(msgspec.Struct):
@@ -90,6 +93,8 @@ class SoakReport(msgspec.Struct):
     ok: bool
     rss_growth_by_role: dict[str, dict[str, Growth]] = {}
     """``growth_of``'s figures for each role's resident MB of each kind."""
+    engine_memory_growth: dict[str, Growth] = {}
+    """``growth_of``'s figures for each series of ``Sample.engine_memory``."""
 
 
 def slope_per_hour(points: list[tuple[float, float]]) -> float:
@@ -108,7 +113,7 @@ def growth_of(samples: list[Sample]) -> dict[str, Growth]:
     """Each sampled series' first, last and peak value and its slope over the second half."""
     half = samples[len(samples) // 2:]
     fields = [name for name in Sample.__struct_fields__
-              if name not in ("at_s", "rss_mb_by_role")]
+              if name not in ("at_s", "rss_mb_by_role", "engine_memory")]
     return {name: _growth([(s.at_s, float(getattr(s, name))) for s in samples], len(half))
             for name in fields}
 
@@ -128,6 +133,32 @@ def rss_growth_by_role(samples: list[Sample]) -> dict[str, dict[str, Growth]]:
     return {role: {kind: _growth([(s.at_s, s.rss_mb_by_role.get(role, {}).get(kind, 0.0))
                                   for s in samples], num_half) for kind in kinds}
             for role in roles}
+
+
+def engine_memory_growth(samples: list[Sample]) -> dict[str, Growth]:
+    """``growth_of`` for each series of the engines' memory reports (a sample without one,
+    an engine that did not answer, is left out)."""
+    reported = [s for s in samples if s.engine_memory]
+    names = sorted({name for s in reported for name in s.engine_memory})
+    num_half = len(reported) - len(reported) // 2
+    return {name: _growth([(s.at_s, s.engine_memory.get(name, 0.0)) for s in reported], num_half)
+            for name in names} if reported else {}
+
+
+async def _engine_memory(cluster) -> dict[str, float]:
+    """The engines' memory reports summed ({} when one does not answer: the sample would mix
+    engines)."""
+    ids = [i for i in cluster.prefill_ids + cluster.decode_ids]
+    try:
+        reports = await asyncio.wait_for(
+            asyncio.gather(*(cluster.actor(i).memory.remote() for i in ids)), 30)
+    except Exception:  # noqa: BLE001 - an engine busy past the wait or gone
+        return {}
+    totals: dict[str, float] = {}
+    for report in reports:
+        for name, value in msgspec.structs.asdict(report).items():
+            totals[name] = round(totals.get(name, 0.0) + value, 1)
+    return totals
 
 
 RSS_KINDS = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
@@ -188,11 +219,12 @@ async def _sample(server: BatonServer, processes: _Processes, started: float) ->
         await client.aclose()
     rss_mb, fds, count, by_role = processes.sample()
     live = await cluster.conductor.live_sessions.remote()
+    engines = await _engine_memory(cluster)
     return Sample(round(time.monotonic() - started, 1), round(rss_mb, 1), fds, count,
                   store.used_blocks, store.pinned_blocks, redis_keys,
                   sum(books.indexed_blocks.values()),
                   books.num_in_flight_prefills + books.num_in_flight_decodes,
-                  store.leased_blocks, live, by_role)
+                  store.leased_blocks, live, by_role, engines)
 
 
 async def _grpc_step(stub, prompt: list[int], max_tokens: int, cancel: bool,
@@ -312,7 +344,7 @@ async def run_soak(config: ClusterConfig, duration_s: float, sessions: int = 8,
     ok = (not any(left.values()) and steps.get("failed", 0) == 0
           and steps.get("session_close_failed", 0) == 0)
     return SoakReport(round(duration_s, 1), sessions, steps, samples, growth, left, ok,
-                      rss_growth_by_role(samples))
+                      rss_growth_by_role(samples), engine_memory_growth(samples))
 
 
 def main(config: ClusterConfig, duration_s: float, sessions: int, sample_every_s: float,
@@ -323,7 +355,10 @@ def main(config: ClusterConfig, duration_s: float, sessions: int, sample_every_s
                       "growth_per_hour": {k: g.per_hour for k, g in report.growth.items()},
                       "rss_mb_growth_per_hour_by_role": {
                           role: {kind: g.per_hour for kind, g in kinds.items()}
-                          for role, kinds in report.rss_growth_by_role.items()}},
+                          for role, kinds in report.rss_growth_by_role.items()},
+                      "engine_memory": {name: {"first": g.first, "last": g.last,
+                                               "per_hour": g.per_hour}
+                                        for name, g in report.engine_memory_growth.items()}},
                      indent=1))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

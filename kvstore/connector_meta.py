@@ -56,6 +56,21 @@ def connector_stats(engine_id: str) -> ConnectorStats:
     return _STATS.setdefault(engine_id, ConnectorStats())
 
 
+_KV_SPANS: dict[str, list[tuple[int, int]]] = {}
+
+
+def kv_cache_spans(engine_id: str) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of the KV cache storage the connector built for ``engine_id`` in
+    this process was given (empty before vLLM registers its caches): where a memory report
+    looks for the cache's resident pages."""
+    return _KV_SPANS.get(engine_id, [])
+
+
+def record_kv_cache(engine_id: str, tensors: list) -> None:
+    _KV_SPANS[engine_id] = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                            for t in tensors]
+
+
 class SaveLedger:
     """The saves one engine's connector has handed off and not yet finished writing, and the
     blocks each request got stored: the prefill worker waits on it before its result says the

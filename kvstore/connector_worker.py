@@ -45,6 +45,7 @@ from kvstore.connector_meta import (
     LoadSpec,
     SaveLedger,
     SaveSpec,
+    record_kv_cache,
 )
 from kvstore.keys import BlockKey
 from kvstore.kv_copy import BlockCopier
@@ -127,6 +128,7 @@ class ConnectorWorkerHalf:
         return pool
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        record_kv_cache(self._engine_id, list(kv_caches.values()))
         self._bind_layers(list(kv_caches.values()))
 
     def _bind_layers(self, tensors: list[torch.Tensor]) -> None:

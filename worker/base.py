@@ -25,6 +25,7 @@ from protos.wire import (
     MeasuredPrefill,
     Registration,
 )
+from worker.memory import EngineMemory, engine_memory
 
 log = logging.getLogger(__name__)
 
@@ -279,6 +280,13 @@ class EngineWorker:
             failed_load_blocks=s.failed_load_blocks, dropped_save_blocks=s.dropped_save_blocks,
             loaded_bytes=s.loaded_bytes, load_seconds=s.load_seconds,
             hashed_prompts=s.hashed_prompts)
+
+    def memory(self) -> EngineMemory:
+        """Where this worker's resident memory goes (``worker.memory``): the KV cache's resident
+        pages, glibc's heap in use and kept free, Python's live objects."""
+        from kvstore.connector_meta import kv_cache_spans
+
+        return engine_memory(kv_cache_spans(self.instance_id))
 
     def crash_mid_save(self) -> None:
         """Drill hook (``baton chaos``): the next KV save of two or more blocks this worker's

@@ -109,5 +109,10 @@ async def test_a_prefill_killed_mid_transfer_is_retried_and_its_reserved_slots_c
         assert aborted >= 2, holders  # the victim died holding at least two blocks' reservations
         assert (await store.stats.remote()).pinned_blocks == 0
         assert victim not in holders
+        # the survivor's memory report reads its own process: a KV cache, partly touched
+        memory = await cluster.actor(cluster.prefill_ids[1]).memory.remote()
+        assert 0 < memory.kv_cache_resident_mb <= memory.kv_cache_mb
+        assert memory.malloc_in_use_mb >= memory.kv_cache_resident_mb
+        assert memory.rss_mb >= memory.kv_cache_resident_mb
     finally:
         await server.stop()

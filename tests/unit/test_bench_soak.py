@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import Sample, growth_of, rss_growth_by_role, rss_kinds_mb, slope_per_hour
+from bench.soak import (
+    Sample,
+    engine_memory_growth,
+    growth_of,
+    rss_growth_by_role,
+    rss_kinds_mb,
+    slope_per_hour,
+)
 
 
 @pytest.mark.parametrize("points, expected", [
@@ -36,7 +43,8 @@ def test_growth_fits_only_the_second_half_after_warm_up():
         100.0, 1000.0, 1000.0)
     assert growth["rss_mb"].per_hour == 0.0  # the second half is flat
     assert growth["redis_keys"].per_hour == 60.0
-    assert set(growth) == set(Sample.__struct_fields__) - {"at_s", "rss_mb_by_role"}
+    assert set(growth) == set(Sample.__struct_fields__) - {"at_s", "rss_mb_by_role",
+                                                            "engine_memory"}
 
 
 STATUS = """Name:\tray::KVStoreNode
@@ -69,3 +77,20 @@ def test_growth_by_role_tells_a_growing_heap_from_arena_pages_touched():
     assert (growth["engine"]["shmem"].first, growth["engine"]["shmem"].last) == (0.0, 240.0)
     assert growth["store"]["anon"].per_hour == 60.0  # one MB a minute over the second half
     assert (growth["store"]["shmem"].first, growth["store"]["shmem"].peak) == (0.0, 256.0)
+
+
+def test_the_engines_memory_series_grow_apart_and_a_sample_without_a_report_is_left_out():
+    # KV pages touched 10 MB a minute, the heap in use flat; the third sample got no report
+    samples = []
+    for minute in range(6):
+        report = {} if minute == 2 else {"kv_cache_resident_mb": 10.0 * minute,
+                                         "malloc_in_use_mb": 700.0}
+        samples.append(Sample(minute * 60.0, 0, 100, 12, 0, 0, 0, 40, 0, engine_memory=report))
+
+    growth = engine_memory_growth(samples)
+
+    assert set(growth) == {"kv_cache_resident_mb", "malloc_in_use_mb"}
+    assert growth["kv_cache_resident_mb"].per_hour == 600.0
+    assert (growth["kv_cache_resident_mb"].first, growth["kv_cache_resident_mb"].last) == (0.0, 50.0)
+    assert growth["malloc_in_use_mb"].per_hour == 0.0
+    assert engine_memory_growth(samples[2:3]) == {}

@@ -1,0 +1,46 @@
+"""An engine worker's memory report reads the truth of its own process: pages of a tensor count
+as resident only once touched, views of one storage count once, and glibc's in-use heap grows
+by what is allocated."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from worker.memory import PAGE_BYTES, _merged, engine_memory, malloc_stats, resident_bytes  # noqa: E402
+
+MB = 1 << 20
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+
+def test_a_tensor_s_pages_are_resident_only_once_touched():
+    t = torch.empty(64 * MB, dtype=torch.uint8)  # large: its own mapping, untouched
+    assert resident_bytes([span(t)]) <= 2 * PAGE_BYTES  # at most the edges malloc wrote
+    t[: 16 * MB].fill_(1)
+    assert 16 * MB <= resident_bytes([span(t)]) <= 16 * MB + 2 * PAGE_BYTES
+    t.fill_(1)
+    assert resident_bytes([span(t)]) >= 64 * MB
+
+
+def test_views_of_one_storage_count_once_and_disjoint_spans_add():
+    assert _merged([(100, 50), (120, 10), (0, 10), (140, 20)]) == [(0, 10), (100, 60)]
+    t = torch.ones(8 * MB, dtype=torch.uint8)
+    u = torch.ones(4 * MB, dtype=torch.uint8)
+    one = resident_bytes([span(t)])
+    assert resident_bytes([span(t), span(t[MB:])]) == one
+    assert resident_bytes([span(t), span(u)]) == one + resident_bytes([span(u)])
+
+
+def test_the_report_counts_the_kv_cache_and_the_heap_in_use():
+    before, _ = malloc_stats()
+    kv = torch.ones(32 * MB, dtype=torch.uint8)
+    after, _ = malloc_stats()
+    assert after - before >= 32 * MB
+    report = engine_memory([span(kv)])
+    assert report.kv_cache_mb == 32.0 and report.kv_cache_resident_mb >= 32.0
+    assert report.rss_mb >= report.kv_cache_resident_mb
+    assert report.python_objects > 0 and report.python_blocks > 0
