@@ -281,17 +281,16 @@ class ConnectorWorkerHalf:
         else:
             grants = [save.granted.result() for save in saves]
         commits: dict[str, list[BlockKey]] = {}
-        done = 0
+        current = -1  # the save being written: a failure there aborts its own slots
         try:
-            for save, granted in zip(saves, grants):
+            for current, (save, granted) in enumerate(zip(saves, grants)):
                 written = self._write_one(save, granted, outcome)
-                done += 1
                 if written:
                     commits.setdefault(granted.arena_path, []).extend(written)
                     self._ledger.add_stored(save.request_id, len(written))
         finally:
             # a save that failed aborted its own slots; the ones after it give theirs back
-            for save, granted in list(zip(saves, grants))[done + 1:]:
+            for save, granted in list(zip(saves, grants))[current + 1:]:
                 reserved = [key for key, slot in zip(save.keys, granted.slots) if slot is not None]
                 if reserved and granted.arena_path:
                     self._store.abort(reserved, granted.arena_path)
