@@ -34,7 +34,7 @@ from kvstore.node import KVStoreNode
 from kvstore.node_holders import ray_actor_alive
 from kvstore.redis_server import LocalRedis, RedisUnavailable, start_local_redis
 from prefill_worker.worker import PrefillWorker
-from protos.errors import ConfigError
+from protos.errors import ConfigError, EngineStartFailed
 from worker.base import ConductorWiring
 
 log = logging.getLogger(__name__)
@@ -375,7 +375,11 @@ class LocalCluster:
                 raise TimeoutError(f"workers not ready after {timeout_s} s: {sorted(pending)}")
             for instance_id, ref in list(pending.items()):
                 if ref in done:
-                    self.engine_start_s[instance_id] = ray.get(ref)
+                    try:
+                        self.engine_start_s[instance_id] = ray.get(ref)
+                    except RayActorError as exc:
+                        raise EngineStartFailed(
+                            f"{instance_id}'s engine failed to start: {engine_error(exc)}") from exc
                     ray.get(self.conductor.mark_ready.remote(instance_id))
                     del pending[instance_id]
                     self.progress(
@@ -385,6 +389,18 @@ class LocalCluster:
 
     def actor(self, instance_id: str):
         return ray.get_actor(instance_id, namespace=self.namespace)
+
+
+def engine_error(exc: RayActorError) -> str:
+    """The line that says why a worker died while starting (the last line of the exception its
+    constructor raised, as Ray quotes it: vLLM's own words, e.g. a KV cache too small for the
+    context), else Ray's whole message."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if head.endswith(("Error", "Exception")) and " " not in head and "ActorDiedError" not in head:
+            return line
+    return lines[-1] if lines else type(exc).__name__
 
     def stop(self) -> None:
         self._stopping.set()  # before the store goes: the watchdog must not replace it

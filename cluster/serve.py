@@ -76,13 +76,17 @@ class BatonServer:
         # secrets and certificates first: a bad one is a config error before anything starts
         config = fronts_config(self.config)
         secrets = FrontSecrets.read(config)
-        await asyncio.to_thread(self.cluster.start, False)
-        model = self.cluster.model
-        assert model is not None
-        self.fronts = Fronts(config, secrets, self.progress)
-        await self.fronts.start(self.cluster.conductor, model, self._fronts)
-        if wait_ready:
-            await self.wait_ready()
+        try:
+            await asyncio.to_thread(self.cluster.start, False)
+            model = self.cluster.model
+            assert model is not None
+            self.fronts = Fronts(config, secrets, self.progress)
+            await self.fronts.start(self.cluster.conductor, model, self._fronts)
+            if wait_ready:
+                await self.wait_ready()
+        except BaseException:  # a worker that cannot start: nothing is left running
+            await self.stop()
+            raise
         self.start_seconds = time.perf_counter() - started
 
     @property
@@ -106,6 +110,7 @@ class BatonServer:
             self.progress(f"serving HTTP on {self.http_url}")
 
     async def stop(self) -> None:
+        """Stop the fronts and the cluster (again: nothing more happens)."""
         if self.fronts is not None:
             await self.fronts.stop()
         await asyncio.to_thread(self.cluster.stop)

@@ -39,6 +39,11 @@ class ConfigError(BatonError):
     """The cluster configuration is invalid; the message names the field."""
 
 
+class EngineStartFailed(ConfigError):
+    """A worker's engine could not start with the configuration given (vLLM refused it: a KV
+    cache too small for the context, a model it cannot load, ...): the message says why."""
+
+
 class UnknownInstance(BatonError):
     """No instance of that name in this cluster."""
 
