@@ -390,18 +390,6 @@ class LocalCluster:
     def actor(self, instance_id: str):
         return ray.get_actor(instance_id, namespace=self.namespace)
 
-
-def engine_error(exc: RayActorError) -> str:
-    """The line that says why a worker died while starting (the last line of the exception its
-    constructor raised, as Ray quotes it: vLLM's own words, e.g. a KV cache too small for the
-    context), else Ray's whole message."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    for line in reversed(lines):
-        head = line.split(":", 1)[0]
-        if head.endswith(("Error", "Exception")) and " " not in head and "ActorDiedError" not in head:
-            return line
-    return lines[-1] if lines else type(exc).__name__
-
     def stop(self) -> None:
         self._stopping.set()  # before the store goes: the watchdog must not replace it
         with self._store_lock:  # a replacement under way finishes first
@@ -423,3 +411,15 @@ def engine_error(exc: RayActorError) -> str:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+
+def engine_error(exc: RayActorError) -> str:
+    """The line that says why a worker died while starting (the last line of the exception its
+    constructor raised, as Ray quotes it: vLLM's own words, e.g. a KV cache too small for the
+    context), else Ray's whole message."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if head.endswith(("Error", "Exception")) and " " not in head and "ActorDiedError" not in head:
+            return line
+    return lines[-1] if lines else type(exc).__name__

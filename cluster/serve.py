@@ -40,6 +40,7 @@ class BatonServer:
         self.cluster = LocalCluster(config, progress=progress)
         self.fronts: Fronts | None = None
         self.start_seconds: float | None = None
+        self._stopped = False
 
     @property
     def router(self):
@@ -110,7 +111,12 @@ class BatonServer:
             self.progress(f"serving HTTP on {self.http_url}")
 
     async def stop(self) -> None:
-        """Stop the fronts and the cluster (again: nothing more happens)."""
+        """Stop the fronts and the cluster. Once only: a second call (a start that failed has
+        stopped everything already) must not touch Ray, whose next call would start a fresh
+        connection to the cluster just shut down and hang on it."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self.fronts is not None:
             await self.fronts.stop()
         await asyncio.to_thread(self.cluster.stop)
