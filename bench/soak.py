@@ -86,7 +86,8 @@ class SoakReport(msgspec.Struct):
     duration_s: float
     sessions: int
     steps: dict[str, int]
-    """completed, cancelled, disconnected, failed."""
+    """completed, cancelled, disconnected, failed (and "failed <why>": the gRPC status, HTTP
+    status or client error of each failed step), sessions_closed, session_close_failed."""
     samples: list[Sample]
     growth: dict[str, Growth]
     leaks: dict[str, int]
@@ -243,7 +244,7 @@ async def _grpc_step(stub, prompt: list[int], max_tokens: int, cancel: bool,
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.CANCELLED and cancel:
             return "cancelled", answer
-        return "failed", answer
+        return f"failed {e.code().name}", answer
     return "completed", answer
 
 
@@ -256,12 +257,12 @@ async def _http_disconnect(http: httpx.AsyncClient, prompt: list[int], max_token
     try:
         async with http.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
-                return "failed"
+                return f"failed HTTP {response.status_code}"
             async for _chunk in response.aiter_bytes():
                 return "disconnected"  # leave after the first chunk: the client goes away
-    except httpx.HTTPError:
-        return "failed"
-    return "failed"
+    except httpx.HTTPError as e:
+        return f"failed {type(e).__name__}"
+    return "failed with no chunk"
 
 
 async def _close(http: httpx.AsyncClient, session_id: str, steps: dict[str, int]) -> None:
@@ -297,6 +298,8 @@ async def _agent(stub, http, rng: random.Random, trunk: list[int], deadline: flo
                                                cancel=draw < DISCONNECT_SHARE + CANCEL_SHARE,
                                                session_id=session_id)
         steps[outcome] = steps.get(outcome, 0) + 1
+        if outcome.startswith("failed "):  # and the total, beside each reason's count
+            steps["failed"] = steps.get("failed", 0) + 1
         history += answer
         await asyncio.sleep(min(30.0, rng.lognormvariate(0.0, 1.0)))  # think time, long-tailed
     await _close(http, session_id, steps)
