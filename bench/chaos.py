@@ -185,7 +185,7 @@ async def _client_loop(server: BatonServer, prompts, references, max_tokens: int
         if fresh and rng.random() < FRESH_SHARE:
             i = fresh.pop()
         else:
-            i = rng.randrange(report.pool_size or len(prompts))
+            i = rng.randrange(report.pool_size)
         report.sent += 1
         try:
             result = await asyncio.wait_for(

@@ -149,7 +149,7 @@ def engine_memory_growth(samples: list[Sample]) -> dict[str, Growth]:
 async def _engine_memory(cluster) -> dict[str, float]:
     """The engines' memory reports summed ({} when one does not answer: the sample would mix
     engines)."""
-    ids = [i for i in cluster.prefill_ids + cluster.decode_ids]
+    ids = cluster.prefill_ids + cluster.decode_ids
     try:
         reports = await asyncio.wait_for(
             asyncio.gather(*(cluster.actor(i).memory.remote() for i in ids)), 30)

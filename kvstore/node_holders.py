@@ -12,9 +12,10 @@ Each ``StoreClient`` names its process's holder (``kvstore.client.set_process_ho
 names itself by its instance id, which is also its Ray actor's name) in every pinning call. The
 node files what each call pinned under that name, and unfiles what the settling call settles.
 ``forget_holder`` aborts a holder's reservations and drops its read pins; a sweep thread calls
-it for every holder whose actor is gone (``holder_alive``: looked up by name in the node's Ray
-namespace), so a crashed worker's blocks come back within ``holder_sweep_interval_s`` without
-anyone having to notice the crash. Calls without a holder (tests, tools) are not filed.
+it for every holder whose actor is gone (``holder_alive``: the cluster passes
+``ray_actor_alive`` bound to its own namespace, where its workers are named), so a crashed
+worker's blocks come back within ``holder_sweep_interval_s`` without anyone having to notice the
+crash. Calls without a holder (tests, tools) are not filed.
 
 A mixin of ``kvstore.node.KVStoreNode``, whose ``__init__`` sets the attributes declared below
 (``_init_holders``); its public methods take the node's lock, as the node's own do.
