@@ -285,7 +285,9 @@ def autoscale_lines(autoscale) -> list[str]:
         lines.append(f"  {d.pool}: {d.action} {d.size_before} -> {d.size_after}: {d.reason}")
     for d in autoscale.changes[-3:]:
         at = time.strftime("%H:%M:%S", time.localtime(d.at_s)) if d.at_s else "-"
-        lines.append(f"  changed {at} {d.pool} {d.size_before} -> {d.size_after}: {d.reason}")
+        outcome = f" ({d.outcome})" if d.outcome and d.outcome != "done" else ""
+        lines.append(f"  changed {at} {d.pool} {d.size_before} -> {d.size_after}{outcome}: "
+                     f"{d.reason}")
     return lines
 
 

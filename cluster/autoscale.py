@@ -21,11 +21,13 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
+import msgspec
+
 from cluster.pools import PoolManager
 from conductor.planner import POOLS, ClusterSample, PlannerConfig, PoolSample, plan
 from conductor.pricing import queue_ms
 from conductor.state import ConductorState
-from protos.wire import AutoscaleStatus, InstanceStats, PoolDecision
+from protos.wire import AutoscaleStatus, InstanceStats, PoolDecision, ScaleResult
 
 log = logging.getLogger(__name__)
 
@@ -121,26 +123,36 @@ class Autoscaler:
             if decision.action == "hold" or not self.config.enabled or (busy and not busy.done()):
                 continue
             self._last_change_s[decision.pool] = now
-            self._changes.append(decision)
+            change = msgspec.structs.replace(decision, outcome="under way")
+            self._changes.append(change)
             log.info("autoscale %s %d -> %d: %s", decision.pool, decision.size_before,
                      decision.size_after, decision.reason)
             self._applying[decision.pool] = asyncio.get_running_loop().create_task(
-                self._apply(decision))
+                self._apply(change))
         return decisions
 
-    async def _apply(self, decision: PoolDecision) -> None:
-        timeout_s = (self.config.start_timeout_s if decision.action == "up"
+    async def _apply(self, change: PoolDecision) -> None:
+        timeout_s = (self.config.start_timeout_s if change.action == "up"
                      else self.config.drain_timeout_s)
         try:
-            result = await self._pools.scale(decision.pool, decision.size_after, timeout_s,
-                                             f"autoscale: {decision.reason}")
+            result = await self._pools.scale(change.pool, change.size_after, timeout_s,
+                                             f"autoscale: {change.reason}")
         except Exception as exc:  # noqa: BLE001 - reported, and the next decision tries again
-            log.warning("autoscale %s -> %d failed: %s", decision.pool, decision.size_after, exc)
+            log.warning("autoscale %s -> %d failed: %s", change.pool, change.size_after, exc)
+            self._settle(change, f"failed: {exc}")
             return
         # the pool changed when the change finished: the cool-down and the evidence start there
-        self._last_change_s[decision.pool] = self._clock()
+        self._last_change_s[change.pool] = self._clock()
         if result.failed:
-            log.warning("autoscale %s: %s", decision.pool, "; ".join(result.failed))
+            log.warning("autoscale %s: %s", change.pool, "; ".join(result.failed))
+        self._settle(change, _outcome(result))
+
+    def _settle(self, change: PoolDecision, outcome: str) -> None:
+        """Say how a change ended, in place in the list of changes (unless it has left it)."""
+        for i, kept in enumerate(self._changes):
+            if kept is change:
+                self._changes[i] = msgspec.structs.replace(change, outcome=outcome)
+                return
 
     async def wait_applied(self) -> None:
         """Until every change started so far has finished (tests)."""
@@ -149,3 +161,13 @@ class Autoscaler:
     def status(self) -> AutoscaleStatus:
         return AutoscaleStatus(self.config.enabled, list(self._last), list(self._changes),
                                dict(self._totals))
+
+
+def _outcome(result: ScaleResult) -> str:
+    """``done``, or what kept the pool from the size asked for."""
+    failed = "failed: " + "; ".join(result.failed)
+    if result.failed and result.size_after == result.size_before:
+        return failed  # nothing changed
+    parts = ([failed] if result.failed else []) + (
+        ["pending: " + ", ".join(result.pending)] if result.pending else [])
+    return "; ".join(parts) or "done"

@@ -101,7 +101,7 @@ def autoscale_from_pb(m: apb.AutoscaleStatus) -> AutoscaleStatus:
 
 
 def _decision(m: apb.PoolDecision) -> PoolDecision:
-    return PoolDecision(m.pool, m.action, m.size_before, m.size_after, m.reason, m.at_s)
+    return PoolDecision(m.pool, m.action, m.size_before, m.size_after, m.reason, m.at_s, m.outcome)
 
 
 def _optional(message, field: str):

@@ -359,6 +359,10 @@ class PoolDecision(msgspec.Struct, frozen=True):
     """The rule that fired, with its numbers (``TTFT 3400.0 ms > 1.00 x 3000.0 ms``)."""
     at_s: float = 0.0
     """Wall-clock time of the decision (Unix seconds)."""
+    outcome: str = ""
+    """For a change (up or down): ``under way``, ``done`` (the pool reached ``size_after``),
+    ``pending: ...`` (instances still waiting for a node or their engine) or ``failed: ...``
+    (nothing changed, with the error). Empty for a hold."""
 
 
 class AutoscaleStatus(msgspec.Struct, frozen=True):

@@ -314,9 +314,14 @@ async def test_a_load_ramp_grows_prefill_then_decode_on_new_ray_nodes_then_drain
         (out / "autoscale_timeline.json").write_text(json.dumps(timeline.rows, indent=1))
     status = await _status()
     assert load.failures == [] and load.ok > 0
-    changes = [(d.pool, d.action, d.size_before, d.size_after) for d in status.autoscale.changes]
-    print("changes:", *(f"{d.pool} {d.action}: {d.reason}" for d in status.autoscale.changes),
-          sep="\n  ", flush=True)
+    print("changes:", *(f"{d.pool} {d.action} ({d.outcome}): {d.reason}"
+                        for d in status.autoscale.changes), sep="\n  ", flush=True)
+    # a change either took effect or says why not (e.g. a new worker's node went away under it,
+    # as Ray's fake provider sometimes does): none is left under way or half done
+    assert all(d.outcome == "done" or d.outcome.startswith("failed: ")
+               for d in status.autoscale.changes)
+    changes = [(d.pool, d.action, d.size_before, d.size_after)
+               for d in status.autoscale.changes if d.outcome == "done"]
     assert changes[0] == ("prefill", "up", 1, 2)
     assert changes.index(("decode", "up", 1, 2)) > 0
     # every pool ends where it began, each down after its up

@@ -79,7 +79,8 @@ async def test_the_loop_applies_up_then_cools_down_then_holds_at_max():
     assert pools.calls == [("prefill", 2, "autoscale: mean TTFT ms 3000.00 > 1000.00")]
     assert scaler.status().last[0].reason == "at max_instances 2: mean TTFT ms 3000.00 > 1000.00"
     # the cool-down ran from t=2 (the change finished at once) to t=7
-    assert [d.reason for d in scaler.status().changes] == ["mean TTFT ms 3000.00 > 1000.00"]
+    assert [(d.reason, d.outcome) for d in scaler.status().changes] == [
+        ("mean TTFT ms 3000.00 > 1000.00", "done")]
     assert scaler.status().decisions_total == {
         "prefill/hold": 9, "prefill/up": 1, "decode/hold": 10}
 
@@ -89,12 +90,15 @@ async def test_one_change_per_pool_at_a_time_and_the_cool_down_starts_when_it_fi
     pools.release = asyncio.Event()
     config = CONFIG.model_copy(update={"prefill": PoolLimits(min_instances=1, max_instances=4)})
     scaler = Autoscaler(config, pools, loaded(pools, ttft_ms=3000, itl_ms=200), clock)
-    await run_steps(scaler, clock, 2)  # t=2: both pools grow; the prefill one hangs
+    await run_steps(scaler, clock, 2)  # t=2: both pools grow; both changes hang
     assert [c[:2] for c in pools.calls] == [("prefill", 2), ("decode", 2)]
     await run_steps(scaler, clock, 10)  # t=12: still under way, and 10 s > the cool-down
     assert [c[:2] for c in pools.calls] == [("prefill", 2), ("decode", 2)]
+    assert [(d.pool, d.outcome) for d in scaler.status().changes] == [
+        ("prefill", "under way"), ("decode", "under way")]
     pools.release.set()
     await scaler.wait_applied()  # finished at t=12: cool-down to 17, evidence after 12
+    assert [d.outcome for d in scaler.status().changes] == ["done", "done"]
     await run_steps(scaler, clock, 4)
     assert [c[:2] for c in pools.calls] == [("prefill", 2), ("decode", 2)]
     await run_steps(scaler, clock, 2)  # t=18: two samples since 12, cool-down over
@@ -159,6 +163,30 @@ async def test_a_failed_scale_is_reported_and_tried_again_after_the_cool_down(ca
     await run_steps(scaler, clock, 9)
     assert [c[:2] for c in pools.calls] == [("prefill", 2), ("prefill", 2)]  # t=2, t=7+
     assert "autoscale prefill -> 2 failed: no launch spec" in caplog.text
+    assert [d.outcome for d in scaler.status().changes] == ["failed: no launch spec"] * 2
+
+
+@pytest.mark.parametrize("result, outcome", [
+    (ScaleResult("prefill", 1, 1, ["c-prefill-1"], [], [], ["c-prefill-1: engine died"]),
+     "failed: c-prefill-1: engine died"),
+    (ScaleResult("prefill", 1, 2, ["c-prefill-1"], [], ["c-prefill-1"], []),
+     "pending: c-prefill-1"),
+])
+async def test_a_change_says_how_it_ended_when_the_pool_did_not_reach_its_size(result, outcome):
+    pools, clock = FakePools(), Clock()
+
+    async def scale(role, size, timeout_s, reason):
+        pools.calls.append((role, size, reason))
+        return result
+
+    pools.scale = scale
+    config = CONFIG.model_copy(update={"prefill": PoolLimits(min_instances=1, max_instances=4)})
+    scaler = Autoscaler(config, pools, loaded(pools, ttft_ms=3000), clock)
+    await run_steps(scaler, clock, 2)
+    await scaler.wait_applied()
+    assert [d.outcome for d in scaler.status().changes] == [outcome]
+    assert autoscale_lines(scaler.status())[-1].endswith(f"1 -> 2 ({outcome}): mean TTFT ms "
+                                                         f"3000.00 > 1000.00")
 
 
 class FakeMembers:
@@ -212,7 +240,7 @@ def test_status_carries_the_planner_through_the_admin_service_and_prints_it():
     decisions = AutoscaleStatus(
         True, [PoolDecision("prefill", "up", 1, 2, "mean TTFT ms 3000.00 > 1000.00", 1.7e9),
                PoolDecision("decode", "hold", 1, 1, "at min_instances 1", 1.7e9)],
-        [PoolDecision("prefill", "up", 1, 2, "mean TTFT ms 3000.00 > 1000.00", 1.7e9)],
+        [PoolDecision("prefill", "up", 1, 2, "mean TTFT ms 3000.00 > 1000.00", 1.7e9, "done")],
         {"prefill/up": 1, "decode/hold": 1})
     pools = PoolStatus("baton", {"prefill": {"ready": 1}}, [], [], PlacementCounters(), [],
                        decisions)

@@ -126,20 +126,22 @@ class AutoscaleStatus(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., last: _Optional[_Iterable[_Union[PoolDecision, _Mapping]]] = ..., changes: _Optional[_Iterable[_Union[PoolDecision, _Mapping]]] = ..., decisions_total: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PoolDecision(_message.Message):
-    __slots__ = ("pool", "action", "size_before", "size_after", "reason", "at_s")
+    __slots__ = ("pool", "action", "size_before", "size_after", "reason", "at_s", "outcome")
     POOL_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     SIZE_BEFORE_FIELD_NUMBER: _ClassVar[int]
     SIZE_AFTER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     AT_S_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
     pool: str
     action: str
     size_before: int
     size_after: int
     reason: str
     at_s: float
-    def __init__(self, pool: _Optional[str] = ..., action: _Optional[str] = ..., size_before: _Optional[int] = ..., size_after: _Optional[int] = ..., reason: _Optional[str] = ..., at_s: _Optional[float] = ...) -> None: ...
+    outcome: str
+    def __init__(self, pool: _Optional[str] = ..., action: _Optional[str] = ..., size_before: _Optional[int] = ..., size_after: _Optional[int] = ..., reason: _Optional[str] = ..., at_s: _Optional[float] = ..., outcome: _Optional[str] = ...) -> None: ...
 
 class PhaseCounts(_message.Message):
     __slots__ = ("instances_by_phase",)
