@@ -32,7 +32,7 @@ import numpy as np
 
 from bench import peers_cpu
 from bench.peers_client import run_workload, send_one, summarise
-from bench.peers_stacks import DEFAULT_STACKS, PeersError, Stack, StackSpec
+from bench.peers_stacks import ABLATION_STACKS, DEFAULT_STACKS, PeersError, Stack, StackSpec
 from bench.peers_workloads import (
     AgentFleetOptions,
     PeerRequest,
@@ -93,7 +93,7 @@ def build_workloads(options: PeersOptions) -> dict[str, Workload]:
 
 
 def stack_specs(names: Sequence[str]) -> list[StackSpec]:
-    by_name = {s.name: s for s in DEFAULT_STACKS}
+    by_name = {s.name: s for s in (*DEFAULT_STACKS, *ABLATION_STACKS)}
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise PeersError(f"unknown stack(s) {unknown}; choose from {', '.join(by_name)}")

@@ -60,6 +60,8 @@ class StackSpec(msgspec.Struct, frozen=True):
     """SMG: co-located vLLM servers."""
     num_prefill: int = 0
     num_decode: int = 0
+    settings: tuple[str, ...] = ()
+    """Baton: ``--set KEY=VALUE`` overrides (an ablation; the compared stacks have none)."""
 
 
 DEFAULT_STACKS = (
@@ -68,6 +70,13 @@ DEFAULT_STACKS = (
     StackSpec("baton-1p1d", "baton", num_prefill=1, num_decode=1),
     StackSpec("baton-0p2d", "baton", num_prefill=0, num_decode=2),
 )
+
+ABLATION_STACKS = (
+    StackSpec("baton-0p2d-packed", "baton", num_prefill=0, num_decode=2,
+              settings=("engine.max_prefills_in_flight=0",)),
+)
+"""Asked for by name only: ``baton-0p2d`` without its prefill gate (vLLM packs a burst of
+prompts into one step, as the SMG stacks' servers do)."""
 
 
 def port_free(port: int, wait_s: float = 30.0) -> bool:
@@ -224,6 +233,8 @@ class Stack:
                 "--decode", str(self.spec.num_decode)]
         if self.model.name != EngineConfig().model:  # a smoke test's model; none for the default
             argv += ["--model", self.model.name]
+        for setting in self.spec.settings:
+            argv += ["--set", setting]
         # Unset, ray.init() joins any Ray cluster this machine runs (someone's tests) and
         # `baton serve` then fails; "local" starts its own, as a user's first `baton serve` does.
         self._spawn("serve", argv, {"RAY_ADDRESS": os.environ.get("RAY_ADDRESS", "local")})

@@ -53,7 +53,7 @@ class DecodeWorker(EngineWorker):
         num_tokens = 0
         num_top = request.sampling.num_logprobs
         generated: list[int] = []
-        async for output in self.runner.generate(request):
+        async for output in self.runner.generate(request, computes_prompt=request.computes_prompt):
             completion = output.outputs[0]
             generated.extend(completion.token_ids)
             logprobs = position_logprobs(completion.token_ids, completion.logprobs, num_top)

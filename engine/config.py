@@ -51,6 +51,14 @@ class EngineConfig(BaseModel):
         "soak completed fewer steps (a smaller cache recompiles kernels): docs/benchmarks.md, Soak."
     )
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine's batch.")
+    max_prefills_in_flight: int | None = Field(
+        None, ge=0, description="The prefill gate: prompts an engine computes at once; the "
+        "others wait in the worker and go in, by priority then arrival, as first tokens come "
+        "out (a decode whose prompt was computed elsewhere is not held). vLLM packs every "
+        "waiting prompt into a step up to its token budget, and on a CPU a step costs about its "
+        "tokens, so a burst packed into one step gets every first token when the last prompt is "
+        "done. 0: no gate (vLLM packs them, the better choice where a step's cost is flat in "
+        "its tokens, as on a GPU below its compute bound). Unset: 1 on a CPU, 0 on CUDA.")
     async_kv_transfers: bool = Field(
         True, description="KV loads and saves off the engine's step: a step's blocks are saved, "
         "and a request's KV is loaded, on the connector's own threads while the engine steps "
@@ -99,3 +107,10 @@ class EngineConfig(BaseModel):
     def structured_outputs_backend(self) -> str:
         """vLLM's structured-output backend the engines run (the fronts check schemas for it)."""
         return "xgrammar" if self.compact_json else "auto"
+
+    @property
+    def prefill_gate(self) -> int:
+        """``max_prefills_in_flight`` as the engine runs it (its default resolved)."""
+        if self.max_prefills_in_flight is not None:
+            return self.max_prefills_in_flight
+        return 1 if self.device == "cpu" else 0

@@ -43,6 +43,10 @@ class _Add:
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     priority: int = 0
+    gated: bool = False
+    """Its prompt is computed here, so it waits its turn at the prefill gate."""
+    order: int = 0
+    """Arrival number: the gate admits by (priority, order)."""
 
 
 @dataclass
@@ -84,9 +88,19 @@ def _put_all(items) -> None:
 
 
 class EngineRunner:
-    """Owns one ``LLMEngine`` and its stepping thread."""
+    """Owns one ``LLMEngine`` and its stepping thread.
 
-    def __init__(self, engine_args) -> None:
+    ``max_prefills`` (> 0) is the prefill gate: at most that many gated requests (those whose
+    prompt this engine computes) are in the engine before their first token; the others wait
+    here and are added, by priority then arrival, as first tokens come out. vLLM's scheduler
+    packs every waiting prompt it has into a step up to its token budget, and on a CPU a step
+    costs about its tokens, so a burst of N prompts packed into one step gives all N their
+    first token when the last is computed; one at a time, the k-th gets it after k prompts.
+    0: no gate (vLLM packs them; where a step's cost is flat in its tokens, as on a GPU below
+    its compute bound, packing is the better choice).
+    """
+
+    def __init__(self, engine_args, max_prefills: int = 0) -> None:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         from engine import cpu_seeds
@@ -99,6 +113,10 @@ class EngineRunner:
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._in_flight: set[str] = set()  # request ids between generate() start and end
+        self.max_prefills = max_prefills
+        self._held: list[_Add] = []  # gated requests waiting for the gate (engine thread only)
+        self._prefilling: set[str] = set()  # gated requests in the engine before their first token
+        self._arrivals = 0
         self._dead: BaseException | None = None
         self._stopping = False
         self.num_finished_reqs = 0
@@ -109,11 +127,13 @@ class EngineRunner:
     # ------------------------------------------------------------------ asyncio side
 
     async def generate(self, request: EngineRequest, max_tokens: int | None = None,
-                       priority: int = 0) -> AsyncIterator:
+                       priority: int = 0, computes_prompt: bool = True) -> AsyncIterator:
         """Yield vLLM ``RequestOutput`` deltas for ``request`` until it finishes.
 
         ``priority`` orders the waiting queue of an engine that schedules by priority (lower
-        first). Closing the iterator early (the caller was cancelled) aborts the request.
+        first). ``computes_prompt`` False (a decode whose prompt KV was computed elsewhere and
+        is loaded) skips the prefill gate. Closing the iterator early (the caller was
+        cancelled) aborts the request.
         """
         if self._dead is not None:
             raise EngineDead(f"engine stopped: {self._dead!r}")
@@ -126,7 +146,10 @@ class EngineRunner:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         budget = request.sampling.max_tokens if max_tokens is None else max_tokens
-        self._commands.put(_Add(request, budget, sink, loop, priority))
+        self._arrivals += 1
+        self._commands.put(_Add(request, budget, sink, loop, priority,
+                                gated=computes_prompt and self.max_prefills > 0,
+                                order=self._arrivals))
         finished = False
         try:
             while True:
@@ -147,9 +170,10 @@ class EngineRunner:
 
     def num_running_and_waiting(self) -> tuple[int, int]:
         scheduler = self._scheduler()
+        held = len(self._held)
         if scheduler is None:
-            return len(self._sinks), 0
-        return len(scheduler.running), len(scheduler.waiting)
+            return len(self._sinks), held
+        return len(scheduler.running), len(scheduler.waiting) + held
 
     def kv_usage_frac(self) -> float:
         """Fraction of the engine's KV cache blocks in use (0 when it cannot be read)."""
@@ -200,9 +224,11 @@ class EngineRunner:
         except BaseException as exc:  # the engine is unusable: fail every waiting request
             log.exception("engine thread crashed")
             self._dead = exc
-            for sink, loop in list(self._sinks.values()):
+            waiting = [(held.sink, held.loop) for held in self._held]
+            for sink, loop in [*self._sinks.values(), *waiting]:
                 loop.call_soon_threadsafe(sink.put_nowait, exc)
             self._sinks.clear()
+            self._held.clear()
             return
         self._dead = EngineDead("engine shut down")
 
@@ -255,9 +281,28 @@ class EngineRunner:
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
+            waiting = [held for held in self._held if held.request.request_id == command.request_id]
+            if waiting:  # never reached the engine
+                self._held.remove(waiting[0])
+                return
+            self._prefilling.discard(command.request_id)
             if self._sinks.pop(command.request_id, None) is not None:
                 self.engine.abort_request([command.request_id])
+            self._admit_held()
             return
+        if command.gated and len(self._prefilling) >= self.max_prefills:
+            self._held.append(command)
+            return
+        self._add(command)
+
+    def _admit_held(self) -> None:
+        """Add held requests while the gate has room: the lowest (priority, arrival) first."""
+        while self._held and len(self._prefilling) < self.max_prefills:
+            command = min(self._held, key=lambda held: (held.priority, held.order))
+            self._held.remove(command)
+            self._add(command)
+
+    def _add(self, command: _Add) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -285,6 +330,8 @@ class EngineRunner:
                 extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
             )
             self.engine.add_request(req.request_id, prompt, params, priority=command.priority)
+            if command.gated:
+                self._prefilling.add(req.request_id)
         except Exception as exc:  # rejected by vLLM's own validation
             self._sinks.pop(req.request_id, None)
             rejected = EngineRejected(str(exc))
@@ -297,6 +344,9 @@ class EngineRunner:
         fleet, 8 streams)."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
+            if output.request_id in self._prefilling and (
+                    output.finished or any(c.token_ids for c in output.outputs)):
+                self._prefilling.discard(output.request_id)  # its prompt is computed
             if output.finished:
                 entry = self._sinks.pop(output.request_id, None)
                 self.num_finished_reqs += 1
@@ -307,3 +357,4 @@ class EngineRunner:
                 batches.setdefault(loop, []).append((sink, output))
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
+        self._admit_held()

@@ -316,8 +316,10 @@ class LiveRouter:
                 request = msgspec.structs.replace(
                     request, kv_source_node=placement.pulled_from_node,
                     kv_source_blocks=placement.expected_cached_blocks)
-        elif prefilled.node_id:  # the decode worker pulls the prompt's KV if it is elsewhere
-            request = msgspec.structs.replace(request, kv_source_node=prefilled.node_id)
+        else:  # the prompt was computed on the prefill instance: it is loaded here
+            request = msgspec.structs.replace(request, computes_prompt=False)
+            if prefilled.node_id:  # the decode worker pulls the prompt's KV if it is elsewhere
+                request = msgspec.structs.replace(request, kv_source_node=prefilled.node_id)
         try:
             decode = self._handle(placement.decode_instance)
         except ValueError as exc:  # the named actor is gone

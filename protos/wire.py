@@ -103,6 +103,9 @@ class EngineRequest(msgspec.Struct, frozen=True):
     store_save: bool = True
     """False: the engine's connector writes none of this request's blocks to the store (an
     engine's own warm-up prompts, random tokens no request will ask for)."""
+    computes_prompt: bool = True
+    """False: a decode whose prompt KV another instance computed (it is loaded, not computed
+    here), so the engine's prefill gate does not hold it (``engine.max_prefills_in_flight``)."""
 
 
 class PlacementRequest(msgspec.Struct, frozen=True):
