@@ -45,8 +45,6 @@ class _Add:
     priority: int = 0
     gated: bool = False
     """Its prompt is computed here, so it waits its turn at the prefill gate."""
-    order: int = 0
-    """Arrival number: the gate admits by (priority, order)."""
 
 
 @dataclass
@@ -116,7 +114,6 @@ class EngineRunner:
         self.max_prefills = max_prefills
         self._held: list[_Add] = []  # gated requests waiting for the gate (engine thread only)
         self._prefilling: set[str] = set()  # gated requests in the engine before their first token
-        self._arrivals = 0
         self._dead: BaseException | None = None
         self._stopping = False
         self.num_finished_reqs = 0
@@ -146,10 +143,7 @@ class EngineRunner:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         budget = request.sampling.max_tokens if max_tokens is None else max_tokens
-        self._arrivals += 1
-        self._commands.put(_Add(request, budget, sink, loop, priority,
-                                gated=computes_prompt and self.max_prefills > 0,
-                                order=self._arrivals))
+        self._commands.put(_Add(request, budget, sink, loop, priority, gated=computes_prompt))
         finished = False
         try:
             while True:
@@ -281,24 +275,28 @@ class EngineRunner:
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
-            waiting = [held for held in self._held if held.request.request_id == command.request_id]
-            if waiting:  # never reached the engine
-                self._held.remove(waiting[0])
+            held = next((h for h in self._held if h.request.request_id == command.request_id), None)
+            if held is not None:  # never reached the engine
+                self._held.remove(held)
                 return
             self._prefilling.discard(command.request_id)
             if self._sinks.pop(command.request_id, None) is not None:
                 self.engine.abort_request([command.request_id])
             self._admit_held()
             return
-        if command.gated and len(self._prefilling) >= self.max_prefills:
-            self._held.append(command)
+        if command.gated and self._gate_full():
+            self._held.append(command)  # (in arrival order: commands come in the order sent)
             return
         self._add(command)
 
+    def _gate_full(self) -> bool:
+        return 0 < self.max_prefills <= len(self._prefilling)
+
     def _admit_held(self) -> None:
-        """Add held requests while the gate has room: the lowest (priority, arrival) first."""
-        while self._held and len(self._prefilling) < self.max_prefills:
-            command = min(self._held, key=lambda held: (held.priority, held.order))
+        """Add held requests while the gate has room: the lowest priority first, and among
+        equals the first to arrive (``min`` keeps the first of equal keys)."""
+        while self._held and not self._gate_full():
+            command = min(self._held, key=lambda held: held.priority)
             self._held.remove(command)
             self._add(command)
 

@@ -316,10 +316,11 @@ class LiveRouter:
                 request = msgspec.structs.replace(
                     request, kv_source_node=placement.pulled_from_node,
                     kv_source_blocks=placement.expected_cached_blocks)
-        else:  # the prompt was computed on the prefill instance: it is loaded here
-            request = msgspec.structs.replace(request, computes_prompt=False)
-            if prefilled.node_id:  # the decode worker pulls the prompt's KV if it is elsewhere
-                request = msgspec.structs.replace(request, kv_source_node=prefilled.node_id)
+        else:  # the prompt was computed on the prefill instance: loaded here, pulled first
+            # from the prefill's node when that is another one
+            request = msgspec.structs.replace(
+                request, computes_prompt=False,
+                kv_source_node=prefilled.node_id or request.kv_source_node)
         try:
             decode = self._handle(placement.decode_instance)
         except ValueError as exc:  # the named actor is gone

@@ -66,8 +66,9 @@ async def test_a_burst_goes_into_the_engine_one_prompt_at_a_time_with_the_same_a
         runner.max_prefills = 0  # the same engine, no gate: vLLM gets the burst at once
         in_prompt.clear()
         packed = await _burst(runner, "packed")
-        assert max(in_prompt) >= 2  # (vLLM's prefix cache now holds them: answers are equal
-        assert packed == gated  # either way, and each request's answer its own)
+        assert max(in_prompt) >= 2
+        # the same answers either way (vLLM's prefix cache now holds the prompts), each its own
+        assert packed == gated
         assert len({tuple(answer) for answer in gated}) > 1
     finally:
         runner.shutdown()

@@ -1,7 +1,8 @@
 """What a CPU worker's environment carries before vLLM is imported, and what the bound on
-oneDNN's kernel cache (``engine.onednn_primitive_cache_capacity``) does: vLLM-CPU's linear layers compile a oneDNN matmul per token count
-they see, and oneDNN keeps 1,024 of them by default, each holding memory. Measured in a fresh
-process per setting, the way a worker gets it."""
+oneDNN's kernel cache (``engine.onednn_primitive_cache_capacity``) does: vLLM-CPU's linear
+layers compile a oneDNN matmul per token count they see, and oneDNN keeps 1,024 of them by
+default, each holding memory. Measured in a fresh process per setting, the way a worker gets
+it."""
 
 from __future__ import annotations
 

@@ -43,15 +43,14 @@ def _runner(max_prefills: int) -> EngineRunner:
     runner = EngineRunner.__new__(EngineRunner)  # no vLLM engine: the gate's bookkeeping only
     runner.engine, runner.max_prefills = _Engine(), max_prefills
     runner._sinks, runner._held, runner._prefilling = {}, [], set()
-    runner.num_finished_reqs, runner._arrivals = 0, 0
+    runner.num_finished_reqs = 0
     return runner
 
 
 def _add(runner: EngineRunner, request_id: str, priority: int = 0, gated: bool = True) -> _Sink:
-    runner._arrivals += 1
     sink = _Sink()
     request = EngineRequest(request_id, (1, 2, 3), SamplingOptions(max_tokens=4))
-    runner._apply(_Add(request, 4, sink, _Loop(), priority, gated=gated, order=runner._arrivals))
+    runner._apply(_Add(request, 4, sink, _Loop(), priority, gated=gated))
     return sink
 
 
@@ -91,8 +90,8 @@ def test_a_loaded_decode_is_never_held_and_no_gate_holds_nothing():
     assert runner.engine.added == ["a", "loaded"] and runner._prefilling == {"a"}
     open_gate = _runner(0)
     for request_id in "abc":
-        _add(open_gate, request_id, gated=False)
-    assert open_gate.engine.added == ["a", "b", "c"] and open_gate._prefilling == set()
+        _add(open_gate, request_id)
+    assert open_gate.engine.added == ["a", "b", "c"] and open_gate._held == []
 
 
 def test_aborting_a_held_request_never_reaches_the_engine_and_aborting_the_prefill_admits_the_next():
