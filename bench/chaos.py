@@ -17,17 +17,24 @@ schedules run side by side. Every draw (prompts, streams, fault times, victims) 
   store has never seen, so a save comes within moments. Such a kill counts as
   ``prefill_mid_transfer``; one whose save did not come within ``ARM_WINDOW_S`` is a plain
   kill (``prefill_worker``). When no pool can spare an instance (the replacements are still starting), the
-  tick kills the KV store node instead, if its schedule is on, so a run of S seconds injects
+  tick kills a KV store node instead, if its schedule is on, so a run of S seconds injects
   about S / ``kill_every_s`` faults; otherwise the tick is counted in ``skipped_ticks``;
-- about every ``kill_store_every_s`` (drawn the same way) the KV store node is killed without
+- about every ``kill_store_every_s`` (drawn the same way) a KV store node is killed without
   warning; the cluster's watchdog starts a new one, and the engines recompute while it is gone
-  and find the new one by themselves;
+  and find the new one by themselves. With ``store_nodes=2`` (the default) the prefill workers
+  store on ``node0`` and the decode workers on ``node1``, so every hand-off is a pull between
+  the two over the transfer engine (TCP on loopback), and the victim, drawn of the two, is
+  killed mid-pull: told to die in the middle of the next pull it takes part in
+  (``KVStoreNode.crash_mid_pull``: as the reader, with the blocks read into reserved slots and
+  none committed; as the source, with half of a reply's blocks sent). Such a kill counts as
+  ``store_mid_pull``; one whose pull did not come within ``ARM_WINDOW_S`` is a plain kill
+  (``store_node``);
 - about every ``restart_redis_every_s`` (drawn the same way) Redis is stopped and started again,
   empty, on the same port a second later: the store node re-registers.
 
 ``0`` turns a schedule off. ``ChaosReport.faults`` counts what was injected, by kind, and
 ``hits`` says, for each fault, how many requests were in flight on its victim (the whole
-cluster's for the store node and Redis). Every request ends in exactly one bucket:
+cluster's for a store node and Redis). Every request ends in exactly one bucket:
 
 - ``completed``: the answer equals the reference token for token;
 - ``wrong``: an answer that differs (must be 0);
@@ -46,8 +53,8 @@ drill catches it (``wrong`` > 0); a control run that finds nothing wrong means `
 ``retried`` counts requests the router placed again because their prefill worker died before
 answering, or moved to another decode instance because theirs died mid-stream (they then end in
 one of the buckets above). ``leaked``, measured once the load has
-stopped and the books had time to close: KV blocks still pinned in the store node serving then
-(the last one started), requests still booked in the conductor, and sequences still running or
+stopped and the books had time to close: KV blocks still pinned in the store nodes serving then
+(the last ones started), requests still booked in the conductor, and sequences still running or
 waiting in the surviving engines (must be 0).
 """
 
@@ -86,12 +93,13 @@ RETRYABLE = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 
 class FaultHit(msgspec.Struct):
     kind: str
-    """prefill_mid_transfer, prefill_worker, decode_worker, store_node or redis."""
+    """prefill_mid_transfer, prefill_worker, decode_worker, store_mid_pull, store_node or
+    redis."""
     victim: str
     at_s: float
     """Seconds into the load."""
     in_flight: int
-    """Requests running or waiting on the victim when it was hit (for the store node and Redis:
+    """Requests running or waiting on the victim when it was hit (for a store node and Redis:
     on every engine of the cluster)."""
 
 
@@ -110,12 +118,15 @@ class ChaosReport(msgspec.Struct):
     """The workers killed, in order."""
     faults: dict[str, int] = {}
     """Faults injected by kind: prefill_mid_transfer (a prefill worker that died in the middle
-    of a KV save), prefill_worker (killed plainly), decode_worker, store_node, redis."""
+    of a KV save), prefill_worker (killed plainly), decode_worker, store_mid_pull (a store node
+    that died in the middle of a pull), store_node (killed plainly), redis."""
     hits: list[FaultHit] = []
     """Each fault, in order, and the requests in flight on its victim."""
     skipped_ticks: int = 0
     """Worker-kill ticks that injected nothing (no pool could spare an instance and the store
-    node's schedule is off)."""
+    nodes' schedule is off)."""
+    store_nodes: int = 1
+    """Store nodes of the cluster (2: prefill and decode pull between them)."""
     corrupt_kv: bool = False
     """A positive-control run (module docstring)."""
     pool_size: int = 0
@@ -231,7 +242,7 @@ def _hit(report: ChaosReport, kind: str, victim: str, started: float, in_flight:
 
 async def _chaos_loop(server: BatonServer, started: float, deadline: float, kill_every_s: float,
                       store_fallback: bool, rng: random.Random, report: ChaosReport,
-                      progress: Callable[[str], None]) -> None:
+                      progress: Callable[[str], None], store_faults: asyncio.Lock) -> None:
     """About every ``kill_every_s``, kill a worker aimed at streams in flight, never the last
     live one of its pool, and start its replacement in the background (an engine takes a while
     to come up); the store node when no pool can spare one and ``store_fallback``."""
@@ -247,10 +258,8 @@ async def _chaos_loop(server: BatonServer, started: float, deadline: float, kill
         pools = [ids for ids in up if len(ids) >= 2]
         if not pools:
             if store_fallback:
-                busy = await _in_flight(cluster, [i for ids in up for i in ids])
-                progress("no pool can spare a worker: killing the KV store node instead")
-                _hit(report, "store_node", "store", started, sum(busy.values()))
-                await asyncio.to_thread(_lose_store, cluster, report.corrupt_kv)
+                progress("no pool can spare a worker: killing a KV store node instead")
+                await _store_fault(cluster, started, rng, report, progress, store_faults)
             else:
                 report.skipped_ticks += 1
             continue
@@ -292,25 +301,67 @@ async def _died_mid_save(cluster, victim: str, progress: Callable[[str], None],
     return False
 
 
-def _lose_store(cluster, corrupt: bool = False, timeout_s: float = 120.0) -> None:
-    """Kill the store node without warning, as a crash would, and return once the cluster's
-    watchdog has started a new one (told to corrupt what it stores, in a positive control)."""
-    old = cluster.store
-    ray.kill(old, no_restart=True)
+async def _store_fault(cluster, started: float, rng: random.Random, report: ChaosReport,
+                       progress: Callable[[str], None], one_at_a_time: asyncio.Lock) -> None:
+    """Kill a store node drawn at random (mid-pull where the cluster has two), record the hit,
+    and return once the cluster's watchdog has started a new one. ``one_at_a_time``: held
+    throughout, so the next store fault (the worker-kill loop falls back to them too) draws
+    its victim only once this one is replaced."""
+    async with one_at_a_time:
+        node_id = rng.choice(cluster.store_node_ids)
+        old = cluster.stores[node_id]
+        busy = await _in_flight(cluster, [i for i in cluster.prefill_ids + cluster.decode_ids
+                                          if i in cluster.engine_start_s])
+        if cluster.store_nodes > 1 and await _died_mid_pull(old, node_id, progress):
+            _hit(report, "store_mid_pull", f"store:{node_id}", started, sum(busy.values()))
+        else:
+            progress(f"killing the KV store node {node_id} ({sum(busy.values())} requests in "
+                     "flight)")
+            _hit(report, "store_node", f"store:{node_id}", started, sum(busy.values()))
+            ray.kill(old, no_restart=True)
+        await asyncio.to_thread(_await_new_store, cluster, node_id, old, report.corrupt_kv)
+
+
+async def _died_mid_pull(store, node_id: str, progress: Callable[[str], None],
+                         window_s: float = ARM_WINDOW_S) -> bool:
+    """Tell store node ``node_id`` to die in the middle of the next pull it takes part in, and
+    wait up to ``window_s`` for it to have done so."""
+    progress(f"telling the KV store node {node_id} to die in the middle of its next pull")
+    await store.crash_mid_pull.remote()
+    deadline = time.monotonic() + window_s
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.wait_for(store.arena_info.remote(), 5)
+        except ray.exceptions.RayActorError:
+            progress(f"the KV store node {node_id} died mid-pull")
+            return True
+        except asyncio.TimeoutError:
+            pass
+        await asyncio.sleep(0.1)
+    progress(f"the KV store node {node_id} took part in no pull within {window_s:.0f} s")
+    return False
+
+
+def _await_new_store(cluster, node_id: str, old, corrupt: bool = False,
+                     timeout_s: float = 120.0) -> None:
+    """Return once the cluster's watchdog has replaced ``node_id``'s dead store actor ``old``
+    (the new one told to corrupt what it stores, in a positive control)."""
     deadline = time.monotonic() + timeout_s
-    while cluster.store is old:
+    while cluster.stores.get(node_id) is old:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no new store node {timeout_s:.0f} s after the old one was killed")
+            raise TimeoutError(f"no new store node {node_id} {timeout_s:.0f} s after the old "
+                               "one was killed")
         time.sleep(0.1)
     if corrupt:
-        ray.get(cluster.store.corrupt_on_commit.remote(CORRUPT_EVERY_BLOCK))
+        ray.get(cluster.stores[node_id].corrupt_on_commit.remote(CORRUPT_EVERY_BLOCK))
 
 
-async def _fault_loop(server: BatonServer, kind: str, inject: Callable[[], object], every_s: float,
-                      started: float, deadline: float, rng: random.Random, report: ChaosReport,
-                      progress: Callable[[str], None]) -> None:
-    """Inject one fault of ``kind`` (``inject`` runs in a thread and returns when it is over:
-    the store node or Redis is back) at random intervals of ``every_s`` give or take half."""
+async def _fault_loop(server: BatonServer, kind: str, every_s: float, started: float,
+                      deadline: float, rng: random.Random, report: ChaosReport,
+                      progress: Callable[[str], None], store_faults: asyncio.Lock) -> None:
+    """Inject one fault of ``kind`` (``store_node``: a store node killed, mid-pull where it
+    can be; ``redis``: Redis restarted) at random intervals of ``every_s`` give or take half,
+    each over (the node or Redis back) before the next is drawn."""
     if every_s <= 0:
         return
     cluster = server.cluster
@@ -320,12 +371,27 @@ async def _fault_loop(server: BatonServer, kind: str, inject: Callable[[], objec
             return
         await asyncio.sleep(wait_s)
         injected = time.monotonic()
-        busy = await _in_flight(cluster, [i for i in cluster.prefill_ids + cluster.decode_ids
-                                          if i in cluster.engine_start_s])
-        progress(f"injecting a fault: {kind} ({sum(busy.values())} requests in flight)")
-        _hit(report, kind, kind if kind == "redis" else "store", started, sum(busy.values()))
-        await asyncio.to_thread(inject)
+        if kind == "store_node":
+            await _store_fault(cluster, started, rng, report, progress, store_faults)
+        else:
+            busy = await _in_flight(cluster, [i for i in cluster.prefill_ids + cluster.decode_ids
+                                              if i in cluster.engine_start_s])
+            progress(f"injecting a fault: {kind} ({sum(busy.values())} requests in flight)")
+            _hit(report, kind, kind, started, sum(busy.values()))
+            await asyncio.to_thread(cluster.restart_redis)
         progress(f"{kind} back after {time.monotonic() - injected:.1f} s")
+
+
+def with_transfer(config: ClusterConfig) -> ClusterConfig:
+    """``config`` with a transfer engine for two local store nodes, where none is configured:
+    TCP on loopback, not the shared-memory shortcut, so a pull is bytes on a socket."""
+    if config.kvstore.transfer is not None:
+        return config
+    from kvstore.config import TransferConfig
+
+    kvstore = config.kvstore.model_copy(
+        update={"transfer": TransferConfig(backend="tcp", same_node_shared_memory=False)})
+    return config.model_copy(update={"kvstore": kvstore})
 
 
 def fresh_seed() -> int:
@@ -337,13 +403,14 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
                     kill_every_s: float = 10.0, max_tokens: int = 16, num_prompts: int = 12,
                     seed: int | None = None, progress: Callable[[str], None] = lambda _m: None,
                     kill_store_every_s: float = 20.0, restart_redis_every_s: float = 25.0,
-                    corrupt_kv: bool = False) -> ChaosReport:
+                    corrupt_kv: bool = False, store_nodes: int = 2) -> ChaosReport:
     if seed is None:
         seed = fresh_seed()
     progress(f"seed {seed} (replay this run with --seed {seed})")
-    server = BatonServer(config, progress=progress)
+    config = with_transfer(config) if store_nodes > 1 else config
+    server = BatonServer(config, progress=progress, store_nodes=store_nodes)
     await server.start()
-    report = ChaosReport(seed=seed, corrupt_kv=corrupt_kv)
+    report = ChaosReport(seed=seed, corrupt_kv=corrupt_kv, store_nodes=store_nodes)
     try:
         prompts = prompt_pool(num_prompts, seed)
         report.pool_size = len(prompts)
@@ -365,19 +432,20 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
                  f"{kill_every_s:.0f} s, store node {kill_store_every_s:.0f} s, Redis "
                  f"{restart_redis_every_s:.0f} s (0: never)")
         report.faults = {"prefill_mid_transfer": 0, "prefill_worker": 0, "decode_worker": 0,
-                         "store_node": 0, "redis": 0}
+                         "store_mid_pull": 0, "store_node": 0, "redis": 0}
         if corrupt_kv:
-            progress("positive control: the store node corrupts every block committed from now")
-            await cluster.store.corrupt_on_commit.remote(CORRUPT_EVERY_BLOCK)
+            progress("positive control: the store nodes corrupt every block committed from now")
+            await asyncio.gather(*(store.corrupt_on_commit.remote(CORRUPT_EVERY_BLOCK)
+                                   for store in cluster.stores.values()))
         rng = random.Random(seed)
+        store_faults = asyncio.Lock()
         await asyncio.gather(
             _chaos_loop(server, started, deadline, kill_every_s, kill_store_every_s > 0,
-                        random.Random(seed + 1), report, progress),
-            _fault_loop(server, "store_node", lambda: _lose_store(cluster, corrupt_kv),
-                        kill_store_every_s,
-                        started, deadline, random.Random(seed + 2), report, progress),
-            _fault_loop(server, "redis", cluster.restart_redis, restart_redis_every_s, started,
-                        deadline, random.Random(seed + 3), report, progress),
+                        random.Random(seed + 1), report, progress, store_faults),
+            _fault_loop(server, "store_node", kill_store_every_s, started, deadline,
+                        random.Random(seed + 2), report, progress, store_faults),
+            _fault_loop(server, "redis", restart_redis_every_s, started, deadline,
+                        random.Random(seed + 3), report, progress, store_faults),
             *(_client_loop(server, prompts, references, max_tokens, deadline,
                            random.Random(rng.random()), report, fresh) for _ in range(concurrency)),
         )
@@ -393,11 +461,11 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
 def main(config: ClusterConfig, duration_s: float, concurrency: int, kill_every_s: float,
          json_path: Path | None, seed: int | None, progress: Callable[[str], None],
          kill_store_every_s: float = 20.0, restart_redis_every_s: float = 25.0,
-         corrupt_kv: bool = False) -> ChaosReport:
+         corrupt_kv: bool = False, store_nodes: int = 2) -> ChaosReport:
     report = asyncio.run(run_chaos(config, duration_s, concurrency, kill_every_s, seed=seed,
                                    progress=progress, kill_store_every_s=kill_store_every_s,
                                    restart_redis_every_s=restart_redis_every_s,
-                                   corrupt_kv=corrupt_kv))
+                                   corrupt_kv=corrupt_kv, store_nodes=store_nodes))
     data = msgspec.to_builtins(report)
     print(json.dumps({k: data[k] for k in ("seed", "sent", "completed", "retried", "failed_clean",
                                            "failed_other", "lost", "wrong", "leaked")}))

@@ -2,7 +2,7 @@
 ``baton bench fuzz`` end with.
 
 ``leaks(server)`` returns, after up to ``settle_s`` for the books to close, KV blocks still
-pinned in the store node serving now, requests still booked in the conductor (prefills and
+pinned in the store nodes serving now, requests still booked in the conductor (prefills and
 decodes), and sequences still running or waiting in the engines. All must be 0 on a cluster no
 client is using.
 """
@@ -17,11 +17,12 @@ from cluster.serve import BatonServer
 
 async def leaks(server: BatonServer, settle_s: float = 30.0) -> dict[str, int]:
     """What is still held once the load stopped, after up to ``settle_s`` for books to close.
-    Pins are read from the store node serving now (the last one started)."""
+    Pins are read from the store nodes serving now (the last ones started)."""
     cluster = server.cluster
     deadline = time.monotonic() + settle_s
     while True:
-        stores = {"node0": (await cluster.store.stats.remote()).pinned_blocks}
+        stores = {node_id: (await store.stats.remote()).pinned_blocks
+                  for node_id, store in cluster.stores.items()}
         books = await cluster.conductor.status.remote()
         prefills, decodes = books.num_in_flight_prefills, books.num_in_flight_decodes
         in_engines = 0

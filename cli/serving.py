@@ -147,11 +147,15 @@ def chaos(
     corrupt_kv: bool = typer.Option(
         False, "--corrupt-kv", help="Positive control: the store node corrupts every block it "
         "stores; the drill must catch it (wrong > 0), or its wrong count is blind (exit 1)."),
+    store_nodes: int = typer.Option(
+        2, "--store-nodes", min=1, max=2, help="KV store nodes: 2 puts prefill and decode on "
+        "two, so every hand-off is a pull over the transfer engine and store kills are aimed "
+        "mid-pull; 1: one shared node, killed plainly."),
     set_: List[str] = typer.Option([], "--set", help="Override any config field: KEY=VALUE."),
 ) -> None:
     """Failure drill: a local cluster under sustained streaming load while prefill and decode
-    workers are killed at random (aimed at streams in flight) and replaced, the KV store node is
-    killed and replaced, and Redis is restarted. Prints and writes sent, completed, retried,
+    workers are killed at random (aimed at streams in flight) and replaced, KV store nodes are
+    killed (in the middle of a pull) and replaced, and Redis is restarted. Prints and writes sent, completed, retried,
     failed_clean (a retryable status with a retry hint), failed_other, lost, wrong and leaked,
     the faults injected by kind and the requests each hit; exit code 1 when lost, wrong, leaked
     or failed_other is not 0 (with --corrupt-kv: when wrong is 0)."""
@@ -169,7 +173,7 @@ def chaos(
         cfg = load_config(config, overrides)
         report = run_chaos(cfg, duration, concurrency, kill_every, json_path, seed,
                            lambda msg: err.print(f"[cyan]chaos[/cyan] {msg}"),
-                           kill_store_every, restart_redis_every, corrupt_kv)
+                           kill_store_every, restart_redis_every, corrupt_kv, store_nodes)
     except ConfigError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc

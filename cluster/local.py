@@ -4,8 +4,13 @@
 is configured), Ray (local unless an address is configured), one KV store node, the conductor,
 the prefill and decode pools, each worker a Ray actor hosting a vLLM engine. A store node that
 dies is replaced by a watchdog thread (``store_watch_interval_s``). For failure drills
-(``baton chaos``) it replaces a killed worker (``replace_worker``), holds the store node down
+(``baton chaos``) it replaces a killed worker (``replace_worker``), holds a store node down
 (``kill_store`` / ``start_store``) and restarts its Redis (``restart_redis``).
+
+With ``store_nodes=2`` the machine plays two: the prefill workers use store node ``node0``, the
+decode workers ``node1``, each with its own arena and block server (``kvstore.transfer`` must be
+set), so every hand-off is a pull from one node's store to the other's over the transfer engine,
+as between two machines. ``baton chaos`` runs so to kill a store node in the middle of a pull.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +35,7 @@ from decode_worker.worker import DecodeWorker
 from engine.builder import dtype_bytes, effective_dtype, engine_env
 from engine.models import PreparedModel, prepare_model
 from kvstore.attach import StoreWiring
+from kvstore.config import KVStoreConfig
 from kvstore.events import with_event_endpoints
 from kvstore.node import KVStoreNode
 from kvstore.node_holders import ray_actor_alive
@@ -115,14 +122,18 @@ class LocalCluster:
     decode_ids: list[str] = field(default_factory=list)
     engine_start_s: dict[str, float] = field(default_factory=dict)
     store_watch_interval_s: float = 1.0
-    """Seconds between the watchdog's liveness checks of the store node (0: no watchdog)."""
+    """Seconds between the watchdog's liveness checks of the store nodes (0: no watchdog)."""
+    store_nodes: int = 1
+    """1: one store node for every worker; 2: prefill workers on ``node0``, decode workers on
+    ``node1`` (module docstring)."""
     _actors: list = field(default_factory=list)
     _owns_ray: bool = False
-    _store: object = None
+    _stores: dict[str, object] = field(default_factory=dict)
     _watchdog: threading.Thread | None = None
     _store_lock: threading.RLock = field(default_factory=threading.RLock)
-    _store_held_down: bool = False
+    _held_down: set[str] = field(default_factory=set)
     _stopping: threading.Event = field(default_factory=threading.Event)
+    _transfer_env: dict[str, str] = field(default_factory=dict)
 
     def __enter__(self) -> "LocalCluster":
         self.start()
@@ -156,7 +167,9 @@ class LocalCluster:
             .remote(cfg.conductor, self.namespace, policy_config)
         )
         self._actors.append(self.conductor)
-        self._start_store()
+        self._check_store_nodes()
+        for node_id in self.store_node_ids:
+            self._start_store(node_id)
         if self.store_watch_interval_s > 0:
             self._watchdog = threading.Thread(target=self._watch_store, daemon=True,
                                               name="baton-store-watchdog")
@@ -198,94 +211,144 @@ class LocalCluster:
                 f"nodes with `{DECODE_RESOURCE}` (see deploy/)"
             )
 
-    def _start_store(self) -> None:
+    @property
+    def store_node_ids(self) -> list[str]:
+        return [f"node{i}" for i in range(self.store_nodes)]
+
+    def store_node_for(self, role: str) -> str:
+        """The store node a worker of ``role`` uses."""
+        return "node1" if self.store_nodes == 2 and role == "decode" else "node0"
+
+    def _check_store_nodes(self) -> None:
+        if self.store_nodes not in (1, 2):
+            raise ConfigError(f"store_nodes={self.store_nodes}: a local cluster runs 1 or 2 "
+                              "store nodes")
+        transfer = self.config.kvstore.transfer
+        if self.store_nodes == 1:
+            return
+        if transfer is None:
+            raise ConfigError("two local store nodes pull from each other over the transfer "
+                              "engine: set kvstore.transfer (e.g. --set kvstore.transfer.backend=tcp)")
+        if transfer.token_file is None and not os.environ.get(transfer.token_env):
+            # the two nodes are this cluster's own: a fresh secret for them alone
+            self._transfer_env = {transfer.token_env: secrets.token_hex(16)}
+
+    def _store_config(self, node_id: str) -> KVStoreConfig:
+        """The kvstore config of ``node_id``: the configured one for ``node0``; free ports for
+        the events and the block server of another node on this machine."""
+        kv = self.config.kvstore
+        if node_id != "node0":
+            update: dict[str, object] = {"events_endpoint": None, "events_replay_endpoint": None}
+            if kv.transfer is not None:
+                update["transfer"] = kv.transfer.model_copy(update={"listen_port": 0, "ucx_port": 0})
+            kv = kv.model_copy(update=update)
+        return with_event_endpoints(kv, "127.0.0.1")
+
+    def store_actor_name_of(self, node_id: str) -> str:
+        return f"{self.config.name}-kvstore-{node_id}"
+
+    def _start_store(self, node_id: str = "node0") -> None:
         assert self.model is not None
         dtype = effective_dtype(self.config.engine, self.model)
         block_bytes = kv_block_bytes(
             self.model, block_size_for(self.config.engine.device), dtype_bytes(dtype)
         )
-        self.store_actor_name = f"{self.config.name}-kvstore-node0"
-        self.progress("starting the KV store node")
-        kv = with_event_endpoints(self.config.kvstore, "127.0.0.1")
+        name = self.store_actor_name_of(node_id)
+        if node_id == "node0":
+            self.store_actor_name = name
+        self.progress(f"starting the KV store node {node_id}" if self.store_nodes > 1
+                      else "starting the KV store node")
+        kv = self._store_config(node_id)
         store = (
             ray.remote(KVStoreNode)
-            .options(name=self.store_actor_name, namespace=self.namespace, num_cpus=0,
-                     max_concurrency=1, enable_task_events=False)
-            .remote("node0", self.config.name, kv, block_bytes, self.redis_url,
+            .options(name=name, namespace=self.namespace, num_cpus=0,
+                     # a pull waits on the network without the node's lock: other calls go on
+                     max_concurrency=8 if kv.transfer is not None else 1,
+                     runtime_env={"env_vars": self._transfer_env} if self._transfer_env else None,
+                     enable_task_events=False)
+            .remote(node_id, self.config.name, kv, block_bytes, self.redis_url,
                     block_size_for(self.config.engine.device),
                     holder_alive=functools.partial(ray_actor_alive, namespace=self.namespace))
         )
         ray.get(store.arena_info.remote())
         self._actors.append(store)
-        ray.get(self.conductor.add_store_node.remote("node0", kv.events_endpoint,
-                                                     kv.events_replay_endpoint or "",
-                                                     self.store_actor_name))
-        self._store = store
+        ray.get(self.conductor.add_store_node.remote(node_id, kv.events_endpoint,
+                                                     kv.events_replay_endpoint or "", name))
+        self._stores[node_id] = store
 
     @property
     def store(self):
-        """The store node actor now serving (a new one once the previous one was replaced)."""
-        return self._store
+        """The store node actor now serving ``node0`` (a new one once the previous one was
+        replaced)."""
+        return self._stores.get("node0")
 
-    def kill_store(self, timeout_s: float = 60.0) -> None:
-        """Kill the store node's process without warning and keep it down (the watchdog does not
+    @property
+    def stores(self) -> dict[str, object]:
+        """Every store node actor now serving, by node id."""
+        return dict(self._stores)
+
+    def kill_store(self, timeout_s: float = 60.0, node_id: str = "node0") -> None:
+        """Kill a store node's process without warning and keep it down (the watchdog does not
         replace it) until ``start_store``. Workers are not told: their connectors find out at
         their next call and recompute meanwhile. For failure drills and tests."""
         with self._store_lock:
-            self._store_held_down = True
-            self._retire_store(timeout_s)
+            self._held_down.add(node_id)
+            self._retire_store(timeout_s, node_id)
 
-    def start_store(self) -> None:
+    def start_store(self, node_id: str = "node0") -> None:
         """Start a new store node under the same actor name (a new process, an empty arena);
         the conductor follows its event stream, the workers' connectors find it by themselves."""
         with self._store_lock:
-            self._store_held_down = False
-            self._start_store()
+            self._held_down.discard(node_id)
+            self._start_store(node_id)
 
-    def _retire_store(self, timeout_s: float) -> None:
-        """Kill the store node (if it still runs), have the conductor drop its index entries,
+    def _retire_store(self, timeout_s: float, node_id: str = "node0") -> None:
+        """Kill a store node (if it still runs), have the conductor drop its index entries,
         and wait until Ray has released its name. Holds ``_store_lock``."""
-        old = self._store
+        old = self._stores[node_id]
         try:
             ray.kill(old, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
         if old in self._actors:
             self._actors.remove(old)
-        ray.get(self.conductor.store_node_lost.remote("node0"))
+        ray.get(self.conductor.store_node_lost.remote(node_id))
+        name = self.store_actor_name_of(node_id)
         deadline = time.monotonic() + timeout_s
         while True:  # the name is free once Ray has seen the old actor die
             try:
-                ray.get_actor(self.store_actor_name, namespace=self.namespace)
+                ray.get_actor(name, namespace=self.namespace)
             except ValueError:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"store actor {self.store_actor_name} still registered "
+                raise TimeoutError(f"store actor {name} still registered "
                                    f"{timeout_s} s after it was killed")
             time.sleep(0.1)
 
     def _watch_store(self) -> None:
-        """Replace the store node when it dies (a call to it raises ``RayActorError``; a slow
+        """Replace a store node when it dies (a call to it raises ``RayActorError``; a slow
         answer is not a death), unless a drill holds it down."""
         while not self._stopping.wait(self.store_watch_interval_s):
-            store = self._store
-            try:
-                ray.get(store.arena_info.remote(), timeout=30)
-                continue
-            except RayActorError:
-                pass
-            except Exception:  # noqa: BLE001 - slow, or Ray is going away: not a death
-                continue
-            with self._store_lock:
-                if self._store is not store or self._store_held_down or self._stopping.is_set():
-                    continue
-                log.warning("KV store node %s died; starting a new one", self.store_actor_name)
-                self.progress("the KV store node died; starting a new one")
+            for node_id, store in list(self._stores.items()):
                 try:
-                    self._retire_store(60.0)
-                    self._start_store()
-                except Exception:  # noqa: BLE001 - try again at the next check
-                    log.exception("could not replace the KV store node")
+                    ray.get(store.arena_info.remote(), timeout=30)
+                    continue
+                except RayActorError:
+                    pass
+                except Exception:  # noqa: BLE001 - slow, or Ray is going away: not a death
+                    continue
+                with self._store_lock:
+                    if (self._stores.get(node_id) is not store or node_id in self._held_down
+                            or self._stopping.is_set()):
+                        continue
+                    name = self.store_actor_name_of(node_id)
+                    log.warning("KV store node %s died; starting a new one", name)
+                    self.progress(f"the KV store node {node_id} died; starting a new one")
+                    try:
+                        self._retire_store(60.0, node_id)
+                        self._start_store(node_id)
+                    except Exception:  # noqa: BLE001 - try again at the next check
+                        log.exception("could not replace the KV store node %s", name)
 
     def replace_store(self) -> float:
         """``kill_store`` then ``start_store``; returns the seconds the node was gone."""
@@ -319,7 +382,8 @@ class LocalCluster:
 
     def _start_worker(self, role: str, instance_id: str, bind: str):
         cfg = self.config
-        wiring = StoreWiring(self.store_actor_name, self.namespace, "node0")
+        node_id = self.store_node_for(role)
+        wiring = StoreWiring(self.store_actor_name_of(node_id), self.namespace, node_id)
         joins = ConductorWiring(self.conductor_name, self.namespace,
                                 ray.get(self.conductor.events_endpoint.remote()))
         cls, resource = (PrefillWorker, PREFILL_RESOURCE) if role == "prefill" else (

@@ -34,10 +34,12 @@ def fronts_config(config: ClusterConfig) -> FrontsConfig:
 class BatonServer:
     """Cluster + fronts (``gateway.fronts``). ``await start()``, then ``await stop()``."""
 
-    def __init__(self, config: ClusterConfig, progress: Callable[[str], None] = lambda _m: None):
+    def __init__(self, config: ClusterConfig, progress: Callable[[str], None] = lambda _m: None,
+                 store_nodes: int = 1):
+        """``store_nodes``: see ``cluster.local`` (2: prefill and decode on two store nodes)."""
         self.config = config
         self.progress = progress
-        self.cluster = LocalCluster(config, progress=progress)
+        self.cluster = LocalCluster(config, progress=progress, store_nodes=store_nodes)
         self.fronts: Fronts | None = None
         self.start_seconds: float | None = None
         self._stopped = False

@@ -144,6 +144,7 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
         self._init_holders(holder_alive, config.holder_sweep_interval_s)
         self._transfer_client = None  # created at the first pull
         self._warned_no_transfer = False
+        self._crash_mid_pull = False  # drill: die in the middle of the next pull
         self.pulled_blocks = self.pulled_bytes = self.pull_failures = 0  # pulls from other nodes
         self._stop_heartbeat = threading.Event()
         self.transfer_server: BlockServer | None = None

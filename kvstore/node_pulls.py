@@ -14,6 +14,8 @@ and whose ``commit`` and lock it uses. Its messages are logged as the node's.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import msgspec
@@ -24,7 +26,7 @@ from kvstore.disk_tier import DiskTier
 from kvstore.host_arena import HostArena
 from kvstore.keys import BlockKey
 from kvstore.metadata import BlockDirectory
-from kvstore.transfer_server import PeerAddress
+from kvstore.transfer_server import BlockServer, PeerAddress
 from kvstore.transfer_wire import TransferError
 
 if TYPE_CHECKING:
@@ -79,8 +81,19 @@ class NodePulls:
     pulled_blocks: int
     pulled_bytes: int
     pull_failures: int
+    _crash_mid_pull: bool
+    transfer_server: BlockServer | None
     _extend_lease: Callable[[str, str, Sequence[BlockKey], float], None]  # kvstore.node_leases
     _expire_leases: Callable[[], None]
+
+    def crash_mid_pull(self) -> None:
+        """Drill hook (``baton chaos``): this node's process dies without a word (SIGKILL) in
+        the middle of the next pull it takes part in. As the reader: once the blocks arrived in
+        the slots it reserved, before any is committed. As the source: with half of a streamed
+        reply's blocks sent (``BlockServer.die_mid_stream``)."""
+        self._crash_mid_pull = True
+        if self.transfer_server is not None:
+            self.transfer_server.die_mid_stream = True
 
     def pull(self, keys: Sequence[BlockKey], source_node: str | None = None) -> PullResult:
         """Make the leading run of ``keys`` local. With ``source_node`` that is a transfer plan,
@@ -177,6 +190,10 @@ class NodePulls:
             log.warning("pull of %d blocks from node %s failed: %s", len(wanted), source, exc)
             return self._failed_pull(num_local, str(exc), source)
         got = result.num_blocks
+        if self._crash_mid_pull:
+            log.warning("store node %s: dying mid-pull (%d blocks from %s read, none committed), "
+                        "as the drill asked", self.node_id, got, source)
+            os.kill(os.getpid(), signal.SIGKILL)
         with self._lock:
             for grant in result.leases:  # the lease travels with its blocks
                 # a lease names a prompt's leading blocks, and a key names its whole chain:

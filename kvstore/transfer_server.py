@@ -14,6 +14,7 @@ import asyncio
 import errno
 import logging
 import os
+import signal
 import socket
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -116,6 +117,9 @@ class BlockServer:
         self._tasks: set[asyncio.Task] = set()  # one per open connection
         self._requests = self._blocks = self._bytes = self._disk_blocks = self._refused = 0
         self.address: PeerAddress | None = None
+        self.die_mid_stream = False
+        """Drill hook (``KVStoreNode.crash_mid_pull``): the next streamed reply kills this
+        process (SIGKILL) with half of its blocks sent."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -213,7 +217,8 @@ class BlockServer:
                     views = [self._slot_views[slot] for slot in run.slots]
                     await send_frame(sock, self._reply(request, run))
                     if request.mode == "stream":
-                        for view in views:
+                        for i, view in enumerate(views):
+                            self._maybe_die(i, len(views))
                             # a memoryview: uvloop (Ray's loop) cannot take a numpy array here
                             await loop.sock_sendall(sock, memoryview(view))
                     else:  # the client copies from the arena, then says so
@@ -252,7 +257,10 @@ class BlockServer:
                     views = [self._slot_views[slot] for slot in run.slots]
                     await endpoint.send_obj(encode(self._reply(request, run)))
                     if request.mode == "stream":
-                        await asyncio.gather(*(endpoint.send(view) for view in views))
+                        half = len(views) // 2 if self.die_mid_stream else len(views)
+                        await asyncio.gather(*(endpoint.send(view) for view in views[:half]))
+                        self._maybe_die(half, len(views))
+                        await asyncio.gather(*(endpoint.send(view) for view in views[half:]))
                     else:
                         expect(decode(await endpoint.recv_obj()), Release)
                     self._count(run)
@@ -282,6 +290,13 @@ class BlockServer:
         log.warning("block server of %s refused peer %r: wrong transfer secret",
                     self._source.node_id, hello.node_id)
         return False
+
+    def _maybe_die(self, sent: int, total: int) -> None:
+        """The drill's crash mid-pull, as the source: once half of a reply's blocks are out."""
+        if self.die_mid_stream and sent == total // 2:
+            log.warning("block server of %s: dying mid-pull (%d of %d blocks sent), as the "
+                        "drill asked", self._source.node_id, sent, total)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _pin(self, keys: list[bytes]) -> PinnedRun:
         return self._source.pin_for_transfer([BlockKey(k) for k in keys])

@@ -1,7 +1,8 @@
-"""``baton chaos`` on real parts: a local cluster (tiny model, 2 prefill + 2 decode) under four
-concurrent streams while workers are killed and replaced, the KV store node is killed and
-replaced, and Redis is restarted. Every request is accounted for, no answer differs from a plain
-engine's, none is lost, and nothing is left pinned (in the last store node) or booked."""
+"""``baton chaos`` on real parts: a local cluster (tiny model, 2 prefill + 2 decode, prefill and
+decode on two store nodes that pull from each other) under four concurrent streams while workers
+are killed and replaced, store nodes are killed mid-pull and replaced, and Redis is restarted.
+Every request is accounted for, no answer differs from a plain engine's, none is lost, and
+nothing is left pinned (in the last store nodes) or booked."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ async def test_killing_workers_and_the_store_and_restarting_redis_loses_and_leak
     assert report.sent == (report.completed + report.failed_clean + report.failed_other
                            + report.lost + report.wrong)
     assert (report.lost, report.wrong, report.leaked, report.failed_other) == (0, 0, 0, 0), report
-    assert report.ok and report.seed == 3
+    assert report.ok and report.seed == 3 and report.store_nodes == 2
     assert report.completed > 0 and len(report.kills) >= 2
-    assert report.faults["store_node"] >= 1 and report.faults["redis"] >= 1, report.faults
+    assert report.faults["store_mid_pull"] >= 1 and report.faults["redis"] >= 1, report.faults
     worker_kinds = ("prefill_mid_transfer", "prefill_worker", "decode_worker")
     assert sum(report.faults[kind] for kind in worker_kinds) == len(report.kills)
     assert len(report.hits) == sum(report.faults.values())
@@ -114,5 +115,67 @@ async def test_a_prefill_killed_mid_transfer_is_retried_and_its_reserved_slots_c
         assert 0 < memory.kv_cache_resident_mb <= memory.kv_cache_mb
         assert memory.malloc_in_use_mb >= memory.kv_cache_resident_mb
         assert memory.rss_mb >= memory.kv_cache_resident_mb
+    finally:
+        await server.stop()
+
+
+async def test_a_store_node_killed_mid_pull_as_reader_or_as_source_loses_nothing(tiny_model):
+    """The drill's mid-pull kill, on its own, on a cluster whose prefill and decode workers use
+    two store nodes (every hand-off a pull from node0 to node1 over TCP). Node1 dies as the
+    reader (the blocks read into its reserved slots, none committed), then node0 as the source
+    (half of a reply's blocks sent). Every request in between is answered as a plain engine
+    answers it, the watchdog replaces each victim, pulls work again through the new nodes, and
+    nothing is left pinned or booked."""
+    import asyncio
+
+    import ray
+
+    from bench.chaos import _references, fresh_prompts, prompt_pool, with_transfer
+    from bench.leaks import leaks
+    from cluster.serve import BatonServer
+    from gateway import client
+
+    config = with_transfer(load_config(None, {
+        "engine.model": "tiny", "name": "chaospull", "gateway.port": 0, "http.enabled": False,
+        "prefill.num_instances": 1, "decode.num_instances": 1,
+        "kvstore.host_capacity_bytes": 256 << 20, "conductor.tuning.short_prefill_tokens": 0}))
+    server = BatonServer(config, store_nodes=2)
+    await server.start()
+    try:
+        cluster = server.cluster
+        assert sorted(cluster.stores) == ["node0", "node1"]
+        prompts = fresh_prompts(prompt_pool(3, 11), 12, 11)
+        references = await _references(cluster.model, prompts, 4)
+        todo = list(range(len(prompts)))
+
+        async def answer_next() -> None:
+            i = todo.pop(0)
+            result = await client.generate(server.target, token_ids=prompts[i], max_tokens=4,
+                                           timeout_s=60)
+            assert result["token_ids"] == references[i], i
+
+        await answer_next()  # a hand-off: node1 pulled the prompt's blocks from node0
+        assert (await cluster.stores["node1"].tier_counters.remote()).pulled_blocks >= 2
+        for node_id in ("node1", "node0"):  # the reader, then the source
+            old = cluster.stores[node_id]
+            await old.crash_mid_pull.remote()
+            died = False
+            while todo and not died:
+                await answer_next()
+                try:
+                    await asyncio.wait_for(old.arena_info.remote(), 5)
+                except ray.exceptions.RayActorError:
+                    died = True
+            assert died, f"{node_id} took part in no pull"
+            for _ in range(600):  # the watchdog replaces it
+                if cluster.stores[node_id] is not old:
+                    break
+                await asyncio.sleep(0.1)
+            assert cluster.stores[node_id] is not old
+        pulled_before = (await cluster.stores["node1"].tier_counters.remote()).pulled_blocks
+        await answer_next()  # both nodes new: the hand-off pulls again
+        assert (await cluster.stores["node1"].tier_counters.remote()).pulled_blocks >= pulled_before + 2
+        assert await leaks(server) == {"pinned_blocks": 0, "booked_prefills": 0,
+                                       "booked_decodes": 0, "engine_sequences": 0}
     finally:
         await server.stop()
