@@ -8,6 +8,12 @@ in an order rotated by r (interleaved, so drift on a shared box hits every stack
 stack fresh (cold caches) in every run. Decides on medians over runs, with min and max shown;
 the ratios are Baton's medians over the better SMG policy's (by median TTFT mean) per workload.
 
+Before the race each SMG stack is tuned (``tune``, on unless ``PeersOptions.tune`` is off): it
+runs once per setting of ``bench.peers_stacks.tuning_variants`` (its router's policy settings
+times vLLM's ``--max-num-batched-tokens``) on a tuning set, the same workloads drawn from
+another seed (``seed + TUNE_SEED_OFFSET``), and races with the setting whose TTFT mean was the
+least (the geometric mean over the workloads). Baton's stacks race as ``baton serve`` ships.
+
 Writes ``peers.json`` (every run's report, the medians, the ratios), ``peers.md`` (the table),
 ``peers.png`` (when matplotlib is installed) and ``records.jsonl`` (every request, with Baton's
 placement and reason) to ``out_dir``. Not run in CI: it needs several minutes of both cores.
@@ -32,7 +38,14 @@ import numpy as np
 
 from bench import peers_cpu
 from bench.peers_client import run_workload, send_one, summarise
-from bench.peers_stacks import ABLATION_STACKS, DEFAULT_STACKS, PeersError, Stack, StackSpec
+from bench.peers_stacks import (
+    ABLATION_STACKS,
+    DEFAULT_STACKS,
+    PeersError,
+    Stack,
+    StackSpec,
+    tuning_variants,
+)
 from bench.peers_workloads import (
     AgentFleetOptions,
     PeerRequest,
@@ -79,6 +92,35 @@ class PeersOptions(msgspec.Struct, frozen=True):
     vllm_omp_bind: str = "auto"
     """SMG's vLLM servers' VLLM_CPU_OMP_THREADS_BIND: 'auto' (one core each, as Baton) or a
     value for all (e.g. 'nobind')."""
+    tune: bool = True
+    """Tune each SMG stack on the tuning set before the race (module docstring)."""
+
+
+TUNE_SEED_OFFSET = 1000
+"""The tuning set's seed is the race's plus this: the same kind of traffic, other prompts."""
+
+
+def tuning_options(options: PeersOptions) -> PeersOptions:
+    """The race's options with every workload drawn from the tuning seed."""
+    def reseed(o):
+        return msgspec.structs.replace(o, seed=o.seed + TUNE_SEED_OFFSET)
+
+    return msgspec.structs.replace(options, private=reseed(options.private),
+                                   fleet=reseed(options.fleet), trace=reseed(options.trace))
+
+
+def tuning_score(reports: Sequence[dict[str, Any]]) -> float:
+    """One setting's score on the tuning set: the geometric mean over workloads of its TTFT
+    mean (less is better); infinite when a workload had failures or no TTFT."""
+    values = [r.get("mean_ttft_ms") for r in reports]
+    if not values or any(v is None or v <= 0 for v in values) or any(r.get("failed") for r in reports):
+        return float("inf")
+    return float(np.exp(np.mean(np.log(values))))
+
+
+def best_variant(scores: dict[str, float]) -> str:
+    """The setting with the least score (the first listed among equals)."""
+    return min(scores, key=scores.__getitem__)
 
 
 def build_workloads(options: PeersOptions) -> dict[str, Workload]:
@@ -183,6 +225,9 @@ def run_peers(options: PeersOptions, out_dir: Path,
         echo(f"{name}: {len(workloads[name].requests())} requests, {ceiling.prompt_tokens} prompt "
              f"tokens, ceiling hit ratio {ceiling.hit_ratio:.3f}")
     out_dir.mkdir(parents=True, exist_ok=True)
+    tuning: dict[str, Any] = {}
+    if options.tune and any(s.kind == "smg" for s in specs):
+        specs, tuning = tune(specs, options, model, tokenizer, out_dir, echo)
     records_path = out_dir / "records.jsonl"
     records_path.write_text("")
     runs: list[dict[str, Any]] = []
@@ -199,8 +244,49 @@ def run_peers(options: PeersOptions, out_dir: Path,
                 failures.append({"run": run, "stack": name, "error": str(e)})
     report = aggregate(runs, options, ceilings)
     report["stack_failures"] = failures
+    report["tuning"] = tuning
     write_outputs(report, out_dir, echo)
     return report
+
+
+def tune(specs: Sequence[StackSpec], options: PeersOptions, model, tokenizer, out_dir: Path,
+         echo: Callable[[str], None]) -> tuple[list[StackSpec], dict[str, Any]]:
+    """Each SMG stack run once per setting on the tuning set; returns the stacks with their best
+    settings and, per stack, every setting's score and figures and the one chosen."""
+    tuning = tuning_options(options)
+    workloads = build_workloads(tuning)
+    ceilings = {name: ceiling_hit_ratio(w.requests(), lambda t: tokenizer(t)["input_ids"],
+                                        options.block_tokens)
+                for name, w in workloads.items()}
+    records_path = out_dir / "tuning-records.jsonl"
+    records_path.write_text("")
+    tuned: list[StackSpec] = []
+    report: dict[str, Any] = {"seed_offset": TUNE_SEED_OFFSET}
+    for spec in specs:
+        variants = tuning_variants(spec)
+        if len(variants) == 1:
+            tuned.append(spec)
+            continue
+        scores: dict[str, float] = {}
+        figures: dict[str, Any] = {}
+        for variant in variants:
+            echo(f"tuning {spec.name}: {variant.variant}")
+            try:
+                reports = _run_stack(variant, -1, model, workloads, ceilings, options, out_dir,
+                                     records_path, echo)
+            except PeersError as e:
+                echo(f"  {spec.name} ({variant.variant}) did not run: {e}")
+                reports = []
+            scores[variant.variant] = tuning_score(reports)
+            figures[variant.variant] = {r["workload"]: {k: r.get(k) for k in (
+                "mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "output_throughput", "failed")}
+                for r in reports}
+        chosen = best_variant(scores)
+        echo(f"tuning {spec.name}: races with {chosen} (TTFT mean score "
+             + ", ".join(f"{v}: {sc:.0f}" for v, sc in scores.items()) + ")")
+        tuned.append(next(v for v in variants if v.variant == chosen))
+        report[spec.name] = {"chosen": chosen, "scores": scores, "figures": figures}
+    return tuned, report
 
 
 def _run_stack(spec: StackSpec, run: int, model, workloads: dict[str, Workload], ceilings,
@@ -333,6 +419,16 @@ def markdown(report: dict[str, Any]) -> str:
             lines += [f"| {stack} | " + " | ".join(_fmt(by.get(role), 1) for role in peers_cpu.ROLES)
                       + " |" for stack, by in cpu.items()]
             lines.append("")
+    tuned = {k: v for k, v in (report.get("tuning") or {}).items() if k != "seed_offset"}
+    if tuned:
+        lines += [f"SMG tuned before the race on the tuning set (the same workloads, seed + "
+                  f"{report['tuning']['seed_offset']}), one run per setting; score = geometric "
+                  "mean over workloads of the TTFT mean, ms:", "",
+                  "| stack | setting | score | raced |", "| --- | --- | ---: | --- |"]
+        for stack, t in tuned.items():
+            lines += [f"| {stack} | {variant} | {_fmt(score)} | {'yes' if variant == t['chosen'] else ''} |"
+                      for variant, score in t["scores"].items()]
+        lines.append("")
     return "\n".join(lines)
 
 

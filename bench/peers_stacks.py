@@ -62,6 +62,12 @@ class StackSpec(msgspec.Struct, frozen=True):
     num_decode: int = 0
     settings: tuple[str, ...] = ()
     """Baton: ``--set KEY=VALUE`` overrides (an ablation; the compared stacks have none)."""
+    router_args: tuple[str, ...] | None = None
+    """SMG: the router's policy settings; None: ``SMG_TUNING`` for cache_aware, none else."""
+    server_args: tuple[str, ...] = ()
+    """SMG: extra arguments of every vLLM server (e.g. ``--max-num-batched-tokens 512``)."""
+    variant: str = ""
+    """SMG: which tuning setting this is (``tuning_variants``); '' as shipped."""
 
 
 DEFAULT_STACKS = (
@@ -77,6 +83,35 @@ ABLATION_STACKS = (
 )
 """Asked for by name only: ``baton-0p2d`` without its prefill gate (vLLM packs a burst of
 prompts into one step, as the SMG stacks' servers do)."""
+
+
+SMG_BALANCED = ("--cache-threshold", "0.3", "--balance-abs-threshold", "2",
+                "--balance-rel-threshold", "1.1")
+"""cache_aware that spills to the shorter queue as soon as two workers differ by 2 requests and
+10%: with two workers and a burst (a fan-out) the guide's thresholds never spill."""
+
+ROUTER_VARIANTS = {
+    "cache_aware": (("guide's thresholds", SMG_TUNING), ("early balance", SMG_BALANCED)),
+    "round_robin": (("as shipped", ()),),
+}
+SERVER_VARIANTS = (
+    ("vLLM defaults", ()),
+    ("512 batched tokens", ("--max-num-batched-tokens", "512")),
+)
+"""vLLM's own knob against a burst of prompts: a CPU server packs up to 2,048 prompt tokens
+into one step (``max_num_batched_tokens``); 512 spreads a burst over steps, so the first
+prompts answer sooner (what Baton's prefill gate does per prompt)."""
+
+
+def tuning_variants(spec: StackSpec) -> list[StackSpec]:
+    """The settings an SMG stack is tuned over before the race: each router setting of its
+    policy times each vLLM server setting; a Baton stack races as ``baton serve`` ships."""
+    if spec.kind != "smg":
+        return [spec]
+    return [msgspec.structs.replace(spec, router_args=router, server_args=server,
+                                    variant=f"{router_label}, {server_label}")
+            for router_label, router in ROUTER_VARIANTS[spec.smg_policy]
+            for server_label, server in SERVER_VARIANTS]
 
 
 def port_free(port: int, wait_s: float = 30.0) -> bool:
@@ -102,8 +137,10 @@ def omp_binds(num_engines: int) -> list[str]:
     return [str(i) for i in range(num_engines)] if num_engines <= cores else ["nobind"] * num_engines
 
 
-def vllm_server_argv(model: PreparedModel, config: EngineConfig, port: int) -> list[str]:
-    """vLLM's OpenAI server with the engine arguments ``engine.builder`` gives Baton's engines."""
+def vllm_server_argv(model: PreparedModel, config: EngineConfig, port: int,
+                     extra: Sequence[str] = ()) -> list[str]:
+    """vLLM's OpenAI server with the engine arguments ``engine.builder`` gives Baton's engines,
+    then ``extra`` (a tuning setting)."""
     max_len = min(config.max_model_len_tokens or model.max_model_len, model.max_model_len)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--host", "127.0.0.1", "--port", str(port), "--model", str(model.path),
@@ -113,7 +150,7 @@ def vllm_server_argv(model: PreparedModel, config: EngineConfig, port: int) -> l
             "--disable-uvicorn-access-log"]
     if config.enforce_eager:
         argv.append("--enforce-eager")
-    return argv
+    return argv + list(extra)
 
 
 def vllm_server_env(config: EngineConfig, omp_bind: str) -> dict[str, str]:
@@ -136,14 +173,19 @@ def server_cores(omp_bind: str) -> list[int] | None:
     return None if omp_bind in ("nobind", "auto") else parse_cpu_list(omp_bind)
 
 
-def smg_argv(policy: str, port: int, worker_urls: Sequence[str]) -> list[str]:
+def smg_argv(policy: str, port: int, worker_urls: Sequence[str],
+             router_args: Sequence[str] | None = None) -> list[str]:
+    """``smg launch`` over ``worker_urls``; ``router_args`` the policy's settings (None: the
+    load-balancing guide's for cache_aware, none for the others)."""
     exe = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
     if exe is None:
         raise PeersError("the `smg` command is missing: install the test extra "
                          "(`pip install -e '.[test]'`, which pins smg==1.13.0)")
     argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
             *worker_urls, "--policy", policy, "--log-level", "warn"]
-    return argv + list(SMG_TUNING) if policy == "cache_aware" else argv
+    if router_args is None:
+        router_args = SMG_TUNING if policy == "cache_aware" else ()
+    return argv + list(router_args)
 
 
 class Stack:
@@ -216,11 +258,13 @@ class Stack:
         binds = (omp_binds(len(ports)) if self.vllm_omp_bind == "auto"
                  else [self.vllm_omp_bind] * len(ports))
         for i, (port, bind) in enumerate(zip(ports, binds)):
-            self._spawn(f"vllm{i}", vllm_server_argv(self.model, config, port),
+            self._spawn(f"vllm{i}", vllm_server_argv(self.model, config, port,
+                                                     self.spec.server_args),
                         vllm_server_env(config, bind), server_cores(bind))
         for i, url in enumerate(urls):
             self._wait_ready(url, deadline, f"vLLM server {i}")
-        self._spawn("smg", smg_argv(self.spec.smg_policy, router_port, urls))
+        self._spawn("smg", smg_argv(self.spec.smg_policy, router_port, urls,
+                                    self.spec.router_args))
         self.base_url = f"http://127.0.0.1:{router_port}"
         self._wait_ready(self.base_url, deadline, "SMG")
 

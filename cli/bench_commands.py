@@ -402,6 +402,11 @@ def bench_peers(
     vllm_omp_bind: str = typer.Option("auto", help="SMG's vLLM servers' OpenMP binding: 'auto' "
                                       "(one core each, as Baton binds its engines) or one value "
                                       "for all, e.g. 'nobind'."),
+    tune: bool = typer.Option(True, "--tune/--no-tune", help="Before the race, run each SMG "
+                              "stack once per setting on a tuning set (the same workloads, seed "
+                              "+ 1000): cache_aware's balance thresholds (the guide's, or early "
+                              "balance) x vLLM's --max-num-batched-tokens (2048, 512); each "
+                              "races with its least TTFT mean. ~3 min per setting and workload."),
 ) -> None:
     """LIVE, several minutes of both cores: SMG (cache_aware, round_robin) over two co-located
     vLLM servers against `baton serve --prefill 1 --decode 1` and `--prefill 0 --decode 2`,
@@ -427,7 +432,7 @@ def bench_peers(
                                 num_requests=trace_requests,
                                 block_words=trace_block_words, time_scale=trace_time_scale,
                                 max_tokens=max_tokens, seed=seed),
-        model=model, vllm_omp_bind=vllm_omp_bind)
+        model=model, vllm_omp_bind=vllm_omp_bind, tune=tune)
     try:
         run_peers(options, out_dir, echo=lambda m: err.print(m, highlight=False))
     except BatonError as exc:

@@ -230,9 +230,14 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
 
     @_locked
     def commit(self, keys: Sequence[BlockKey], holder: str = "") -> None:
+        self._commit(keys, holder)
+
+    def _commit(self, keys: Sequence[BlockKey], holder: str = "", pulled: bool = False) -> None:
+        """Commit under the lock; ``pulled``: blocks read from a peer (the drill's corruption
+        spares them: the peer's copy is the one it corrupted)."""
         self.store.commit(keys)
         self._unfile_written(holder, keys)
-        if self._corrupt_budget > 0:
+        if self._corrupt_budget > 0 and not pulled:
             self._corrupt(keys[:self._corrupt_budget])
         self._apply_soft_pins(keys)
         self._mark_leased(keys)
@@ -242,8 +247,9 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
     @_locked
     def corrupt_on_commit(self, num_blocks: int) -> None:
         """Drill hook, for ``baton chaos --corrupt-kv`` (the positive control of its ``wrong``
-        count): invert every byte of the next ``num_blocks`` blocks committed, once their writer
-        has finished, as a bad copy or a bad DIMM would. The host tier keeps no checksums, so a
+        count): invert every byte of the next ``num_blocks`` blocks committed by this node's
+        workers (not those pulled from a peer), once their writer has finished, as a bad copy or
+        a bad DIMM would. The host tier keeps no checksums, so a
         reader loads them as they are; only the answers can tell."""
         self._corrupt_budget += num_blocks
 

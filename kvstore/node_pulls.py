@@ -8,7 +8,7 @@ remaining TTL; joined to the lease if this node holds it already; a lease naming
 read covers the leading blocks this node already had, as on the source). A pull fails soft (``PullResult.error``): the rest is recomputed.
 
 A mixin of ``kvstore.node.KVStoreNode``, whose ``__init__`` sets the attributes declared below
-and whose ``commit`` and lock it uses. Its messages are logged as the node's.
+and whose ``_commit`` and lock it uses. Its messages are logged as the node's.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ class NodePulls:
     pull_failures: int
     _crash_mid_pull: bool
     transfer_server: BlockServer | None
+    _commit: Callable[..., None]  # kvstore.node.KVStoreNode._commit, under the lock
     _extend_lease: Callable[[str, str, Sequence[BlockKey], float], None]  # kvstore.node_leases
     _expire_leases: Callable[[], None]
 
@@ -203,7 +204,7 @@ class NodePulls:
                                    local + [wanted[i] for i in grant.block_indices if i < got],
                                    grant.ttl_s)
             self._checksums.update(zip(wanted[:got], result.checksums))  # verified: reused
-            self.commit(wanted[:got])
+            self._commit(wanted[:got], pulled=True)
             self.store.abort(wanted[got:])
             self.pulled_blocks += got
             self.pulled_bytes += got * self.arena.slot_bytes

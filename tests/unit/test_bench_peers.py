@@ -329,3 +329,62 @@ def test_cpu_by_role_counts_a_busy_child_and_not_an_idle_one():
     assert 0.55 <= spent["other"] <= 1.0  # the busy child's 0.6 s (born after the first snapshot)
     assert sum(v for k, v in spent.items() if k != "other") == 0.0
     assert shares({"other": 1.0}, 2.0, 2) == {"other": 0.25}
+
+
+def test_smg_stacks_are_tuned_over_router_and_server_settings_and_baton_is_not():
+    from bench.peers_stacks import (
+        SMG_BALANCED,
+        SMG_TUNING,
+        StackSpec,
+        smg_argv,
+        tuning_variants,
+        vllm_server_argv,
+    )
+    from pathlib import Path
+
+    from engine.config import EngineConfig
+    from engine.models import PreparedModel
+
+    cache_aware = StackSpec("smg-cache_aware", "smg", smg_policy="cache_aware")
+    variants = tuning_variants(cache_aware)
+    assert [(v.name, v.router_args, v.server_args) for v in variants] == [
+        ("smg-cache_aware", SMG_TUNING, ()),
+        ("smg-cache_aware", SMG_TUNING, ("--max-num-batched-tokens", "512")),
+        ("smg-cache_aware", SMG_BALANCED, ()),
+        ("smg-cache_aware", SMG_BALANCED, ("--max-num-batched-tokens", "512")),
+    ]
+    assert len({v.variant for v in variants}) == 4
+    round_robin = tuning_variants(StackSpec("smg-round_robin", "smg", smg_policy="round_robin"))
+    assert [(v.router_args, v.server_args) for v in round_robin] == [
+        ((), ()), ((), ("--max-num-batched-tokens", "512"))]
+    baton = StackSpec("baton-0p2d", "baton", num_prefill=0, num_decode=2)
+    assert tuning_variants(baton) == [baton]  # races as `baton serve` ships
+
+    # the settings reach the command lines; untuned, cache_aware keeps the guide's
+    urls = ["http://127.0.0.1:1"]
+    assert smg_argv("cache_aware", 9, urls)[-len(SMG_TUNING):] == list(SMG_TUNING)
+    assert smg_argv("cache_aware", 9, urls, SMG_BALANCED)[-len(SMG_BALANCED):] == list(SMG_BALANCED)
+    assert smg_argv("round_robin", 9, urls)[-4:] == ["--policy", "round_robin", "--log-level", "warn"]
+    model = PreparedModel(name="m", path=Path("/m"), num_layers=1, num_kv_heads=1, head_dim=8,
+                          max_model_len=256)
+    argv = vllm_server_argv(model, EngineConfig(), 9, variants[1].server_args)
+    assert argv[-2:] == ["--max-num-batched-tokens", "512"]
+    assert "--max-num-batched-tokens" not in vllm_server_argv(model, EngineConfig(), 9)
+
+
+def test_tuning_reseeds_every_workload_and_picks_the_least_geometric_mean_ttft():
+    from bench.peers import TUNE_SEED_OFFSET, best_variant, tuning_options, tuning_score
+
+    options = PeersOptions()
+    tuned = tuning_options(options)
+    assert (tuned.private.seed, tuned.fleet.seed, tuned.trace.seed) == (TUNE_SEED_OFFSET,) * 3
+    assert msgspec.structs.replace(tuned.fleet, seed=0) == options.fleet
+    race, tuning = build_workloads(options), build_workloads(tuned)
+    race_prompts = {r.prompt for w in race.values() for r in w.requests()}
+    assert not race_prompts & {r.prompt for w in tuning.values() for r in w.requests()}
+
+    assert tuning_score([{"mean_ttft_ms": 100.0, "failed": 0},
+                         {"mean_ttft_ms": 400.0, "failed": 0}]) == pytest.approx(200.0)
+    assert tuning_score([{"mean_ttft_ms": 100.0, "failed": 1}]) == float("inf")
+    assert tuning_score([]) == float("inf")
+    assert best_variant({"a": 300.0, "b": 200.0, "c": 200.0}) == "b"
