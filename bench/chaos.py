@@ -268,36 +268,40 @@ async def _chaos_loop(server: BatonServer, started: float, deadline: float, kill
         aimed = [i for i in pool if busy[i] > 0]
         victim = rng.choice(aimed or pool)
         report.kills.append(victim)
-        if victim in cluster.prefill_ids and await _died_mid_save(cluster, victim, progress):
+        actor = cluster.actor(victim)
+        if victim in cluster.prefill_ids and await _died_when_told(
+                actor.crash_mid_save.remote, actor.ready.remote, victim,
+                "in the middle of its next KV save", progress):
             _hit(report, "prefill_mid_transfer", victim, started, 1)
         else:
             progress(f"killing {victim} ({busy[victim]} requests in flight on it)")
             kind = "prefill_worker" if victim in cluster.prefill_ids else "decode_worker"
             _hit(report, kind, victim, started, busy[victim])
-            ray.kill(cluster.actor(victim), no_restart=True)
+            ray.kill(actor, no_restart=True)
         replacing.append(asyncio.ensure_future(asyncio.to_thread(cluster.replace_worker, victim)))
     for new_id in await asyncio.gather(*replacing):
         progress(f"{new_id} replaced a killed worker")
 
 
-async def _died_mid_save(cluster, victim: str, progress: Callable[[str], None],
-                         window_s: float = ARM_WINDOW_S) -> bool:
-    """Tell ``victim``'s engine to die in the middle of its next KV save, and wait up to
-    ``window_s`` for it to have done so."""
-    actor = cluster.actor(victim)
-    progress(f"telling {victim} to die in the middle of its next KV save")
-    await actor.crash_mid_save.remote()
+async def _died_when_told(arm: Callable[[], object], ping: Callable[[], object], victim: str,
+                          moment: str, progress: Callable[[str], None],
+                          window_s: float = ARM_WINDOW_S) -> bool:
+    """Tell ``victim`` to die at ``moment`` (``arm``: its drill hook's ``remote``) and wait up
+    to ``window_s`` for it to have done so: a call of ``ping`` (a cheap method's ``remote``)
+    raises ``RayActorError``."""
+    progress(f"telling {victim} to die {moment}")
+    await arm()
     deadline = time.monotonic() + window_s
     while time.monotonic() < deadline:
         try:
-            await asyncio.wait_for(actor.ready.remote(), 5)
+            await asyncio.wait_for(ping(), 5)
         except ray.exceptions.RayActorError:
-            progress(f"{victim} died mid-transfer")
+            progress(f"{victim} died {moment}")
             return True
         except asyncio.TimeoutError:
             pass
         await asyncio.sleep(0.1)
-    progress(f"{victim} made no save within {window_s:.0f} s")
+    progress(f"{victim} did not die {moment} within {window_s:.0f} s (no such moment came)")
     return False
 
 
@@ -312,7 +316,9 @@ async def _store_fault(cluster, started: float, rng: random.Random, report: Chao
         old = cluster.stores[node_id]
         busy = await _in_flight(cluster, [i for i in cluster.prefill_ids + cluster.decode_ids
                                           if i in cluster.engine_start_s])
-        if cluster.store_nodes > 1 and await _died_mid_pull(old, node_id, progress):
+        if cluster.store_nodes > 1 and await _died_when_told(
+                old.crash_mid_pull.remote, old.arena_info.remote, f"the KV store node {node_id}",
+                "in the middle of its next pull", progress):
             _hit(report, "store_mid_pull", f"store:{node_id}", started, sum(busy.values()))
         else:
             progress(f"killing the KV store node {node_id} ({sum(busy.values())} requests in "
@@ -320,26 +326,6 @@ async def _store_fault(cluster, started: float, rng: random.Random, report: Chao
             _hit(report, "store_node", f"store:{node_id}", started, sum(busy.values()))
             ray.kill(old, no_restart=True)
         await asyncio.to_thread(_await_new_store, cluster, node_id, old, report.corrupt_kv)
-
-
-async def _died_mid_pull(store, node_id: str, progress: Callable[[str], None],
-                         window_s: float = ARM_WINDOW_S) -> bool:
-    """Tell store node ``node_id`` to die in the middle of the next pull it takes part in, and
-    wait up to ``window_s`` for it to have done so."""
-    progress(f"telling the KV store node {node_id} to die in the middle of its next pull")
-    await store.crash_mid_pull.remote()
-    deadline = time.monotonic() + window_s
-    while time.monotonic() < deadline:
-        try:
-            await asyncio.wait_for(store.arena_info.remote(), 5)
-        except ray.exceptions.RayActorError:
-            progress(f"the KV store node {node_id} died mid-pull")
-            return True
-        except asyncio.TimeoutError:
-            pass
-        await asyncio.sleep(0.1)
-    progress(f"the KV store node {node_id} took part in no pull within {window_s:.0f} s")
-    return False
 
 
 def _await_new_store(cluster, node_id: str, old, corrupt: bool = False,
