@@ -6,8 +6,8 @@ on a plain vLLM engine in this process (the reference), then for ``duration_s`` 
 schedules run side by side. Every draw (prompts, streams, fault times, victims) comes from one
 ``seed``; without one a fresh seed is drawn and printed, so a failing run replays.
 
-- about every ``kill_every_s`` (a random draw between half and one and a half times it) a worker
-  is killed without warning and a fresh one started in its place. The victim is aimed at
+- about every ``kill_every_s`` (a random draw between half and one and a half times it, the
+  times drawn up front: ``fault_times``) a worker is killed without warning and a fresh one started in its place. The victim is aimed at
   streams in flight: a pool with two live instances or more is drawn, then, within it, an
   instance with requests running (a decode mid-stream) if there is one. A prefill victim is
   killed mid-transfer: its engine is told to die in the middle of its next KV save
@@ -240,6 +240,22 @@ def _hit(report: ChaosReport, kind: str, victim: str, started: float, in_flight:
     report.hits.append(FaultHit(kind, victim, round(time.monotonic() - started, 1), in_flight))
 
 
+def fault_times(rng: random.Random, every_s: float, duration_s: float) -> list[float]:
+    """Seconds into the load at which a fault schedule injects: each the previous plus a draw
+    between half and one and a half ``every_s``, up to ``duration_s`` (none for ``every_s``
+    0). Drawn up front, so the time a fault takes to inject (a victim's wait for its save or
+    pull, a store node's replacement) never pushes the later ones back: a late one comes at
+    once, and a run of S seconds gets about S / ``every_s``."""
+    times: list[float] = []
+    at = 0.0
+    while every_s > 0:
+        at += every_s * rng.uniform(0.5, 1.5)
+        if at >= duration_s:
+            break
+        times.append(at)
+    return times
+
+
 async def _chaos_loop(server: BatonServer, started: float, deadline: float, kill_every_s: float,
                       store_fallback: bool, rng: random.Random, report: ChaosReport,
                       progress: Callable[[str], None], store_faults: asyncio.Lock) -> None:
@@ -248,11 +264,8 @@ async def _chaos_loop(server: BatonServer, started: float, deadline: float, kill
     to come up); the store node when no pool can spare one and ``store_fallback``."""
     cluster = server.cluster
     replacing: list[asyncio.Future] = []
-    while kill_every_s > 0:
-        wait_s = kill_every_s * rng.uniform(0.5, 1.5)
-        if time.monotonic() + wait_s >= deadline:
-            break
-        await asyncio.sleep(wait_s)
+    for at in fault_times(rng, kill_every_s, deadline - started):
+        await asyncio.sleep(max(0.0, started + at - time.monotonic()))
         up = [[i for i in ids if i in cluster.engine_start_s] for ids in (cluster.prefill_ids,
                                                                           cluster.decode_ids)]
         pools = [ids for ids in up if len(ids) >= 2]
@@ -346,16 +359,11 @@ async def _fault_loop(server: BatonServer, kind: str, every_s: float, started: f
                       deadline: float, rng: random.Random, report: ChaosReport,
                       progress: Callable[[str], None], store_faults: asyncio.Lock) -> None:
     """Inject one fault of ``kind`` (``store_node``: a store node killed, mid-pull where it
-    can be; ``redis``: Redis restarted) at random intervals of ``every_s`` give or take half,
-    each over (the node or Redis back) before the next is drawn."""
-    if every_s <= 0:
-        return
+    can be; ``redis``: Redis restarted) at the ``fault_times`` of ``every_s``, each over (the
+    node or Redis back) before the next (a late one comes at once)."""
     cluster = server.cluster
-    while True:
-        wait_s = every_s * rng.uniform(0.5, 1.5)
-        if time.monotonic() + wait_s >= deadline:
-            return
-        await asyncio.sleep(wait_s)
+    for at in fault_times(rng, every_s, deadline - started):
+        await asyncio.sleep(max(0.0, started + at - time.monotonic()))
         injected = time.monotonic()
         if kind == "store_node":
             await _store_fault(cluster, started, rng, report, progress, store_faults)
