@@ -148,6 +148,7 @@ class LocalCluster:
 
     def start(self, wait_ready: bool = True) -> None:
         cfg = self.config
+        self._check_store_nodes()  # a bad layout is a config error before anything starts
         self.progress(f"preparing model '{cfg.engine.model}'")
         self.model = prepare_model(cfg.engine.model, progress=self.progress)
         if cfg.redis.url:
@@ -167,7 +168,6 @@ class LocalCluster:
             .remote(cfg.conductor, self.namespace, policy_config)
         )
         self._actors.append(self.conductor)
-        self._check_store_nodes()
         for node_id in self.store_node_ids:
             self._start_store(node_id)
         if self.store_watch_interval_s > 0:
@@ -229,9 +229,11 @@ class LocalCluster:
         if transfer is None:
             raise ConfigError("two local store nodes pull from each other over the transfer "
                               "engine: set kvstore.transfer (e.g. --set kvstore.transfer.backend=tcp)")
-        if transfer.token_file is None and not os.environ.get(transfer.token_env):
-            # the two nodes are this cluster's own: a fresh secret for them alone
-            self._transfer_env = {transfer.token_env: secrets.token_hex(16)}
+        if transfer.token_file is None:
+            # the operator's secret, else (the two nodes are this cluster's own) a fresh one,
+            # handed to the store actors whatever environment Ray gives its workers
+            self._transfer_env = {transfer.token_env: os.environ.get(transfer.token_env)
+                                  or secrets.token_hex(16)}
 
     def _store_config(self, node_id: str) -> KVStoreConfig:
         """The kvstore config of ``node_id``: the configured one for ``node0``; free ports for
