@@ -111,7 +111,7 @@ def step(connector: BatonConnector, meta: BatonConnectorMetadata,
     return done
 
 
-def until(connector, finished=frozenset(), timeout_s: float = 5.0):
+def until(connector, finished=frozenset(), timeout_s: float = 30.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         sending, recving = step(connector, BatonConnectorMetadata(), finished)
