@@ -7,9 +7,10 @@ schedules run side by side. Every draw (prompts, streams, fault times, victims) 
 ``seed``; without one a fresh seed is drawn and printed, so a failing run replays.
 
 - about every ``kill_every_s`` (a random draw between half and one and a half times it, the
-  times drawn up front: ``fault_times``) a worker is killed without warning and a fresh one started in its place. The victim is aimed at
-  streams in flight: a pool with two live instances or more is drawn, then, within it, an
-  instance with requests running (a decode mid-stream) if there is one. A prefill victim is
+  times drawn up front: ``fault_times``) a worker is killed without warning and a fresh one
+  started in its place. The victim is aimed at streams in flight: a pool with two live
+  instances or more is drawn, then, within it, an instance with requests running (a decode
+  mid-stream) if there is one. A prefill victim is
   killed mid-transfer: its engine is told to die in the middle of its next KV save
   (``EngineWorker.crash_mid_save``: half the blocks copied into the slots it reserved, none
   committed, then SIGKILL), since a tiny-model prefill lasts milliseconds and is never found
@@ -65,7 +66,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 import msgspec
 import ray
@@ -162,7 +163,7 @@ def fresh_prompts(pool: list[list[int]], num_prompts: int, seed: int,
             for i in range(num_prompts)]
 
 
-async def _references(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+async def reference_answers(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     import os
 
     from engine.builder import build_engine_args, engine_env
@@ -233,6 +234,13 @@ async def _in_flight(cluster, instance_ids: list[str]) -> dict[str, int]:
 
     counts = await asyncio.gather(*(one(i) for i in instance_ids))
     return dict(zip(instance_ids, counts))
+
+
+async def _cluster_in_flight(cluster) -> int:
+    """Requests running or waiting on every engine of the cluster that is up."""
+    busy = await _in_flight(cluster, [i for i in cluster.prefill_ids + cluster.decode_ids
+                                      if i in cluster.engine_start_s])
+    return sum(busy.values())
 
 
 def _hit(report: ChaosReport, kind: str, victim: str, started: float, in_flight: int) -> None:
@@ -327,16 +335,14 @@ async def _store_fault(cluster, started: float, rng: random.Random, report: Chao
     async with one_at_a_time:
         node_id = rng.choice(cluster.store_node_ids)
         old = cluster.stores[node_id]
-        busy = await _in_flight(cluster, [i for i in cluster.prefill_ids + cluster.decode_ids
-                                          if i in cluster.engine_start_s])
+        busy = await _cluster_in_flight(cluster)
         if cluster.store_nodes > 1 and await _died_when_told(
                 old.crash_mid_pull.remote, old.arena_info.remote, f"the KV store node {node_id}",
                 "in the middle of its next pull", progress):
-            _hit(report, "store_mid_pull", f"store:{node_id}", started, sum(busy.values()))
+            _hit(report, "store_mid_pull", f"store:{node_id}", started, busy)
         else:
-            progress(f"killing the KV store node {node_id} ({sum(busy.values())} requests in "
-                     "flight)")
-            _hit(report, "store_node", f"store:{node_id}", started, sum(busy.values()))
+            progress(f"killing the KV store node {node_id} ({busy} requests in flight)")
+            _hit(report, "store_node", f"store:{node_id}", started, busy)
             ray.kill(old, no_restart=True)
         await asyncio.to_thread(_await_new_store, cluster, node_id, old, report.corrupt_kv)
 
@@ -355,24 +361,24 @@ def _await_new_store(cluster, node_id: str, old, corrupt: bool = False,
         ray.get(cluster.stores[node_id].corrupt_on_commit.remote(CORRUPT_EVERY_BLOCK))
 
 
-async def _fault_loop(server: BatonServer, kind: str, every_s: float, started: float,
-                      deadline: float, rng: random.Random, report: ChaosReport,
-                      progress: Callable[[str], None], store_faults: asyncio.Lock) -> None:
-    """Inject one fault of ``kind`` (``store_node``: a store node killed, mid-pull where it
-    can be; ``redis``: Redis restarted) at the ``fault_times`` of ``every_s``, each over (the
-    node or Redis back) before the next (a late one comes at once)."""
-    cluster = server.cluster
+async def _restart_redis(cluster, started: float, report: ChaosReport,
+                         progress: Callable[[str], None]) -> None:
+    """Stop Redis and start it again, empty, and record the hit."""
+    busy = await _cluster_in_flight(cluster)
+    progress(f"injecting a fault: redis ({busy} requests in flight)")
+    _hit(report, "redis", "redis", started, busy)
+    await asyncio.to_thread(cluster.restart_redis)
+
+
+async def _fault_loop(kind: str, inject: Callable[[], Awaitable[None]], every_s: float,
+                      started: float, deadline: float, rng: random.Random,
+                      progress: Callable[[str], None]) -> None:
+    """Inject one fault of ``kind`` (``inject`` returns once it is over: the store node or
+    Redis back) at the ``fault_times`` of ``every_s``; a late one comes at once."""
     for at in fault_times(rng, every_s, deadline - started):
         await asyncio.sleep(max(0.0, started + at - time.monotonic()))
         injected = time.monotonic()
-        if kind == "store_node":
-            await _store_fault(cluster, started, rng, report, progress, store_faults)
-        else:
-            busy = await _in_flight(cluster, [i for i in cluster.prefill_ids + cluster.decode_ids
-                                              if i in cluster.engine_start_s])
-            progress(f"injecting a fault: {kind} ({sum(busy.values())} requests in flight)")
-            _hit(report, kind, kind, started, sum(busy.values()))
-            await asyncio.to_thread(cluster.restart_redis)
+        await inject()
         progress(f"{kind} back after {time.monotonic() - injected:.1f} s")
 
 
@@ -412,7 +418,7 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
         prompts += fresh_prompts(prompts, num_fresh, seed)
         fresh = list(range(len(prompts) - 1, report.pool_size - 1, -1))  # popped in order
         progress(f"computing {len(prompts)} reference answers on a plain engine")
-        references = await _references(server.cluster.model, prompts, max_tokens)
+        references = await reference_answers(server.cluster.model, prompts, max_tokens)
         retries = [metrics.RETRIES.labels(reason)
                    for reason in ("prefill_worker_died", "decode_worker_died")]
         retried_before = sum(r._value.get() for r in retries)
@@ -433,13 +439,16 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
                                    for store in cluster.stores.values()))
         rng = random.Random(seed)
         store_faults = asyncio.Lock()
+        store_rng = random.Random(seed + 2)  # the store schedule's times and victims
         await asyncio.gather(
             _chaos_loop(server, started, deadline, kill_every_s, kill_store_every_s > 0,
                         random.Random(seed + 1), report, progress, store_faults),
-            _fault_loop(server, "store_node", kill_store_every_s, started, deadline,
-                        random.Random(seed + 2), report, progress, store_faults),
-            _fault_loop(server, "redis", restart_redis_every_s, started, deadline,
-                        random.Random(seed + 3), report, progress, store_faults),
+            _fault_loop("store_node", lambda: _store_fault(cluster, started, store_rng, report,
+                                                           progress, store_faults),
+                        kill_store_every_s, started, deadline, store_rng, progress),
+            _fault_loop("redis", lambda: _restart_redis(cluster, started, report, progress),
+                        restart_redis_every_s, started, deadline, random.Random(seed + 3),
+                        progress),
             *(_client_loop(server, prompts, references, max_tokens, deadline,
                            random.Random(rng.random()), report, fresh) for _ in range(concurrency)),
         )

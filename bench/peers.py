@@ -113,7 +113,8 @@ def tuning_score(reports: Sequence[dict[str, Any]]) -> float:
     """One setting's score on the tuning set: the geometric mean over workloads of its TTFT
     mean (less is better); infinite when a workload had failures or no TTFT."""
     values = [r.get("mean_ttft_ms") for r in reports]
-    if not values or any(v is None or v <= 0 for v in values) or any(r.get("failed") for r in reports):
+    if (not values or any(v is None or v <= 0 for v in values)
+            or any(r.get("failed") for r in reports)):
         return float("inf")
     return float(np.exp(np.mean(np.log(values))))
 
@@ -426,7 +427,8 @@ def markdown(report: dict[str, Any]) -> str:
                   "mean over workloads of the TTFT mean, ms:", "",
                   "| stack | setting | score | raced |", "| --- | --- | ---: | --- |"]
         for stack, t in tuned.items():
-            lines += [f"| {stack} | {variant} | {_fmt(score)} | {'yes' if variant == t['chosen'] else ''} |"
+            lines += [f"| {stack} | {variant} | {_fmt(score)} | "
+                      f"{'yes' if variant == t['chosen'] else ''} |"
                       for variant, score in t["scores"].items()]
         lines.append("")
     return "\n".join(lines)

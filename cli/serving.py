@@ -155,10 +155,11 @@ def chaos(
 ) -> None:
     """Failure drill: a local cluster under sustained streaming load while prefill and decode
     workers are killed at random (aimed at streams in flight) and replaced, KV store nodes are
-    killed (in the middle of a pull) and replaced, and Redis is restarted. Prints and writes sent, completed, retried,
-    failed_clean (a retryable status with a retry hint), failed_other, lost, wrong and leaked,
-    the faults injected by kind and the requests each hit; exit code 1 when lost, wrong, leaked
-    or failed_other is not 0 (with --corrupt-kv: when wrong is 0)."""
+    killed (in the middle of a pull) and replaced, and Redis is restarted. Prints and writes
+    sent, completed, retried, failed_clean (a retryable status with a retry hint),
+    failed_other, lost, wrong and leaked, the faults injected by kind and the requests each
+    hit; exit code 1 when lost, wrong, leaked or failed_other is not 0 (with --corrupt-kv: when
+    wrong is 0)."""
     from bench.chaos import main as run_chaos
     from cluster.config import load_config
     from protos.errors import ConfigError

@@ -228,7 +228,8 @@ class LocalCluster:
             return
         if transfer is None:
             raise ConfigError("two local store nodes pull from each other over the transfer "
-                              "engine: set kvstore.transfer (e.g. --set kvstore.transfer.backend=tcp)")
+                              "engine: set kvstore.transfer (e.g. --set "
+                              "kvstore.transfer.backend=tcp)")
         if transfer.token_file is None:
             # the operator's secret, else (the two nodes are this cluster's own) a fresh one,
             # handed to the store actors whatever environment Ray gives its workers
@@ -242,7 +243,8 @@ class LocalCluster:
         if node_id != "node0":
             update: dict[str, object] = {"events_endpoint": None, "events_replay_endpoint": None}
             if kv.transfer is not None:
-                update["transfer"] = kv.transfer.model_copy(update={"listen_port": 0, "ucx_port": 0})
+                update["transfer"] = kv.transfer.model_copy(update={"listen_port": 0,
+                                                                    "ucx_port": 0})
             kv = kv.model_copy(update=update)
         return with_event_endpoints(kv, "127.0.0.1")
 

@@ -249,8 +249,8 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
         """Drill hook, for ``baton chaos --corrupt-kv`` (the positive control of its ``wrong``
         count): invert every byte of the next ``num_blocks`` blocks committed by this node's
         workers (not those pulled from a peer), once their writer has finished, as a bad copy or
-        a bad DIMM would. The host tier keeps no checksums, so a
-        reader loads them as they are; only the answers can tell."""
+        a bad DIMM would. The host tier keeps no checksums, so a reader loads them as they are;
+        only the answers can tell."""
         self._corrupt_budget += num_blocks
 
     def _corrupt(self, keys: Sequence[BlockKey]) -> None:

@@ -293,7 +293,7 @@ class BlockServer:
 
     def _maybe_die(self, sent: int, total: int) -> None:
         """The drill's crash mid-pull, as the source: once half of a reply's blocks are out."""
-        if self.die_mid_stream and sent == total // 2:
+        if self.die_mid_stream and total and sent == total // 2:
             log.warning("block server of %s: dying mid-pull (%d of %d blocks sent), as the "
                         "drill asked", self._source.node_id, sent, total)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -130,7 +130,7 @@ async def test_a_store_node_killed_mid_pull_as_reader_or_as_source_loses_nothing
 
     import ray
 
-    from bench.chaos import _references, fresh_prompts, prompt_pool, with_transfer
+    from bench.chaos import fresh_prompts, prompt_pool, reference_answers, with_transfer
     from bench.leaks import leaks
     from cluster.serve import BatonServer
     from gateway import client
@@ -145,7 +145,7 @@ async def test_a_store_node_killed_mid_pull_as_reader_or_as_source_loses_nothing
         cluster = server.cluster
         assert sorted(cluster.stores) == ["node0", "node1"]
         prompts = fresh_prompts(prompt_pool(3, 11), 12, 11)
-        references = await _references(cluster.model, prompts, 4)
+        references = await reference_answers(cluster.model, prompts, 4)
         todo = list(range(len(prompts)))
 
         async def answer_next() -> None:
@@ -174,7 +174,8 @@ async def test_a_store_node_killed_mid_pull_as_reader_or_as_source_loses_nothing
             assert cluster.stores[node_id] is not old
         pulled_before = (await cluster.stores["node1"].tier_counters.remote()).pulled_blocks
         await answer_next()  # both nodes new: the hand-off pulls again
-        assert (await cluster.stores["node1"].tier_counters.remote()).pulled_blocks >= pulled_before + 2
+        pulled_after = (await cluster.stores["node1"].tier_counters.remote()).pulled_blocks
+        assert pulled_after >= pulled_before + 2
         assert await leaks(server) == {"pinned_blocks": 0, "booked_prefills": 0,
                                        "booked_decodes": 0, "engine_sequences": 0}
     finally:

@@ -364,7 +364,8 @@ def test_smg_stacks_are_tuned_over_router_and_server_settings_and_baton_is_not()
     urls = ["http://127.0.0.1:1"]
     assert smg_argv("cache_aware", 9, urls)[-len(SMG_TUNING):] == list(SMG_TUNING)
     assert smg_argv("cache_aware", 9, urls, SMG_BALANCED)[-len(SMG_BALANCED):] == list(SMG_BALANCED)
-    assert smg_argv("round_robin", 9, urls)[-4:] == ["--policy", "round_robin", "--log-level", "warn"]
+    assert smg_argv("round_robin", 9, urls)[-4:] == ["--policy", "round_robin", "--log-level",
+                                                      "warn"]
     model = PreparedModel(name="m", path=Path("/m"), num_layers=1, num_kv_heads=1, head_dim=8,
                           max_model_len=256)
     argv = vllm_server_argv(model, EngineConfig(), 9, variants[1].server_args)
