@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from protos.errors import InvalidRequest, WorkerFailed
@@ -45,6 +45,15 @@ class _Add:
     priority: int = 0
     gated: bool = False
     """Its prompt is computed here, so it waits its turn at the prefill gate."""
+    arrived_ms: float = field(default_factory=lambda: time.monotonic() * 1000.0)
+
+    @property
+    def gate_key(self) -> tuple[int, float]:
+        """The prefill gate's order, lowest first: priority, then arrival plus the priced prefill
+        (``EngineRequest.predicted_prefill_ms``): among prompts arriving together the shortest
+        goes first, and one is passed only by prompts that arrived less than its own prefill
+        after it and are shorter. Unpriced prompts (0) go in arrival order."""
+        return self.priority, self.arrived_ms + self.request.predicted_prefill_ms
 
 
 @dataclass
@@ -90,7 +99,8 @@ class EngineRunner:
 
     ``max_prefills`` (> 0) is the prefill gate: at most that many gated requests (those whose
     prompt this engine computes) are in the engine before their first token; the others wait
-    here and are added, by priority then arrival, as first tokens come out. vLLM's scheduler
+    here and are added, by priority then arrival plus priced prefill (shortest first among
+    prompts arriving together: ``_Add.gate_key``), as first tokens come out. vLLM's scheduler
     packs every waiting prompt it has into a step up to its token budget, and on a CPU a step
     costs about its tokens, so a burst of N prompts packed into one step gives all N their
     first token when the last is computed; one at a time, the k-th gets it after k prompts.
@@ -293,10 +303,10 @@ class EngineRunner:
         return 0 < self.max_prefills <= len(self._prefilling)
 
     def _admit_held(self) -> None:
-        """Add held requests while the gate has room: the lowest priority first, and among
-        equals the first to arrive (``min`` keeps the first of equal keys)."""
+        """Add held requests while the gate has room, the lowest ``_Add.gate_key`` first (among
+        equal keys the first to arrive: ``min`` keeps the first of equal keys)."""
         while self._held and not self._gate_full():
-            command = min(self._held, key=lambda held: held.priority)
+            command = min(self._held, key=lambda held: held.gate_key)
             self._held.remove(command)
             self._add(command)
 

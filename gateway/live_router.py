@@ -286,6 +286,7 @@ class LiveRouter:
             return PrefillResult(request.request_id, placement.decode_instance,
                                  len(request.prompt_token_ids), 0, 0, 0.0,
                                  node_id=placement.pulled_from_node)
+        request = msgspec.structs.replace(request, predicted_prefill_ms=placement.prefill_ms)
         if placement.pulled_from_node:  # the conductor's transfer plan: that node's prefix
             request = msgspec.structs.replace(request, kv_source_node=placement.pulled_from_node,
                                               kv_source_blocks=placement.expected_cached_blocks)
@@ -312,7 +313,10 @@ class LiveRouter:
             yield Placed(placement, prefilled)
         colocated = placement.prefill_instance == placement.decode_instance
         if placement.prefill_instance == placement.decode_instance:
-            if placement.pulled_from_node:  # it prefills itself: the conductor's transfer plan
+            # it prefills itself: its gate orders it by the priced prefill (and the conductor's
+            # transfer plan, when it pulls a prefix)
+            request = msgspec.structs.replace(request, predicted_prefill_ms=placement.prefill_ms)
+            if placement.pulled_from_node:
                 request = msgspec.structs.replace(
                     request, kv_source_node=placement.pulled_from_node,
                     kv_source_blocks=placement.expected_cached_blocks)

@@ -1,6 +1,7 @@
 """The engine runner's prefill gate (``engine.max_prefills_in_flight``): prompts computed here
 go into the engine one at a time, the next when the one before has its first token, by
-priority then arrival; a decode whose prompt was computed elsewhere is never held; an abort of
+priority, then arrival plus the conductor's priced prefill (shortest first among prompts
+arriving together, and none passed indefinitely); a decode whose prompt was computed elsewhere is never held; an abort of
 a held request never reaches the engine; an engine crash fails the held ones too."""
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ def _runner(max_prefills: int) -> EngineRunner:
     return runner
 
 
-def _add(runner: EngineRunner, request_id: str, priority: int = 0, gated: bool = True) -> _Sink:
+def _add(runner: EngineRunner, request_id: str, priority: int = 0, gated: bool = True,
+         arrived_ms: float = 0.0, predicted_prefill_ms: float = 0.0) -> _Sink:
     sink = _Sink()
-    request = EngineRequest(request_id, (1, 2, 3), SamplingOptions(max_tokens=4))
-    runner._apply(_Add(request, 4, sink, _Loop(), priority, gated=gated))
+    request = EngineRequest(request_id, (1, 2, 3), SamplingOptions(max_tokens=4),
+                            predicted_prefill_ms=predicted_prefill_ms)
+    runner._apply(_Add(request, 4, sink, _Loop(), priority, gated=gated, arrived_ms=arrived_ms))
     return sink
 
 
@@ -81,6 +84,20 @@ def test_the_gate_admits_by_priority_then_arrival_and_its_size_is_the_limit():
     assert runner.engine.added == ["a", "b", "d"]
     runner._deliver([_output("b"), _output("d")])
     assert runner.engine.added == ["a", "b", "d", "e", "c"]
+
+
+def test_the_shortest_priced_prefill_goes_first_but_a_long_one_is_passed_only_for_its_own_length():
+    runner = _runner(1)
+    _add(runner, "running", arrived_ms=0.0)
+    # (arrival ms, priced prefill ms): keys 3,000 / 1,300 / 2,300 / 2,000 / 9,000 (unpriced)
+    for request_id, arrived, predicted in (("long", 1_000.0, 2_000.0), ("short", 1_100.0, 200.0),
+                                           ("later", 2_200.0, 100.0), ("late-long", 2_000.0, 0.0),
+                                           ("last", 9_000.0, 0.0)):
+        _add(runner, request_id, arrived_ms=arrived, predicted_prefill_ms=predicted)
+    for request_id in ("running", "short", "late-long", "later", "long"):
+        runner._deliver([_output(request_id)])
+    assert runner.engine.added == ["running", "short", "late-long", "later", "long", "last"]
+    # "later" passed "long", which arrived 1,200 ms before it: less than long's 2,000 ms prefill
 
 
 def test_a_loaded_decode_is_never_held_and_no_gate_holds_nothing():

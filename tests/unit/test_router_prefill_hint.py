@@ -1,0 +1,81 @@
+"""The live router hands the conductor's priced prefill (``Placement.prefill_ms``) to whichever
+engine computes the prompt, as ``EngineRequest.predicted_prefill_ms``: the prefill worker's on
+a hand-off, the decode worker's when it prefills itself. A decode that loads a prompt computed
+elsewhere is not held by its gate, so it carries no hint it would use."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.live_router import LiveRouter
+from protos.wire import EngineRequest, Placement, PrefillResult, SamplingOptions, TokenChunk
+
+
+class _Remote:
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+    def options(self, **_):
+        return self
+
+
+class _Conductor:
+    prefill_done = _Remote(lambda *args: None)
+
+
+class _Prefill:
+    def __init__(self) -> None:
+        self.seen: list[EngineRequest] = []
+
+        async def prefill(request, priority):
+            self.seen.append(request)
+            return PrefillResult(request.request_id, "p0", len(request.prompt_token_ids), 0, 1, 5.0)
+
+        self.prefill = _Remote(prefill)
+
+
+class _Decode:
+    def __init__(self) -> None:
+        self.seen: list[EngineRequest] = []
+
+        def generate(request):
+            self.seen.append(request)
+
+            async def refs():
+                future = asyncio.get_running_loop().create_future()
+                future.set_result(TokenChunk((7,), "x", finish_reason="length"))
+                yield future
+
+            return refs()
+
+        self.generate = _Remote(generate)
+
+
+def _served(router: LiveRouter, placement: Placement) -> None:
+    request = EngineRequest("r1", tuple(range(300)), SamplingOptions(max_tokens=1))
+
+    async def go():
+        prefilled = await router._prefill(request, placement)
+        return [event async for event in router._serve(request, placement, prefilled)]
+
+    asyncio.run(go())
+
+
+def _router(**handles) -> LiveRouter:
+    router = LiveRouter(_Conductor(), "test")
+    router._handles = dict(handles)
+    return router
+
+
+def test_the_prefill_worker_gets_the_priced_prefill_and_the_loading_decode_does_not_need_it():
+    prefill, decode = _Prefill(), _Decode()
+    _served(_router(p0=prefill, d0=decode),
+            Placement("p0", "d0", "baton", prefill_ms=1_234.5, expected_cached_blocks=1))
+    assert [r.predicted_prefill_ms for r in prefill.seen] == [1_234.5]
+    assert [(r.predicted_prefill_ms, r.computes_prompt) for r in decode.seen] == [(0.0, False)]
+
+
+def test_a_decode_instance_prefilling_itself_gets_the_priced_prefill():
+    decode = _Decode()
+    _served(_router(d0=decode), Placement("d0", "d0", "baton", prefill_ms=640.0))
+    assert [(r.predicted_prefill_ms, r.computes_prompt) for r in decode.seen] == [(640.0, True)]
