@@ -47,13 +47,14 @@ class _Add:
     """Its prompt is computed here, so it waits its turn at the prefill gate."""
     arrived_ms: float = field(default_factory=lambda: time.monotonic() * 1000.0)
 
-    @property
-    def gate_key(self) -> tuple[int, float]:
-        """The prefill gate's order, lowest first: priority, then arrival plus the priced prefill
-        (``EngineRequest.predicted_prefill_ms``): among prompts arriving together the shortest
-        goes first, and one is passed only by prompts that arrived less than its own prefill
-        after it and are shorter. Unpriced prompts (0) go in arrival order."""
-        return self.priority, self.arrived_ms + self.request.predicted_prefill_ms
+    def gate_key(self, shortest_first: bool) -> tuple[int, float]:
+        """The prefill gate's order, lowest first: priority, then arrival, plus the priced
+        prefill (``EngineRequest.predicted_prefill_ms``) when ``shortest_first``: among prompts
+        arriving together the shortest goes first, and one is passed only by prompts that
+        arrived less than its own prefill after it and are shorter. Unpriced prompts (0) go in
+        arrival order."""
+        predicted = self.request.predicted_prefill_ms if shortest_first else 0.0
+        return self.priority, self.arrived_ms + predicted
 
 
 @dataclass
@@ -99,8 +100,9 @@ class EngineRunner:
 
     ``max_prefills`` (> 0) is the prefill gate: at most that many gated requests (those whose
     prompt this engine computes) are in the engine before their first token; the others wait
-    here and are added, by priority then arrival plus priced prefill (shortest first among
-    prompts arriving together: ``_Add.gate_key``), as first tokens come out. vLLM's scheduler
+    here and are added, by priority then arrival plus priced prefill (``gate_order``
+    "shortest_first": shortest first among prompts arriving together, ``_Add.gate_key``; or
+    "arrival"), as first tokens come out. vLLM's scheduler
     packs every waiting prompt it has into a step up to its token budget, and on a CPU a step
     costs about its tokens, so a burst of N prompts packed into one step gives all N their
     first token when the last is computed; one at a time, the k-th gets it after k prompts.
@@ -108,7 +110,8 @@ class EngineRunner:
     its compute bound, packing is the better choice).
     """
 
-    def __init__(self, engine_args, max_prefills: int = 0) -> None:
+    def __init__(self, engine_args, max_prefills: int = 0,
+                 gate_order: str = "shortest_first") -> None:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         from engine import cpu_seeds
@@ -122,6 +125,7 @@ class EngineRunner:
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._in_flight: set[str] = set()  # request ids between generate() start and end
         self.max_prefills = max_prefills
+        self.shortest_first = gate_order == "shortest_first"  # ``engine.prefill_gate_order``
         self._held: list[_Add] = []  # gated requests waiting for the gate (engine thread only)
         self._prefilling: set[str] = set()  # gated requests in the engine before their first token
         self._dead: BaseException | None = None
@@ -306,7 +310,7 @@ class EngineRunner:
         """Add held requests while the gate has room, the lowest ``_Add.gate_key`` first (among
         equal keys the first to arrive: ``min`` keeps the first of equal keys)."""
         while self._held and not self._gate_full():
-            command = min(self._held, key=lambda held: held.gate_key)
+            command = min(self._held, key=lambda held: held.gate_key(self.shortest_first))
             self._held.remove(command)
             self._add(command)
 

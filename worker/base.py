@@ -89,7 +89,8 @@ class EngineWorker:
         if config.device == "cpu":  # vLLM binds only in its multiprocess executor
             cores = bind_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
             log.info("%s %s: engine threads on cores %s", self.role, instance_id, cores or "any")
-        self.runner = EngineRunner(args, max_prefills=config.prefill_gate)
+        self.runner = EngineRunner(args, max_prefills=config.prefill_gate,
+                                   gate_order=config.prefill_gate_order)
         self.warmup_prefills: tuple[MeasuredPrefill, ...] = ()
         if config.warm_up:
             from engine.warmup import warm_up

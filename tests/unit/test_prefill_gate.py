@@ -40,9 +40,10 @@ class _Engine:
         self.aborted.extend(request_ids)
 
 
-def _runner(max_prefills: int) -> EngineRunner:
+def _runner(max_prefills: int, shortest_first: bool = True) -> EngineRunner:
     runner = EngineRunner.__new__(EngineRunner)  # no vLLM engine: the gate's bookkeeping only
     runner.engine, runner.max_prefills = _Engine(), max_prefills
+    runner.shortest_first = shortest_first
     runner._sinks, runner._held, runner._prefilling = {}, [], set()
     runner.num_finished_reqs = 0
     return runner
@@ -86,17 +87,24 @@ def test_the_gate_admits_by_priority_then_arrival_and_its_size_is_the_limit():
     assert runner.engine.added == ["a", "b", "d", "e", "c"]
 
 
-def test_the_shortest_priced_prefill_goes_first_but_a_long_one_is_passed_only_for_its_own_length():
-    runner = _runner(1)
+HELD = (("long", 1_000.0, 2_000.0), ("short", 1_100.0, 200.0), ("late-long", 2_000.0, 0.0),
+        ("later", 2_200.0, 100.0), ("last", 9_000.0, 0.0))
+"""(request id, arrival ms, priced prefill ms), in arrival order: shortest-first keys 3,000 /
+1,300 / 2,000 (unpriced) / 2,300 / 9,000 (unpriced)."""
+
+
+@pytest.mark.parametrize("shortest_first, order", [
+    (True, ["running", "short", "late-long", "later", "long", "last"]),
+    (False, ["running", "long", "short", "late-long", "later", "last"])])
+def test_the_shortest_priced_prefill_goes_first_but_a_long_one_is_passed_only_for_its_own_length(
+        shortest_first, order):
+    runner = _runner(1, shortest_first)
     _add(runner, "running", arrived_ms=0.0)
-    # (arrival ms, priced prefill ms): keys 3,000 / 1,300 / 2,300 / 2,000 / 9,000 (unpriced)
-    for request_id, arrived, predicted in (("long", 1_000.0, 2_000.0), ("short", 1_100.0, 200.0),
-                                           ("later", 2_200.0, 100.0), ("late-long", 2_000.0, 0.0),
-                                           ("last", 9_000.0, 0.0)):
+    for request_id, arrived, predicted in HELD:
         _add(runner, request_id, arrived_ms=arrived, predicted_prefill_ms=predicted)
-    for request_id in ("running", "short", "late-long", "later", "long"):
+    for request_id in order[:-1]:
         runner._deliver([_output(request_id)])
-    assert runner.engine.added == ["running", "short", "late-long", "later", "long", "last"]
+    assert runner.engine.added == order
     # "later" passed "long", which arrived 1,200 ms before it: less than long's 2,000 ms prefill
 
 
