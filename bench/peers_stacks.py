@@ -80,12 +80,12 @@ DEFAULT_STACKS = (
 ABLATION_STACKS = (
     StackSpec("baton-0p2d-packed", "baton", num_prefill=0, num_decode=2,
               settings=("engine.max_prefills_in_flight=0",)),
-    StackSpec("baton-0p2d-fifo", "baton", num_prefill=0, num_decode=2,
-              settings=("engine.prefill_gate_order=arrival",)),
+    StackSpec("baton-0p2d-sjf", "baton", num_prefill=0, num_decode=2,
+              settings=("engine.prefill_gate_order=shortest_first",)),
 )
 """Asked for by name only: ``baton-0p2d`` without its prefill gate (vLLM packs a burst of
-prompts into one step, as the SMG stacks' servers do), and with its gate first come, first
-served (not shortest priced prefill first)."""
+prompts into one step, as the SMG stacks' servers do), and with its gate ordered shortest
+priced prefill first instead of first come, first served."""
 
 
 SMG_BALANCED = ("--cache-threshold", "0.3", "--balance-abs-threshold", "2",

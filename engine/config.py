@@ -60,12 +60,13 @@ class EngineConfig(BaseModel):
         "tokens, so a burst packed into one step gets every first token when the last prompt is "
         "done. 0: no gate (vLLM packs them, the better choice where a step's cost is flat in "
         "its tokens, as on a GPU below its compute bound). Unset: 1 on a CPU, 0 on CUDA.")
-    prefill_gate_order: Literal["shortest_first", "arrival"] = Field(
-        "shortest_first", description="The order held prompts go through the prefill gate, "
-        "after priority: 'shortest_first' by arrival plus the conductor's priced prefill (among "
-        "prompts arriving together the shortest goes first; one is passed only by shorter "
-        "prompts that arrived less than its own priced prefill after it); 'arrival' first come, "
-        "first served.")
+    prefill_gate_order: Literal["arrival", "shortest_first"] = Field(
+        "arrival", description="The order held prompts go through the prefill gate, after "
+        "priority: 'arrival' first come, first served; 'shortest_first' by arrival plus the "
+        "conductor's priced prefill (among prompts arriving together the shortest goes first; "
+        "one is passed only by shorter prompts that arrived less than its own priced prefill "
+        "after it). Shortest first did not win the live agent-fleet race (docs/benchmarks.md, "
+        "Peers, 'The gate's order'), so arrival stays the default.")
     async_kv_transfers: bool = Field(
         True, description="KV loads and saves off the engine's step: a step's blocks are saved, "
         "and a request's KV is loaded, on the connector's own threads while the engine steps "

@@ -100,9 +100,9 @@ class EngineRunner:
 
     ``max_prefills`` (> 0) is the prefill gate: at most that many gated requests (those whose
     prompt this engine computes) are in the engine before their first token; the others wait
-    here and are added, by priority then arrival plus priced prefill (``gate_order``
-    "shortest_first": shortest first among prompts arriving together, ``_Add.gate_key``; or
-    "arrival"), as first tokens come out. vLLM's scheduler
+    here and are added, by priority then arrival (``gate_order`` "arrival"), or arrival plus
+    priced prefill ("shortest_first": shortest first among prompts arriving together,
+    ``_Add.gate_key``), as first tokens come out. vLLM's scheduler
     packs every waiting prompt it has into a step up to its token budget, and on a CPU a step
     costs about its tokens, so a burst of N prompts packed into one step gives all N their
     first token when the last is computed; one at a time, the k-th gets it after k prompts.
@@ -110,8 +110,7 @@ class EngineRunner:
     its compute bound, packing is the better choice).
     """
 
-    def __init__(self, engine_args, max_prefills: int = 0,
-                 gate_order: str = "shortest_first") -> None:
+    def __init__(self, engine_args, max_prefills: int = 0, gate_order: str = "arrival") -> None:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         from engine import cpu_seeds

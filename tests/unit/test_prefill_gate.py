@@ -1,8 +1,9 @@
 """The engine runner's prefill gate (``engine.max_prefills_in_flight``): prompts computed here
 go into the engine one at a time, the next when the one before has its first token, by
-priority, then arrival plus the conductor's priced prefill (shortest first among prompts
-arriving together, and none passed indefinitely); a decode whose prompt was computed elsewhere is never held; an abort of
-a held request never reaches the engine; an engine crash fails the held ones too."""
+priority, then arrival (``engine.prefill_gate_order: arrival``, the default) or arrival plus the
+conductor's priced prefill (``shortest_first``: shortest first among prompts arriving together,
+none passed indefinitely); a decode whose prompt was computed elsewhere is never held; an abort
+of a held request never reaches the engine; an engine crash fails the held ones too."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class _Engine:
         self.aborted.extend(request_ids)
 
 
-def _runner(max_prefills: int, shortest_first: bool = True) -> EngineRunner:
+def _runner(max_prefills: int, shortest_first: bool = False) -> EngineRunner:
     runner = EngineRunner.__new__(EngineRunner)  # no vLLM engine: the gate's bookkeeping only
     runner.engine, runner.max_prefills = _Engine(), max_prefills
     runner.shortest_first = shortest_first
@@ -135,6 +136,10 @@ def test_held_requests_count_as_waiting():
     for request_id in "abc":
         _add(runner, request_id)
     assert runner.num_running_and_waiting() == (1, 2)
+
+
+def test_the_gate_is_first_come_first_served_unless_configured():
+    assert EngineConfig().prefill_gate_order == "arrival"
 
 
 @pytest.mark.parametrize("device, configured, gate", [
