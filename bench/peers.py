@@ -37,6 +37,7 @@ import msgspec
 import numpy as np
 
 from bench import peers_cpu
+from bench.stall_probe import STALL_MS, HostStallProbe
 from bench.peers_client import run_workload, send_one, summarise
 from bench.peers_stacks import (
     ABLATION_STACKS,
@@ -302,10 +303,12 @@ def _run_stack(spec: StackSpec, run: int, model, workloads: dict[str, Workload],
         for wname, workload in workloads.items():
             t0 = time.time()
             cpu_before = peers_cpu.snapshot(stack.pids())
-            records, duration_s = asyncio.run(run_workload(
-                stack.base_url, model.name, workload, options.request_timeout_s))
+            with HostStallProbe() as probe:
+                records, duration_s = asyncio.run(run_workload(
+                    stack.base_url, model.name, workload, options.request_timeout_s))
             cpu_s = peers_cpu.by_role(cpu_before, peers_cpu.snapshot(stack.pids()))
             report = summarise(records, duration_s, ceilings[wname].hit_ratio)
+            report["host_stall"] = probe.result
             report["cpu_s_by_role"] = cpu_s
             report["cpu_share_by_role"] = peers_cpu.shares(cpu_s, duration_s, os.cpu_count() or 1)
             if spec.kind == "baton":
@@ -322,6 +325,10 @@ def _run_stack(spec: StackSpec, run: int, model, workloads: dict[str, Workload],
                  f"{report['failed']} failed {report['first_error'][:120]}")
             echo("    CPU s by role: " + ", ".join(f"{role} {sec:.1f}" for role, sec in cpu_s.items()
                                                   if sec > 0))
+            if probe.result:
+                echo(f"    host stalls (a sleeping probe process woke late): worst "
+                     f"{probe.result['late_ms_max']:.0f} ms, {probe.result['stalls']} of "
+                     f"{STALL_MS:.0f} ms or more, {probe.result['stalled_s']:.2f} s in all")
             if report.get("cost_model_error_pct"):
                 e = report["cost_model_error_pct"].get("prefill") or {}
                 echo(f"    cost model, prefill error on held-out prefills: median "
@@ -365,9 +372,21 @@ def aggregate(runs: Sequence[dict[str, Any]], options: PeersOptions, ceilings) -
             "cpu_s_by_role": {s: median_cpu([r for r in runs if r["stack"] == s
                                              and r["workload"] == wname])
                               for s in options.stacks},
+            "host_stall": {s: median_stall([r for r in runs if r["stack"] == s
+                                            and r["workload"] == wname])
+                           for s in options.stacks},
             **ratios_vs_best_smg(medians),
         }
     return {"options": msgspec.to_builtins(options), "runs": list(runs), "summary": summary}
+
+
+def median_stall(reports: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Median over runs of the host-stall probe's worst lateness (ms) and stalled time (s);
+    empty when no run has the probe's answer."""
+    probes = [r["host_stall"] for r in reports if r.get("host_stall")]
+    if not probes:
+        return {}
+    return {key: float(np.median([p[key] for p in probes])) for key in ("late_ms_max", "stalled_s")}
 
 
 def median_cpu(reports: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -419,6 +438,15 @@ def markdown(report: dict[str, Any]) -> str:
                       "| --- |" + " ---: |" * len(peers_cpu.ROLES)]
             lines += [f"| {stack} | " + " | ".join(_fmt(by.get(role), 1) for role in peers_cpu.ROLES)
                       + " |" for stack, by in cpu.items()]
+            lines.append("")
+        stalls = {stack: m for stack, m in (s.get("host_stall") or {}).items() if m}
+        if stalls:
+            lines += [f"Host stalls while each stack served (a sleeping probe process, "
+                      f"`bench.stall_probe`; median over runs): its latest wake-up, and the "
+                      f"time lost in wake-ups {STALL_MS:.0f} ms or more late:", "",
+                      "| stack | latest wake-up ms | stalled s |", "| --- | ---: | ---: |"]
+            lines += [f"| {stack} | {_fmt(m['late_ms_max'])} | {_fmt(m['stalled_s'], 2)} |"
+                      for stack, m in stalls.items()]
             lines.append("")
     tuned = {k: v for k, v in (report.get("tuning") or {}).items() if k != "seed_offset"}
     if tuned:
