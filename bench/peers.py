@@ -37,7 +37,6 @@ import msgspec
 import numpy as np
 
 from bench import peers_cpu
-from bench.stall_probe import STALL_MS, HostStallProbe
 from bench.peers_client import run_workload, send_one, summarise
 from bench.peers_stacks import (
     ABLATION_STACKS,
@@ -58,6 +57,7 @@ from bench.peers_workloads import (
     mooncake_slice_workload,
     private_prefix_workload,
 )
+from bench.stall_probe import STALL_MS, HostStallProbe
 
 WORKLOADS = ("private_prefix", "agent_fleet", "mooncake_slice")
 """Every workload ``build_workloads`` knows."""

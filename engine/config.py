@@ -53,9 +53,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine's batch.")
     max_prefills_in_flight: int | None = Field(
         None, ge=0, description="The prefill gate: prompts an engine computes at once; the "
-        "others wait in the worker and go in, by priority, then arrival plus the conductor's "
-        "priced prefill (shortest first among prompts arriving together), as first tokens come "
-        "out (a decode whose prompt was computed elsewhere is not held). vLLM packs every "
+        "others wait in the worker and go in, by priority, then in `prefill_gate_order`, as "
+        "first tokens come out (a decode whose prompt was computed elsewhere is not held). vLLM packs every "
         "waiting prompt into a step up to its token budget, and on a CPU a step costs about its "
         "tokens, so a burst packed into one step gets every first token when the last prompt is "
         "done. 0: no gate (vLLM packs them, the better choice where a step's cost is flat in "

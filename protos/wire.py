@@ -108,9 +108,10 @@ class EngineRequest(msgspec.Struct, frozen=True):
     here), so the engine's prefill gate does not hold it (``engine.max_prefills_in_flight``)."""
     predicted_prefill_ms: float = 0.0
     """The conductor's priced prefill of the prompt's uncached part on the instance computing it
-    (``Placement.prefill_ms``; 0: not priced). The prefill gate admits held prompts by arrival
-    plus this, so a short prompt passes a long one that arrived less than the long one's
-    prefill before it (shortest first, with no prompt passed indefinitely)."""
+    (``Placement.prefill_ms``; 0: not priced). With ``engine.prefill_gate_order:
+    shortest_first`` the prefill gate admits held prompts by arrival plus this, so a short prompt
+    passes a long one that arrived less than the long one's prefill before it (no prompt is
+    passed indefinitely); with ``arrival`` (the default) it is not read."""
 
 
 class PlacementRequest(msgspec.Struct, frozen=True):
