@@ -57,7 +57,7 @@ from bench.peers_workloads import (
     mooncake_slice_workload,
     private_prefix_workload,
 )
-from bench.stall_probe import STALL_MS, HostStallProbe
+from bench.stall_probe import STALL_MS, HostStallProbe, sched_autogroup
 
 WORKLOADS = ("private_prefix", "agent_fleet", "mooncake_slice")
 """Every workload ``build_workloads`` knows."""
@@ -377,7 +377,8 @@ def aggregate(runs: Sequence[dict[str, Any]], options: PeersOptions, ceilings) -
                            for s in options.stacks},
             **ratios_vs_best_smg(medians),
         }
-    return {"options": msgspec.to_builtins(options), "runs": list(runs), "summary": summary}
+    return {"options": msgspec.to_builtins(options), "sched_autogroup": sched_autogroup(),
+            "runs": list(runs), "summary": summary}
 
 
 def median_stall(reports: Sequence[dict[str, Any]]) -> dict[str, float]:

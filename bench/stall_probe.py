@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 STEP_S = 0.01
@@ -36,6 +37,19 @@ def summarise(late_ms: Sequence[float]) -> dict[str, Any]:
     return {"wakeups": len(ordered), "late_ms_max": round(ordered[-1], 1) if ordered else 0.0,
             "late_ms_p99": round(p99, 1), "stalls": len(stalls),
             "stalled_s": round(sum(stalls) / 1000.0, 3)}
+
+
+AUTOGROUP_SYSCTL = Path("/proc/sys/kernel/sched_autogroup_enabled")
+
+
+def sched_autogroup(path: Path = AUTOGROUP_SYSCTL) -> bool | None:
+    """Whether the kernel schedules each session as a group of its own (autogroup); None where
+    the kernel has no such switch. With it on, processes in other sessions than a stack's
+    shared the cores with that stack's whole session as one group (``Stack._spawn``)."""
+    try:
+        return path.read_text().strip() == "1"
+    except OSError:
+        return None
 
 
 def run() -> None:
