@@ -1,6 +1,7 @@
 """``bench.stall_probe``: the figures of a sleeping probe's lateness, the probe process itself (a
 real subprocess, stopped by SIGTERM, answering with those figures), the kernel's autogroup switch,
 and a stack's processes kept in the benchmark's session (one scheduling group with the client)."""
+
 from __future__ import annotations
 
 import os
