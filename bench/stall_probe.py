@@ -5,9 +5,11 @@ no stack's own figures show.
 interpreter lock), sleeps in ``STEP_S`` steps and records by how much each wake-up was late,
 until SIGTERM, then prints one JSON object (``summarise``). On an idle or a merely busy machine
 the lateness stays within a few milliseconds (the scheduler wakes a sleeper on a busy core at
-once); seconds mean the whole machine stopped scheduling, which stalls every process of every
-stack the same way. ``baton bench peers`` runs one probe beside every workload of every stack
-(``HostStallProbe``) and reports it per stack.
+once); more means processes outside the stack, the benchmark's client among them, were kept from
+running. That is how it found the stalls of stacks started in sessions of their own under the
+kernel's autogroup (``sched_autogroup``; ``bench.peers_stacks.Stack._spawn`` now keeps them in
+the benchmark's session). ``baton bench peers`` runs one probe beside every workload of every
+stack (``HostStallProbe``) and reports it per stack.
 """
 
 from __future__ import annotations
