@@ -213,7 +213,7 @@ class Stack:
         kernel groups by session (``kernel.sched_autogroup_enabled``, on by default in most
         distributions). In sessions of their own, each SMG process was a group and all of
         ``baton serve`` one, and beside Baton's group the client and the stall probe waited up
-        to 1.5 s to run (runnable, not asleep: ``/proc/thread-self/schedstat``). In one
+        to 2.6 s to run (runnable, not asleep: ``/proc/thread-self/schedstat``). In one
         session every stack and the client share the cores as under a kernel without
         autogroup."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
