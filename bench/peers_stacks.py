@@ -209,13 +209,10 @@ class Stack:
     def _spawn(self, label: str, argv: list[str], env: dict[str, str] | None = None,
                cores: list[int] | None = None) -> None:
         """Start one process of the stack in its own process group (``stop`` signals the group)
-        but in the benchmark's session: a session is a scheduling group of its own where the
-        kernel groups by session (``kernel.sched_autogroup_enabled``, on by default in most
-        distributions). In sessions of their own, each SMG process was a group and all of
-        ``baton serve`` one, and beside Baton's group the client and the stall probe waited up
-        to 2.6 s to run (runnable, not asleep: ``/proc/thread-self/schedstat``). In one
-        session every stack and the client share the cores as under a kernel without
-        autogroup."""
+        but in the benchmark's session. Under the kernel's autogroup a session is a scheduling
+        group, and with each stack in sessions of its own the client waited up to 2.6 s beside
+        ``baton serve``'s (docs/benchmarks.md, "The stall found"); in one session every stack
+        and the client share the cores alike."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
         with open(self.log_dir / f"{self.spec.name}-{label}.log", "ab") as log:

@@ -1,14 +1,17 @@
-"""``baton bench peers``' workload generators, ceiling and metrics (no engines: the live
-benchmark runs outside CI)."""
+"""``baton bench peers``' workload generators, ceiling and metrics, and how a stack's processes
+are started (no engines: the live benchmark runs outside CI)."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import msgspec
 import pytest
 
 from bench.peers import PeersOptions, build_workloads, median_table, ratios_vs_best_smg, run_order
 from bench.peers_client import PeerRecord, fanout_stats, reason_kind, summarise
-from bench.peers_stacks import PeersError
+from bench.peers_stacks import PeersError, Stack, StackSpec
 from bench.peers_workloads import (
     DEFAULT_TRACE,
     TRACE_CUE,
@@ -389,3 +392,17 @@ def test_tuning_reseeds_every_workload_and_picks_the_least_geometric_mean_ttft()
     assert tuning_score([{"mean_ttft_ms": 100.0, "failed": 1}]) == float("inf")
     assert tuning_score([]) == float("inf")
     assert best_variant({"a": 300.0, "b": 200.0, "c": 200.0}) == "b"
+
+
+def test_a_stacks_process_runs_in_its_own_group_and_the_benchmarks_session(tmp_path):
+    spec = StackSpec("smg-round_robin", "smg", smg_policy="round_robin")
+    stack = Stack(spec, model=None, log_dir=tmp_path)
+    stack._spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (pid,) = stack.pids()
+        assert os.getpgid(pid) == pid
+        assert os.getsid(pid) == os.getsid(0)
+    finally:
+        stack.stop()
+    assert stack.pids() == []
+

@@ -1,14 +1,11 @@
 """``bench.stall_probe``: the figures of a sleeping probe's lateness, the probe process itself (a
-real subprocess, stopped by SIGTERM, answering with those figures), the kernel's autogroup switch,
-and a stack's processes kept in the benchmark's session (one scheduling group with the client)."""
+real subprocess, stopped by SIGTERM, answering with those figures), and the kernel's autogroup
+switch."""
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
-from bench.peers_stacks import Stack, StackSpec
 from bench.stall_probe import HostStallProbe, sched_autogroup, summarise
 
 
@@ -27,19 +24,6 @@ def test_the_probe_process_answers_when_stopped():
     assert result is not None and set(result) == {"wakeups", "late_ms_max", "late_ms_p99",
                                                   "stalls", "stalled_s"}
     assert result["wakeups"] > 10  # it slept in 10 ms steps for most of that second
-
-
-def test_a_stacks_process_runs_in_its_own_group_and_the_benchmarks_session(tmp_path):
-    spec = StackSpec("smg-round_robin", "smg", smg_policy="round_robin")
-    stack = Stack(spec, model=None, log_dir=tmp_path)
-    stack._spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        (pid,) = stack.pids()
-        assert os.getpgid(pid) == pid
-        assert os.getsid(pid) == os.getsid(0)
-    finally:
-        stack.stop()
-    assert stack.pids() == []
 
 
 def test_autogroup_is_read_from_the_kernels_switch(tmp_path):
