@@ -186,8 +186,7 @@ def test_a_save_that_fails_gives_back_its_slots_and_those_after_it_and_commits_t
     """One step's saves, the second's copy failing: the first is committed, the second's and
     the third's reservations are aborted (a live process never leaves slots reserved), and
     every request is still reported finished, so vLLM frees its blocks."""
-    gate = threading.Event()
-    gate.set()
+    gate = threading.Event()  # closed while the saves are handed off, so none is reported yet
     connector, store = worker_half(gate)
     aborted: list[list] = []
     store.abort = lambda keys, arena_path: aborted.append(list(keys))
@@ -205,7 +204,9 @@ def test_a_save_that_fails_gives_back_its_slots_and_those_after_it_and_commits_t
     saves = [SaveSpec(r, block_ids=[i], keys=[f"{r}0".encode()], parents=[None])
              for i, r in enumerate(("a", "b", "c"))]
 
-    step(connector, BatonConnectorMetadata(saves=saves), finished={"a", "b", "c"})
+    assert step(connector, BatonConnectorMetadata(saves=saves),
+                finished={"a", "b", "c"}) == (None, None)
+    gate.set()
     assert until(connector) == ({"a", "b", "c"}, None)
     assert calls == [[0], [1]]  # the third was never copied
     assert store.committed == [[b"a0"]]
