@@ -77,6 +77,12 @@ class Step(msgspec.Struct):
     finished_s: float
     reply_tokens: int
     ceiling_cached_tokens: int = 0
+    prefill: str = ""
+    """The instance that computed its prompt (the placement's), and the one that decoded it."""
+    decode: str = ""
+    priced_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """The placement's priced TTFT terms: KV transfer, queue, prefill (ms)."""
+    reason: str = ""
 
     @property
     def prefilled_s(self) -> float:
@@ -190,9 +196,14 @@ async def _one_step(stub, session: int, index: int, prompt: list[int], max_token
             reply.extend(response.delta.token_ids)
         else:
             usage = response.final.usage
+            placement = response.final.placement
     done = time.perf_counter()
     return Step(session, index, len(prompt), usage.cached_tokens, usage.loaded_tokens,
-                ((first or done) - sent) * 1000.0, sent - t0, done - t0, len(reply)), reply
+                ((first or done) - sent) * 1000.0, sent - t0, done - t0, len(reply),
+                prefill=placement.prefill, decode=placement.decode,
+                priced_ms=(round(placement.transfer_ms, 1), round(placement.queue_ms, 1),
+                           round(placement.prefill_ms, 1)),
+                reason=placement.reason), reply
 
 
 async def _session(stub, workload: Workload, session: int, t0: float, steps: list[Step],

@@ -268,8 +268,13 @@ def cost_model_line(cost_model) -> str:
     if not cost_model.calibrating:
         return "cost model: fixed (conductor.calibrate_cost_model false); error not measured"
     source = f" (prefill model: {cost_model.prefill_source})" if cost_model.prefill_source else ""
-    return (f"cost model: calibrating from measured timings{source}; "
+    line = (f"cost model: calibrating from measured timings{source}; "
             f"{error('prefill', cost_model.prefill)}; {error('decode', cost_model.decode)}")
+    handoff = getattr(cost_model, "handoff", None)
+    overhead = getattr(cost_model, "handoff_overhead_ms", 0.0)
+    if handoff is not None or overhead:
+        line += f"; KV hand-off overhead {overhead:.1f} ms, {error('hand-off', handoff)}"
+    return line
 
 
 def autoscale_lines(autoscale) -> list[str]:

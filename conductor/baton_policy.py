@@ -144,7 +144,9 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
     d = decode_by_load(snapshot)
     handoff = handoff_ms(snapshot, request, config, _prefill_view(snapshot, pooled.instance_id), d)
     disaggregated_t = pooled.total_ms + handoff
-    disaggregated = (f"{pooled.describe()} + hand-off {handoff:.1f} ms to {d.instance_id} = "
+    overhead = (f" (measured overhead {config.handoff_overhead_ms:.1f} of it)"
+                if config.handoff_overhead_ms else "")
+    disaggregated = (f"{pooled.describe()} + hand-off {handoff:.1f} ms{overhead} to {d.instance_id} = "
                      f"{disaggregated_t:.1f} ms")
     colocated, colocated_t = cheapest_colocated(pricer, decode, exclude_over_tbt=True, beat_ms=disaggregated_t)
     if colocated is not None and colocated_t <= disaggregated_t:
@@ -159,7 +161,8 @@ def baton(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyCo
         why = f"disaggregated: {disaggregated_t:.1f} ms < colocated >= {colocated_t:.1f} ms"
     else:
         why = f"disaggregated: {disaggregated_t:.1f} ms < colocated {colocated_t:.1f} ms"
-    return pooled.placement(d.instance_id, "baton", f"{why}; {disaggregated}; {decode_terms(d)}")
+    return pooled.placement(d.instance_id, "baton", f"{why}; {disaggregated}; {decode_terms(d)}",
+                            handoff_ms=handoff)
 
 
 def _view(snapshot: ClusterSnapshot, pool: int, instance_id: str) -> InstanceView:

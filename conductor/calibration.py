@@ -19,6 +19,15 @@ than the same prefills under live traffic, and kept in the window they held the 
 a 22% median where live refits alone reach 5%. Errors are only counted on live measurements,
 each predicted before it joins a fit.
 
+The KV hand-off of a disaggregated request is priced as its bytes' transfer plus a measured
+overhead (``PolicyConfig.handoff_overhead_ms``): the decode instance's lookup and load, the step
+boundaries it waits for and its first step beside its running batch. The router measures each
+hand-off (a prefill's result to the decode's first token); ``observe_handoff`` keeps the last
+``HANDOFF_WINDOW`` of them less their priced transfer, and the overhead is their median, updated
+every ``refit_every`` hand-offs once ``min_samples`` were seen. Before it, hand-offs cost their
+bytes only, which priced them 75-850 ms under what they took (``baton bench sessions``, one
+prefill and one decode instance on two cores).
+
 Pure mechanism, no I/O: the conductor's state feeds it and reads the models back.
 """
 
@@ -54,6 +63,11 @@ def _summary(errors: deque) -> PredictionError | None:
                            len(values))
 
 
+HANDOFF_WINDOW = 64
+"""Measured hand-offs the overhead is the median of (the newest): it follows the decode
+batch's step time as load changes."""
+
+
 MIN_TBT_ERROR_SAMPLES = 16
 """Held-out decode steps the margin waits for before it trusts the measured error."""
 
@@ -81,6 +95,12 @@ class CostCalibration:
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._prefill_errors: deque[float] = deque(maxlen=error_window)
         self._step_errors: deque[float] = deque(maxlen=error_window)
+        self._handoff_residuals: deque[float] = deque(maxlen=HANDOFF_WINDOW)
+        self._handoff_errors: deque[float] = deque(maxlen=error_window)
+        self._since_handoff_fit = 0
+        self.handoff_overhead_ms = 0.0
+        """What a hand-off costs beyond its bytes (ms): 0 until ``min_samples`` were measured."""
+        self._handoff_fitted = False
         self._since_prefill_fit = self._since_step_fit = 0
         self.num_prefill_refits = self.num_decode_refits = 0
         self._prefill_fitted = self._decode_fitted = fitted
@@ -151,6 +171,32 @@ class CostCalibration:
         self.decode, self._decode_fitted = refit, True
         self.num_decode_refits += 1
         return True
+
+    def observe_handoff(self, measured_ms: float, transfer_ms: float) -> bool:
+        """One measured hand-off (ms) whose bytes were priced at ``transfer_ms``; True when it
+        changed ``handoff_overhead_ms``. Once the overhead is set, each hand-off is first
+        predicted with it (its error recorded), then joins the window."""
+        if measured_ms <= 0 or transfer_ms < 0:
+            return False
+        if self._handoff_fitted:
+            predicted = transfer_ms + self.handoff_overhead_ms
+            self._handoff_errors.append(abs(predicted - measured_ms) / measured_ms * 100.0)
+        self._handoff_residuals.append(max(0.0, measured_ms - transfer_ms))
+        self._since_handoff_fit += 1
+        if (len(self._handoff_residuals) < self._min_samples
+                or self._since_handoff_fit < self._refit_every):
+            return False
+        self._since_handoff_fit = 0
+        overhead = round(float(np.median(np.fromiter(self._handoff_residuals, dtype=np.float64))), 1)
+        self._handoff_fitted = True
+        if overhead == self.handoff_overhead_ms:
+            return False
+        self.handoff_overhead_ms = overhead
+        return True
+
+    def handoff_error(self) -> PredictionError | None:
+        """The priced hand-off's error on hand-offs measured after its overhead was set."""
+        return _summary(self._handoff_errors)
 
     def prefill_source(self) -> str:
         """Where the prefill model's figures come from (``CostModelStatus.prefill_source``)."""

@@ -328,9 +328,10 @@ class Conductor:
         if event is not None:
             event.set()
 
-    async def finished(self, request_id: str) -> None:
-        """The router reports the end of a request, however it ended."""
-        self.state.finished(request_id)
+    async def finished(self, request_id: str, handoff_ms: float | None = None) -> None:
+        """The router reports the end of a request, however it ended, and how long its KV
+        hand-off took when it was disaggregated (``ConductorState.finished``)."""
+        self.state.finished(request_id, handoff_ms)
         event = self._prefill_events.pop(request_id, None)
         if event is not None:
             event.set()

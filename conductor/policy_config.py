@@ -83,6 +83,14 @@ class PolicyConfig(BaseModel):
         "running decodes (vLLM's max_num_batched_tokens with chunked prefill; 2048 is its default "
         "for engines built from EngineArgs, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS) (tokens)."
     )
+    handoff_overhead_ms: float = Field(
+        0.0, ge=0, description="Baton: what a disaggregated request's KV hand-off costs beyond "
+        "moving its bytes (ms): the decode instance's store lookup and load, the step boundaries "
+        "it waits for, its first step beside the running batch, and the calls between. The live "
+        "conductor sets it to the median it measures (the router's time from a prefill's result "
+        "to the decode's first token, less the priced transfer); 0 where nothing measures it "
+        "(the simulator, or calibrate_cost_model false)."
+    )
     short_prefill_tokens: int = Field(
         256, ge=0, description="Baton, baton_colocation 'short' only: an uncached suffix shorter "
         "than this prefills on the decode instance (tokens); 0 always disaggregates. Deprecated: "

@@ -75,14 +75,16 @@ class PrefillPrice(msgspec.Struct, frozen=True):
         return (f"{self.instance_id}: T=transfer {self.transfer_ms:.1f} + queue {self.queue_ms:.1f}{batch} + "
                 f"prefill {self.prefill_ms:.1f} = {self.total_ms:.1f} ms ({where})")
 
-    def placement(self, decode_instance: str, policy: str, reason: str) -> Placement:
-        """Prefill here, decode on ``decode_instance``, with these priced terms; the longest
-        prefix runs first on the prefill instance."""
+    def placement(self, decode_instance: str, policy: str, reason: str,
+                  handoff_ms: float = 0.0) -> Placement:
+        """Prefill here, decode on ``decode_instance``, with these priced terms (and, when
+        disaggregated, the priced KV hand-off); the longest prefix runs first on the prefill
+        instance."""
         return Placement(
             self.instance_id, decode_instance, policy, reason,
             transfer_ms=self.transfer_ms, queue_ms=self.queue_ms, prefill_ms=self.prefill_ms,
             expected_cached_blocks=self.num_cached_blocks, pulled_from=self.pulled_from,
-            priority=-self.num_cached_blocks,
+            priority=-self.num_cached_blocks, handoff_ms=handoff_ms,
         )
 
 
@@ -346,12 +348,14 @@ def handoff_ms(snapshot: ClusterSnapshot, request: PlacementRequest, config: Pol
                prefill: InstanceView, decode: InstanceView) -> float:
     """The KV hand-off of a disaggregated prefill: the prompt's blocks past ``decode``'s own
     device run, over ``same_node`` when both instances share a non-empty ``node_id``, else
-    ``remote_host``."""
+    ``remote_host``, plus ``handoff_overhead_ms`` (what a hand-off measurably costs beyond its
+    bytes: calibrated live, 0 elsewhere)."""
     num_blocks = -(-request.num_prompt_tokens // config.block_size_tokens)
     num_moved = max(0, num_blocks - snapshot.hit(decode.instance_id).num_blocks_device)
     same_node = bool(prefill.node_id) and prefill.node_id == decode.node_id
-    return config.transfer.t_transfer_ms(num_moved * config.block_size_tokens * config.kv_bytes_per_token,
-                                         "same_node" if same_node else "remote_host")
+    moved_ms = config.transfer.t_transfer_ms(num_moved * config.block_size_tokens * config.kv_bytes_per_token,
+                                             "same_node" if same_node else "remote_host")
+    return moved_ms + config.handoff_overhead_ms
 
 
 def cheapest_colocated(pricer: Pricer, decode: Sequence[InstanceView], exclude_over_tbt: bool,

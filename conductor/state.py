@@ -228,6 +228,9 @@ class ConductorState:
         """Live agent sessions: each one's last placement, prefix and pauses."""
         self._session_of: dict[str, str] = {}
         """Request id → the session it is a step of (requests that name one)."""
+        self._handoff_transfer_ms: dict[str, float] = {}
+        """Request id → the priced transfer of its KV hand-off (the priced hand-off less the
+        overhead in force), for disaggregated placements that priced one."""
 
     # ------------------------------------------------------------------ membership and load
 
@@ -525,6 +528,9 @@ class ConductorState:
         decode.decodes[request.request_id] = num_blocks
         decode.decode_blocks += num_blocks
         self._decodes[request.request_id] = placement.decode_instance
+        if placement.handoff_ms and placement.prefill_instance != placement.decode_instance:
+            self._handoff_transfer_ms[request.request_id] = max(
+                0.0, placement.handoff_ms - self.config.handoff_overhead_ms)
         self._refresh_view(placement.prefill_instance)
         if placement.decode_instance != placement.prefill_instance:  # co-located: refreshed already
             self._refresh_view(placement.decode_instance)
@@ -657,9 +663,19 @@ class ConductorState:
         if abs(margin - self.config.tbt_error_frac) >= 0.01:
             self.config = self.config.model_copy(update={"tbt_error_frac": margin})
 
-    def finished(self, request_id: str) -> None:
-        """The request is over (streamed to the end, failed, or cancelled)."""
+    def finished(self, request_id: str, handoff_ms: float | None = None) -> None:
+        """The request is over (streamed to the end, failed, or cancelled). ``handoff_ms``: how
+        long its KV hand-off took, from its prefill's result to the decode's first token (None:
+        co-located, or not measured); it calibrates the priced hand-off's overhead when there is
+        a calibration and its placement priced a hand-off."""
         self.prefill_done(request_id, None)
+        transfer_ms = self._handoff_transfer_ms.pop(request_id, None)
+        if (self.calibration is not None and handoff_ms is not None and transfer_ms is not None
+                and self.calibration.observe_handoff(handoff_ms, transfer_ms)):
+            self.config = self.config.model_copy(
+                update={"handoff_overhead_ms": self.calibration.handoff_overhead_ms})
+            log.info("KV hand-off overhead now %.1f ms (median of measured hand-offs)",
+                     self.calibration.handoff_overhead_ms)
         session_id = self._session_of.pop(request_id, None)
         if session_id is not None:
             self.sessions.finished(session_id)

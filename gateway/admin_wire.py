@@ -70,7 +70,8 @@ def status_to_pb(view: StatusView) -> apb.StatusResponse:
     if pools.cost_model is not None:
         reply.cost_model.calibrating = pools.cost_model.calibrating
         reply.cost_model.prefill_source = pools.cost_model.prefill_source
-        for name in ("prefill", "decode"):
+        reply.cost_model.handoff_overhead_ms = pools.cost_model.handoff_overhead_ms
+        for name in ("prefill", "decode", "handoff"):
             error = getattr(pools.cost_model, name)
             if error is not None:
                 getattr(reply.cost_model, name).CopyFrom(
@@ -85,7 +86,8 @@ def _cost_model(m: apb.CostModelStatus) -> CostModelStatus:
         e = getattr(m, name)
         return PredictionError(e.median_pct, e.p90_pct, e.num_predictions)
 
-    return CostModelStatus(m.calibrating, error("prefill"), error("decode"), m.prefill_source)
+    return CostModelStatus(m.calibrating, error("prefill"), error("decode"), m.prefill_source,
+                           m.handoff_overhead_ms, error("handoff"))
 
 
 def autoscale_to_pb(a: AutoscaleStatus) -> apb.AutoscaleStatus:

@@ -114,9 +114,9 @@ class LiveRouter:
     def call_counts(self) -> CallCounts:
         return self.calls.snapshot()
 
-    def _finished(self, request_id: str) -> None:
+    def _finished(self, request_id: str, handoff_ms: float | None = None) -> None:
         self.calls.count("conductor.finished", "sent")
-        self._conductor.finished.remote(request_id)
+        self._conductor.finished.remote(request_id, handoff_ms)
 
     async def _finished_before_placing_again(self, request_id: str) -> None:
         """Close the books of a placement that failed before placing the request again: an async
@@ -194,6 +194,11 @@ class LiveRouter:
         placement_request = self._placement_request(request)
         timer.kv_bytes_per_token = getattr(self._scheme, "kv_bytes_per_token", 0)
         placement, prefilled = await self._place_and_prefill(request, placement_request)
+        prefilled_s = time.perf_counter()
+        # from the prefill's result to the decode's first token, when disaggregated: what the
+        # conductor calibrates the priced hand-off on (reported with the request's end)
+        handoff_ms: float | None = None
+        measure_handoff = placement.prefill_instance != placement.decode_instance
         generated: list[int] = []
         current = request
         try:
@@ -203,6 +208,9 @@ class LiveRouter:
                         if isinstance(event, Placed):
                             timer.placed(event.placement, event.prefill)
                         else:
+                            if measure_handoff and event.token_ids:
+                                handoff_ms = (time.perf_counter() - prefilled_s) * 1000.0
+                                measure_handoff = False
                             generated.extend(event.token_ids)
                             if moves and event.finish_reason is not None:
                                 event = _as_original(event, len(request.prompt_token_ids))
@@ -227,6 +235,7 @@ class LiveRouter:
                 log.warning("request %s: %s; continuing on another decode instance",
                             request.request_id, failure)
                 current = continuation(request, generated)
+                handoff_ms, measure_handoff = None, False  # not the continuation's hand-off
                 try:
                     placement, prefilled = await self._place_and_prefill(
                         current, self._placement_request(current))
@@ -234,7 +243,7 @@ class LiveRouter:
                     raise WorkerFailed(f"{failure}; no other decode instance could continue it: "
                                        f"{error}") from error
         finally:  # however it ended, the conductor's books must close
-            self._finished(request.request_id)
+            self._finished(request.request_id, handoff_ms)
 
     async def _place_and_prefill(self, request: EngineRequest,
                                  placement_request: PlacementRequest) -> tuple[Placement, PrefillResult]:

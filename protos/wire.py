@@ -157,6 +157,9 @@ class Placement(msgspec.Struct, frozen=True):
     """... and the store node it runs on."""
     priority: int = 0
     """Queue position within the prefill instance: lower runs first (longest prefix first)."""
+    handoff_ms: float = 0.0
+    """Priced KV hand-off to the decode instance (ms; its calibrated overhead included), when the
+    policy prices one (Baton, disaggregated); 0 otherwise."""
 
 
 class CachedByTier(msgspec.Struct, frozen=True):
@@ -406,6 +409,11 @@ class CostModelStatus(msgspec.Struct, frozen=True):
     prefill_source: str = ""
     """Where the prefill model's figures come from: 'profile', 'placeholders', 'warm-up of N
     prefills' or 'refit N times on live prefills' ('' from a conductor that does not say)."""
+    handoff_overhead_ms: float = 0.0
+    """The measured overhead of a disaggregated KV hand-off the conductor prices now (ms;
+    ``PolicyConfig.handoff_overhead_ms``)."""
+    handoff: PredictionError | None = None
+    """The priced hand-off's error on hand-offs measured after it was set."""
 
 
 class PoolStatus(msgspec.Struct, frozen=True):

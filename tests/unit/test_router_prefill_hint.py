@@ -79,3 +79,64 @@ def test_a_decode_instance_prefilling_itself_gets_the_priced_prefill():
     decode = _Decode()
     _served(_router(d0=decode), Placement("d0", "d0", "baton", prefill_ms=640.0))
     assert [(r.predicted_prefill_ms, r.computes_prompt) for r in decode.seen] == [(640.0, True)]
+
+
+class _PlacingConductor:
+    """Places every request where it is told and records what the router reports at the end."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.ended: list[tuple] = []
+
+        async def place(request):
+            return placement
+
+        async def key_scheme():
+            return None
+
+        self.place = _Remote(place)
+        self.key_scheme = _Remote(key_scheme)
+        self.prefill_done = _Remote(lambda *args: None)
+        self.finished = _Remote(lambda *args: self.ended.append(args))
+
+
+class _SlowDecode(_Decode):
+    """Its first token comes ``delay_s`` after the call (a load and a step)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+
+        def generate(request):
+            async def refs():
+                await asyncio.sleep(delay_s)
+                future = asyncio.get_running_loop().create_future()
+                future.set_result(TokenChunk((7,), "x", finish_reason="length"))
+                yield future
+
+            return refs()
+
+        self.generate = _Remote(generate)
+
+
+def _streamed(placement: Placement, **handles) -> list[tuple]:
+    conductor = _PlacingConductor(placement)
+    router = LiveRouter(conductor, "test")
+    router._handles = dict(handles)
+    request = EngineRequest("r1", tuple(range(300)), SamplingOptions(max_tokens=1))
+
+    async def go():
+        return [event async for event in router.stream(request)]
+
+    asyncio.run(go())
+    return conductor.ended
+
+
+def test_a_disaggregated_requests_hand_off_is_measured_and_reported_with_its_end():
+    ended = _streamed(Placement("p0", "d0", "baton", handoff_ms=1.0),
+                      p0=_Prefill(), d0=_SlowDecode(0.2))
+    assert [request_id for request_id, _ in ended] == ["r1"]
+    assert 200.0 <= ended[0][1] < 2_000.0  # the decode's first token came 0.2 s after the prefill
+
+
+def test_a_co_located_request_reports_no_hand_off():
+    ended = _streamed(Placement("d0", "d0", "baton"), d0=_SlowDecode(0.05))
+    assert ended == [("r1", None)]
