@@ -80,13 +80,18 @@ def load_profile(path: str) -> CostProfile:
 
 def policy_config_for(config: ClusterConfig, model: PreparedModel) -> PolicyConfig:
     """The conductor's tuning with the facts filled in: block size and KV bytes per token from
-    the model and engine, cost models from the profile (when one is configured)."""
+    the model and engine, the prefill chunk from the decode engines' step budget
+    (``EngineConfig.step_token_budget``, unless the tuning names its own), cost models from the
+    profile (when one is configured)."""
     dtype = effective_dtype(config.engine, model)
     updates: dict[str, object] = {
         "block_size_tokens": block_size_for(config.engine.device),
         "kv_bytes_per_token": kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
                                                  dtype_bytes(dtype)),
     }
+    step_tokens = config.engine.step_token_budget("decode")
+    if step_tokens is not None and "baton_prefill_chunk_tokens" not in config.conductor.tuning.model_fields_set:
+        updates["baton_prefill_chunk_tokens"] = step_tokens
     if config.conductor.profile_path:
         profile = load_profile(config.conductor.profile_path)
         if profile.model != model.name:

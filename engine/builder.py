@@ -124,6 +124,9 @@ def build_engine_args(
         )
     if config.num_kv_blocks is not None:
         kwargs["num_gpu_blocks_override"] = config.num_kv_blocks
+    step_tokens = config.step_token_budget(role)
+    if step_tokens is not None:
+        kwargs["max_num_batched_tokens"] = step_tokens
     if role == "prefill":
         kwargs["scheduling_policy"] = "priority"
     if config.device == "cuda":

@@ -9,6 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from engine.cpu_threads import parse_cpu_list
 
 
+CPU_DECODE_STEP_TOKENS = 512
+"""The step budget of an engine that decodes on a CPU, unless configured: what SMG's vLLM
+servers were tuned to before the peers race, and what won Baton's own ablation there."""
+
+
 class EngineConfig(BaseModel):
     """How each prefill or decode instance builds its vLLM engine."""
 
@@ -51,6 +56,15 @@ class EngineConfig(BaseModel):
         "soak completed fewer steps (a smaller cache recompiles kernels): docs/benchmarks.md, Soak."
     )
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine's batch.")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=16, description="Tokens one engine step may compute (vLLM's "
+        "max_num_batched_tokens): a longer prompt is prefilled in chunks of this many, each "
+        "step also stepping the running decodes, so a decode stream waits at most one chunk "
+        "for someone else's prompt. Unset: 512 for engines that decode on a CPU (a step costs "
+        "about its tokens there: at vLLM's 2,048 a decode batch stalled behind whole prompts; "
+        "docs/benchmarks.md, Peers, 'Chunked prefill'), vLLM's default (2,048) for prefill "
+        "engines and on CUDA. The conductor prices a co-located prefill's chunks with the "
+        "decode engines' figure.")
     max_prefills_in_flight: int | None = Field(
         None, ge=0, description="The prefill gate: prompts an engine computes at once; the "
         "others wait in the worker and go in, by priority, then in `prefill_gate_order`, as "
@@ -114,6 +128,15 @@ class EngineConfig(BaseModel):
     def structured_outputs_backend(self) -> str:
         """vLLM's structured-output backend the engines run (the fronts check schemas for it)."""
         return "xgrammar" if self.compact_json else "auto"
+
+    def step_token_budget(self, role: str) -> int | None:
+        """``max_num_batched_tokens`` as an engine of ``role`` runs it (its default resolved;
+        None: vLLM's own)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.device == "cpu" and role != "prefill":
+            return CPU_DECODE_STEP_TOKENS
+        return None
 
     @property
     def prefill_gate(self) -> int:

@@ -435,3 +435,20 @@ def test_a_colocated_placement_names_the_runner_ups_price():
     # d0's queue: a's 128 ms prefill booked, plus a's decode step for each chunk of b's prompt
     assert second.reason.endswith("; runner-up d0: T=transfer 0.0 + queue 150.0 (decode batch 22.0 of it) "
                                   "+ prefill 128.0 = 278.0 ms (local prefix 0 blocks)")
+
+
+def test_the_conductor_prices_prefill_chunks_of_the_engines_step_budget(tmp_path):
+    from cluster.config import load_config
+    from cluster.local import policy_config_for
+    from engine.models import PreparedModel
+
+    model = PreparedModel(name="m", path=tmp_path, num_layers=30, num_kv_heads=3, head_dim=64,
+                          max_model_len=8192, dtype_bytes=4)
+    assert policy_config_for(load_config(None, {}), model).baton_prefill_chunk_tokens == 512  # CPU
+    cuda = load_config(None, {"engine.device": "cuda"})
+    assert policy_config_for(cuda, model).baton_prefill_chunk_tokens == 2048  # vLLM's
+    chunked = load_config(None, {"engine.max_num_batched_tokens": 256})
+    assert policy_config_for(chunked, model).baton_prefill_chunk_tokens == 256
+    named = load_config(None, {"engine.max_num_batched_tokens": 256,
+                               "conductor.tuning.baton_prefill_chunk_tokens": 1024})
+    assert policy_config_for(named, model).baton_prefill_chunk_tokens == 1024

@@ -278,3 +278,21 @@ def test_the_connector_knobs_reach_the_connectors_extra_config(tiny_model):
     extra = args.kv_transfer_config.kv_connector_extra_config
     assert (extra["sync_load_step_fraction"], extra["lookup_wait_step_fraction"],
             extra["lookup_wait_max_s"]) == (0.2, 0.01, 0.007)
+
+
+def test_the_engines_step_budget_reaches_vllm(tiny_model):
+    from engine.builder import build_engine_args
+    from engine.config import EngineConfig
+    from kvstore.attach import StoreWiring
+
+    wiring = StoreWiring("store", "ns", "node")
+
+    def budget(config: EngineConfig, role: str) -> int | None:
+        return build_engine_args(config, tiny_model, role, "e0", wiring).max_num_batched_tokens
+
+    # on a CPU an engine that decodes chunks prompts in 512-token steps; a prefill engine and
+    # a CUDA engine keep vLLM's own default, and a configured budget goes to every role
+    assert (budget(EngineConfig(), "decode"), budget(EngineConfig(), "prefill")) == (512, None)
+    assert budget(EngineConfig(device="cuda"), "decode") is None
+    configured = EngineConfig(max_num_batched_tokens=256)
+    assert (budget(configured, "decode"), budget(configured, "prefill")) == (256, 256)
