@@ -81,7 +81,11 @@ AUTOSCALE_ENABLED = Gauge("baton_autoscale_enabled",
 COST_MODEL_ERROR = Gauge(
     "baton_cost_model_error_pct",
     "The conductor's cost model's absolute percentage error on requests it was not fitted on "
-    "(model: prefill, decode; stat: median, p90); absent until measured.", ["model", "stat"])
+    "(model: prefill, decode, handoff; stat: median, p90); absent until measured.", ["model", "stat"])
+HANDOFF_OVERHEAD = Gauge(
+    "baton_kv_handoff_overhead_ms",
+    "What the conductor prices a disaggregated KV hand-off at beyond its bytes: the median of "
+    "the measured hand-offs less their priced transfer (ms); 0 until measured.")
 REQUESTS_FINISHED = Counter("baton_request_success",
                             "Requests that streamed to their end, by finish reason.",
                             ["finished_reason"])
@@ -94,7 +98,7 @@ METRIC_NAMES = (
     "baton_placement_decisions_total",
     "baton_early_rejections_total", "baton_request_success_total",
     "baton_kv_store_blocks", "baton_kv_store_events", "baton_request_retries_total",
-    "baton_cost_model_error_pct",
+    "baton_cost_model_error_pct", "baton_kv_handoff_overhead_ms",
 )
 """The series names as exposed (counters gain ``_total``; histograms add ``_bucket`` etc.)."""
 
@@ -201,11 +205,12 @@ def set_pool_gauges(status) -> None:
 def _set_cost_model(cost_model) -> None:
     if cost_model is None:
         return
-    for name in ("prefill", "decode"):
-        error = getattr(cost_model, name)
+    for name in ("prefill", "decode", "handoff"):
+        error = getattr(cost_model, name, None)
         if error is not None:
             COST_MODEL_ERROR.labels(name, "median").set(error.median_pct)
             COST_MODEL_ERROR.labels(name, "p90").set(error.p90_pct)
+    HANDOFF_OVERHEAD.set(getattr(cost_model, "handoff_overhead_ms", 0.0))
 
 
 _decisions_seen: dict[str, int] = {}

@@ -186,7 +186,8 @@ def test_status_round_trips_every_field():
         view = StatusView(pools, fronts, "c")
         assert status_from_pb(status_to_pb(view)) == view
     for cost_model in (CostModelStatus(False), CostModelStatus(True, PredictionError(7.5, 21.25, 40)),
-                       CostModelStatus(True, PredictionError(1.0, 2.0, 3), PredictionError(4.0, 5.0, 6))):
+                       CostModelStatus(True, PredictionError(1.0, 2.0, 3), PredictionError(4.0, 5.0, 6)),
+                       CostModelStatus(True, None, None, "profile", 283.5, PredictionError(9.0, 30.5, 17))):
         view = StatusView(msgspec.structs.replace(pools, cost_model=cost_model), None, "c")
         assert status_from_pb(status_to_pb(view)) == view
     # the proto's counters map holds what the node reported: no disk counters without a disk
@@ -476,3 +477,7 @@ def test_the_cost_models_error_reaches_its_gauges():
     metrics.set_pool_gauges(status)
     assert metrics.COST_MODEL_ERROR.labels("prefill", "median")._value.get() == 6.5
     assert metrics.COST_MODEL_ERROR.labels("prefill", "p90")._value.get() == 19.0
+    handoff = CostModelStatus(True, None, None, "", 212.5, PredictionError(11.0, 35.5, 20))
+    metrics.set_pool_gauges(msgspec.structs.replace(status, cost_model=handoff))
+    assert metrics.HANDOFF_OVERHEAD._value.get() == 212.5
+    assert metrics.COST_MODEL_ERROR.labels("handoff", "p90")._value.get() == 35.5

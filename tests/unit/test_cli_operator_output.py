@@ -97,3 +97,8 @@ def test_status_shows_the_cost_models_held_out_error(monkeypatch):
     assert operate.cost_model_line(warm) == (
         "cost model: calibrating from measured timings (prefill model: warm-up of 7 prefills); "
         "prefill not measured yet; decode not measured yet")
+    handoff = CostModelStatus(True, None, None, "", 283.5, PredictionError(9.0, 30.5, 17))
+    assert operate.cost_model_line(handoff) == (
+        "cost model: calibrating from measured timings; prefill not measured yet; decode not "
+        "measured yet; KV hand-off overhead 283.5 ms, hand-off error median 9.0%, p90 30.5% "
+        "(last 17 held out)")
