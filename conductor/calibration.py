@@ -25,8 +25,8 @@ boundaries it waits for and its first step beside its running batch. The router 
 hand-off (a prefill's result to the decode's first token); ``observe_handoff`` keeps the last
 ``HANDOFF_WINDOW`` of them less their priced transfer, and the overhead is their median, updated
 every ``refit_every`` hand-offs once ``min_samples`` were seen. Before it, hand-offs cost their
-bytes only, which priced them 75-850 ms under what they took (``baton bench sessions``, one
-prefill and one decode instance on two cores).
+bytes only, which priced them 39-849 ms (median ~200) under what they took (``baton bench
+sessions``, one prefill and one decode instance on two cores).
 
 Pure mechanism, no I/O: the conductor's state feeds it and reads the models back.
 """

@@ -81,7 +81,8 @@ class PolicyConfig(BaseModel):
     baton_prefill_chunk_tokens: int = Field(
         2048, gt=0, description="Baton: the prompt tokens an engine prefills per step beside its "
         "running decodes (vLLM's max_num_batched_tokens with chunked prefill; 2048 is its default "
-        "for engines built from EngineArgs, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS) (tokens)."
+        "for engines built from EngineArgs, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS; a live "
+        "cluster sets it to its decode engines' budget, engine.max_num_batched_tokens) (tokens)."
     )
     handoff_overhead_ms: float = Field(
         0.0, ge=0, description="Baton: what a disaggregated request's KV hand-off costs beyond "
