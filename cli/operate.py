@@ -270,10 +270,9 @@ def cost_model_line(cost_model) -> str:
     source = f" (prefill model: {cost_model.prefill_source})" if cost_model.prefill_source else ""
     line = (f"cost model: calibrating from measured timings{source}; "
             f"{error('prefill', cost_model.prefill)}; {error('decode', cost_model.decode)}")
-    handoff = getattr(cost_model, "handoff", None)
-    overhead = getattr(cost_model, "handoff_overhead_ms", 0.0)
-    if handoff is not None or overhead:
-        line += f"; KV hand-off overhead {overhead:.1f} ms, {error('hand-off', handoff)}"
+    if cost_model.handoff is not None or cost_model.handoff_overhead_ms:
+        line += (f"; KV hand-off overhead {cost_model.handoff_overhead_ms:.1f} ms, "
+                 f"{error('hand-off', cost_model.handoff)}")
     return line
 
 

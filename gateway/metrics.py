@@ -206,11 +206,11 @@ def _set_cost_model(cost_model) -> None:
     if cost_model is None:
         return
     for name in ("prefill", "decode", "handoff"):
-        error = getattr(cost_model, name, None)
+        error = getattr(cost_model, name)
         if error is not None:
             COST_MODEL_ERROR.labels(name, "median").set(error.median_pct)
             COST_MODEL_ERROR.labels(name, "p90").set(error.p90_pct)
-    HANDOFF_OVERHEAD.set(getattr(cost_model, "handoff_overhead_ms", 0.0))
+    HANDOFF_OVERHEAD.set(cost_model.handoff_overhead_ms)
 
 
 _decisions_seen: dict[str, int] = {}

@@ -98,19 +98,22 @@ def test_a_busy_decode_instance_hands_off_until_hand_offs_are_measured_to_cost_m
 
 
 def test_only_disaggregated_placements_that_priced_a_hand_off_are_measured():
-    state = _state()
+    state = _state()  # the overhead is set at the 4th counted hand-off (min_samples 4)
     colocated = state.place(_request("c", 50_000))
     assert colocated.prefill_instance == colocated.decode_instance == "d0"
     state.finished("c", handoff_ms=500.0)  # a stray figure for a co-located request: not counted
-    assert len(state.calibration._handoff_residuals) == 0
     assert state.place(_request("busy", 10_000)).prefill_instance == "d0"
     placed = state.place(_request("d", 60_000))
     assert placed.prefill_instance == "p0"
+    state.prefill_done("d", 0, 128.0)
     state.finished("d")  # its hand-off was not measured (e.g. cancelled before a token)
-    assert len(state.calibration._handoff_residuals) == 0
-    placed = state.place(_request("e", 70_000))
-    state.finished("e", handoff_ms=placed.handoff_ms + 42.0)
-    assert list(state.calibration._handoff_residuals) == [pytest.approx(42.0)]
+    for i, residual_ms in enumerate((40.0, 42.0, 44.0, 46.0)):
+        assert state.config.handoff_overhead_ms == 0.0  # had either counted, set by now
+        placed = state.place(_request(f"e{i}", 70_000 + 1_000 * i))
+        assert placed.prefill_instance == "p0"
+        state.prefill_done(f"e{i}", 0, 128.0)
+        state.finished(f"e{i}", handoff_ms=placed.handoff_ms + residual_ms)
+    assert state.config.handoff_overhead_ms == 43.0  # the median of the four measured
 
 
 def test_without_a_calibration_the_hand_off_costs_its_bytes():
