@@ -90,6 +90,10 @@ class BlockDirectory:
             for entry in pipe.execute()
         ]
 
+    def node_block_count(self, node_id: str) -> int:
+        """How many blocks the directory records on ``node_id`` (any tier)."""
+        return int(self._redis.scard(_node_blocks(node_id)))
+
     def nodes(self) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in self._redis.hgetall(NODES_KEY).items()}
 

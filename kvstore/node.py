@@ -21,7 +21,7 @@ from typing import Callable, Sequence, TypeVar
 
 import msgspec
 
-from kvstore.block_store import BlockStore, StoreStats
+from kvstore.block_store import BlockState, BlockStore, StoreStats
 from kvstore.config import KVStoreConfig
 from kvstore.disk_tier import DiskTier
 from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, StoreEventPublisher
@@ -291,6 +291,22 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
         return self.store.stats()
 
     @_locked
+    def tiers(self, keys: Sequence[BlockKey]) -> list[str | None]:
+        """Where this node holds each key, read-only (no pin, no LRU touch): ``"host"`` for a
+        readable host-tier block, ``"disk"`` for one only on the disk tier, None when it holds
+        neither. What the Redis directory should say of this node, block by block."""
+        out: list[str | None] = []
+        for key in keys:
+            info = self.store.block_info(key)
+            if info is not None and info.state is BlockState.READY:
+                out.append("host")
+            elif self.disk is not None and self.disk.contains(key):
+                out.append("disk")
+            else:
+                out.append(None)
+        return out
+
+    @_locked
     def tier_counters(self) -> TierCounters:
         """Blocks moved between tiers, and the disk tier's own counters."""
         stats = self.store.stats()
@@ -443,13 +459,14 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
         if not self._registered_once:  # drop what a previous process of this node left
             directory.deregister(self.node_id)
         self._registered = False
-        directory.register(self.node_id, str(self.arena.path), config.heartbeat_ttl_s)
-        if self.transfer_server is not None:
-            directory.set_transfer_address(self.node_id, msgspec.json.encode(self.transfer_address()))
+        # the blocks first, the node last: a node the directory lists has all its blocks there
         for start in range(0, len(host), 1024):
             directory.publish(self.node_id, stored=host[start:start + 1024], tier="host")
         for start in range(0, len(disk), 1024):
             directory.publish(self.node_id, stored=disk[start:start + 1024], tier="disk")
+        if self.transfer_server is not None:
+            directory.set_transfer_address(self.node_id, msgspec.json.encode(self.transfer_address()))
+        directory.register(self.node_id, str(self.arena.path), config.heartbeat_ttl_s)
         self._registered = self._registered_once = True
         log.log(logging.INFO if reason == "started" else logging.WARNING,
                 "store node %s registered in Redis (%s) with %d host and %d disk blocks",

@@ -145,12 +145,20 @@ async def test_a_redis_restart_under_load_loses_no_request_and_the_store_re_regi
     while directory.nodes() != {"node0": arena} and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert directory.nodes() == {"node0": arena}
-    # what was stored before the restart and while Redis was down is back by re-registration
+    # what was stored before the restart and while Redis was down is back by re-registration:
+    # the directory says of node0 exactly what node0 holds, block by block (the host tier is
+    # LRU, so the oldest of these prompts may have been evicted since: then neither has it)
     scheme = await cluster.conductor.key_scheme.remote()
     extras = KeyExtras(scheme.model_id, "", "", scheme.kv_layout)
-    for prompt, _end in finished:
+    held_while_down = 0
+    for prompt, end in finished:
         keys = block_keys(prompt, scheme.block_size_tokens, extras)
-        assert directory.locate(keys) == [{"node0": "host"}] * len(keys)
+        tiers = await cluster.store.tiers.remote(keys)
+        assert directory.locate(keys) == [{"node0": t} if t else {} for t in tiers]
+        held_while_down += stopped_at < end < restarted_at and tiers == ["host"] * len(keys)
+    assert held_while_down > 0  # blocks stored while Redis was down were re-registered
+    # and nothing the node does not hold
+    assert directory.node_block_count("node0") == (await cluster.store.stats.remote()).ready_blocks
 
 
 async def test_a_store_node_that_dies_on_its_own_is_replaced_by_the_cluster(server, reference):
