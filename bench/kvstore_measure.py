@@ -16,9 +16,10 @@ bytes, with no checksums, pins or protocol):
   to the kernel's autotuning, into per-block destinations with ``recv_into``;
 - ``ucx``: the same read over UCX vs a raw ucxx server sending the same blocks (one tagged send
   per block, all in flight) into the same destinations;
-- ``disk-write``: ``DiskTier.put`` of fresh blocks, one call per block with its parent and no
-  known digest, as the node demotes a block it never served or pulled, vs one ``pwritev`` of the
-  same blocks into a preallocated file, page cache dropped before each round;
+- ``disk-write``: ``DiskTier.put_many`` of fresh blocks with their parents and no known
+  digest, as the node demotes the blocks one store call evicted when it never served or pulled
+  them, vs one ``pwritev`` of the same blocks into a preallocated file, page cache dropped
+  before each round;
   ``disk-write-fsync`` the same, made durable (``DiskTier(fsync=True).put_many``: one
   ``fdatasync`` per batch; the baseline's ``pwritev`` then ``fdatasync``);
 - ``disk-read``: ``DiskTier.get_into`` vs one ``preadv`` of the same blocks, each round after
@@ -363,9 +364,10 @@ def _disk_tier(m: Measurement, root: Path, blocks: list[np.ndarray], dests: list
         def write() -> None:
             if durable:  # a batch made durable with one sync
                 stored = tier.put_many([(k, None, b) for k, b in zip(keys, blocks)])
-            else:  # the node's demotion: one put per evicted block, its parent named, and no
-                # digest (one the node never hashed, as it never did for a locally saved block)
-                stored = [tier.put(k, p, b) for k, p, b in zip(keys, [None, *keys[:-1]], blocks)]
+            else:  # the node's demotion: one put_many of the blocks one store call evicted,
+                # parents named, and no digest (one the node never hashed: a block a local
+                # worker saved and nobody pulled)
+                stored = tier.put_many(list(zip(keys, [None, *keys[:-1]], blocks)))
             if not all(stored):
                 raise RuntimeError("the disk tier refused a benchmark block")
 

@@ -21,7 +21,7 @@ from typing import Callable, Sequence, TypeVar
 
 import msgspec
 
-from kvstore.block_store import BlockState, BlockStore, StoreStats
+from kvstore.block_store import BlockState, BlockStore, ReserveResult, StoreStats
 from kvstore.config import KVStoreConfig
 from kvstore.disk_tier import DiskTier
 from kvstore.events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, StoreEventPublisher
@@ -73,6 +73,40 @@ def _stored(keys: list[BlockKey], parent: BlockKey | None, medium: str,
     """A store-side ``BlockStored``: the store knows keys, not tokens, so ``token_ids`` is empty."""
     return BlockStored(block_hashes=keys, parent_block_hash=parent, token_ids=[],
                        block_size=block_size_tokens, lora_id=None, medium=medium, lora_name=None)
+
+
+class _DemotingStore(BlockStore):
+    """The host tier, whose evictions during one ``reserve`` (or ``evict``) call reach
+    ``demote`` together, before the call returns: the disk tier then writes them as one batch.
+    That is safe because an evicted slot is handed out again (to a block being written) by the
+    same call, but nobody writes into it before the call has returned."""
+
+    def __init__(self, capacity_blocks: int,
+                 demote: Callable[[list[tuple[BlockKey, BlockKey | None, int]]], None]) -> None:
+        super().__init__(capacity_blocks, on_evict=self._collect)
+        self._demote = demote
+        self._evicted: list[tuple[BlockKey, BlockKey | None, int]] = []  # (key, parent, slot)
+
+    def reserve(self, keys: Sequence[BlockKey],
+                parents: Sequence[BlockKey | None]) -> ReserveResult:
+        try:
+            return super().reserve(keys, parents)
+        finally:
+            self._flush()
+
+    def evict(self, num_blocks: int) -> list[BlockKey]:
+        try:
+            return super().evict(num_blocks)
+        finally:
+            self._flush()
+
+    def _collect(self, key: BlockKey, parent: BlockKey | None, slot: int) -> None:
+        self._evicted.append((key, parent, slot))
+
+    def _flush(self) -> None:
+        if self._evicted:
+            evicted, self._evicted = self._evicted, []
+            self._demote(evicted)
 
 
 class AcquiredRun(msgspec.Struct, frozen=True):
@@ -130,7 +164,7 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
                 config.events_endpoint, config.events_replay_endpoint, f"baton.store.{node_id}"
             )
         self._block_size_tokens = block_size_tokens
-        self.store = BlockStore(num_slots, on_evict=self._demote)
+        self.store = _DemotingStore(num_slots, demote=self._demote)
         self.promoted_blocks = 0
         # XXH3s of host blocks known without hashing again (served, or pulled and verified),
         # until evicted: a demotion hands its block's to the disk tier
@@ -350,20 +384,25 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
         return PinnedRun(keys=served, slots=slots, from_disk=from_disk, checksums=checksums,
                          leases=leases)
 
-    def _demote(self, key: BlockKey, parent: BlockKey | None, slot: int) -> None:
-        """BlockStore eviction hook: the slot still holds the block; copy it to disk first (a
-        leased block goes there leased, and may displace plain disk blocks; a plain one never
-        displaces a leased one), with its checksum when the node knows it (the disk tier then
-        does not hash it again)."""
-        checksum = self._checksums.pop(key, None)
-        leased = self._leases.is_leased(key)
-        if self.disk is not None and self.disk.put(key, parent, self.arena.slot(slot),
-                                                   leased=leased, payload_xxh3=checksum):
-            self.demoted_blocks += 1
-            self._record(removed_host=[key], stored_disk=[(key, parent)])
-        else:
-            self.dropped_leased_blocks += leased
-            self._record(removed_host=[key])
+    def _demote(self, evicted: Sequence[tuple[BlockKey, BlockKey | None, int]]) -> None:
+        """``_DemotingStore`` hook: the blocks one store call evicted, whose slots still hold
+        them; copy them to disk in one ``put_many`` (blocks in adjacent disk slots go in one
+        write). A leased block goes there leased, and may displace plain disk blocks; a plain
+        one never displaces a leased one. A block's checksum goes along when the node knows
+        it (the disk tier then does not hash it again)."""
+        keys = [key for key, _, _ in evicted]
+        leased = [self._leases.is_leased(key) for key in keys]
+        checksums = [self._checksums.pop(key, None) for key in keys]
+        stored = [False] * len(evicted)
+        if self.disk is not None:
+            stored = self.disk.put_many(
+                [(key, parent, self.arena.slot(slot)) for key, parent, slot in evicted],
+                payload_xxh3s=checksums, leased_flags=leased)
+        self.demoted_blocks += sum(stored)
+        self.dropped_leased_blocks += sum(is_leased and not ok
+                                          for is_leased, ok in zip(leased, stored))
+        self._record(removed_host=keys, stored_disk=[
+            (key, parent) for (key, parent, _), ok in zip(evicted, stored) if ok])
 
     def _promote(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """Copy the blocks that continue ``keys``' leading run in host memory from disk back to

@@ -215,75 +215,43 @@ def test_failed_write_leaves_no_block(tmp_path: Path, monkeypatch) -> None:
 
 
 class SimulatedCrash(BaseException):
-    """Not an OSError: the process 'dies' mid-put, so no cleanup code runs."""
+    """Not an OSError: the process 'dies' mid-put."""
 
 
-def test_crash_mid_write_never_exposes_the_block(tmp_path: Path, monkeypatch) -> None:
-    """Without a known digest the payload goes first under a zero header: a torn payload
-    write leaves a free slot, not a block."""
-    tier = make_tier(tmp_path, 2)
-    put(tier, "A")
+def die_after(monkeypatch, torn_bytes: int | None) -> list[int]:
+    """From the next ``pwritev`` on the process is dead: that write reaches the file only up to
+    ``torn_bytes`` (None: not at all), and nothing after it does (the tier's clean-up writes
+    fail too, as they would in a dead process). The offsets of the writes tried."""
     real_pwritev = os.pwritev
+    tried: list[int] = []
 
-    def zero_header_and_half_the_payload_then_crash(fd, buffers, offset):
-        torn = bytes(buffers[0]) + bytes(buffers[1])[: BLOCK_BYTES // 2]
-        real_pwritev(fd, [torn], offset)
+    def torn_then_dead(fd, buffers, offset):
+        tried.append(offset)
+        if len(tried) == 1 and torn_bytes is not None:
+            real_pwritev(fd, [b"".join(bytes(b) for b in buffers)[:torn_bytes]], offset)
         raise SimulatedCrash
 
-    monkeypatch.setattr(disk_tier.os, "pwritev", zero_header_and_half_the_payload_then_crash)
-    with pytest.raises(SimulatedCrash):
-        tier.put(k("B"), None, payload("B"))
-    monkeypatch.undo()
-    assert not tier.contains(k("B"))  # indexed only after its write returns
-    assert find_block(tmp_path, k("B"), BLOCK_BYTES) is None  # its header was never written
-
-    restarted = make_tier(tmp_path, 2)
-    assert sorted(restarted.keys()) == [k("A")] and restarted.get(k("B")) is None
-    assert restarted.stats().corrupt_blocks == 0 and restarted.stats().misses == 1
-    restarted.check_invariants()
-    assert put(restarted, "B")  # the slot is free again
-    assert restarted.get(k("B")) == payload("B")
-
-
-def test_crash_before_the_header_leaves_a_free_slot(tmp_path: Path, monkeypatch) -> None:
-    tier = make_tier(tmp_path, 2)
-    real_pwritev = os.pwritev
-    writes = []
-
-    def payload_then_crash(fd, buffers, offset):
-        writes.append(offset)
-        if len(writes) == 2:  # the header's write, after the whole payload's
-            raise SimulatedCrash
-        return real_pwritev(fd, buffers, offset)
-
-    monkeypatch.setattr(disk_tier.os, "pwritev", payload_then_crash)
-    with pytest.raises(SimulatedCrash):
-        tier.put(k("B"), None, payload("B"))
-    monkeypatch.undo()
-    assert writes == [0, 0]
-    assert slot_bytes(tier, 0) == bytes(HEADER_BYTES) + payload("B")
-    restarted = make_tier(tmp_path, 2)
-    assert restarted.keys() == [] and restarted.stats().corrupt_blocks == 0
-
-
-def test_crash_mid_write_with_a_known_digest_is_a_counted_miss(tmp_path: Path,
-                                                                 monkeypatch) -> None:
-    """With the digest known the header goes in the same write as the payload: a torn write
-    leaves a sound header whose payload fails its XXH3 on read."""
-    tier = make_tier(tmp_path, 2)
-    put(tier, "A")
-    real_pwritev = os.pwritev
-
-    def header_and_half_the_payload_then_crash(fd, buffers, offset):
-        torn = b"".join(bytes(b) for b in buffers)[: HEADER_BYTES + BLOCK_BYTES // 2]
-        real_pwritev(fd, [torn], offset)
+    def dead(*args):
         raise SimulatedCrash
 
-    monkeypatch.setattr(disk_tier.os, "pwritev", header_and_half_the_payload_then_crash)
+    monkeypatch.setattr(disk_tier.os, "pwritev", torn_then_dead)
+    monkeypatch.setattr(disk_tier.os, "pwrite", dead)
+    return tried
+
+
+@pytest.mark.parametrize("digest_known", [False, True])
+def test_a_crash_mid_write_is_a_counted_miss_after_a_restart(tmp_path: Path, monkeypatch,
+                                                              digest_known) -> None:
+    """Header and payload go in one write: a torn write leaves a sound header over a payload
+    that fails its XXH3, whether the digest was known or hashed by the tier."""
+    tier = make_tier(tmp_path, 2)
+    put(tier, "A")
+    tried = die_after(monkeypatch, HEADER_BYTES + BLOCK_BYTES // 2)
+    digest = block_checksum(payload("B")) if digest_known else None
     with pytest.raises(SimulatedCrash):
-        tier.put(k("B"), None, payload("B"), payload_xxh3=block_checksum(payload("B")))
+        tier.put(k("B"), None, payload("B"), payload_xxh3=digest)
     monkeypatch.undo()
-    assert not tier.contains(k("B"))
+    assert tried == [FILE_BYTES]  # slot 1, once
     assert find_block(tmp_path, k("B"), BLOCK_BYTES) is not None  # the torn slot's sound header
 
     restarted = make_tier(tmp_path, 2)  # the header is sound: the payload check decides, on read
@@ -291,6 +259,59 @@ def test_crash_mid_write_with_a_known_digest_is_a_counted_miss(tmp_path: Path,
     assert restarted.stats().corrupt_blocks == 1 and not restarted.contains(k("B"))
     assert restarted.get(k("A")) == payload("A")
     restarted.check_invariants()
+    assert put(restarted, "B")  # the slot is free again
+    assert restarted.get(k("B")) == payload("B")
+
+
+def test_a_crash_before_the_write_leaves_a_free_slot(tmp_path: Path, monkeypatch) -> None:
+    tier = make_tier(tmp_path, 2)
+    put(tier, "A")
+    die_after(monkeypatch, None)
+    with pytest.raises(SimulatedCrash):
+        tier.put(k("B"), None, payload("B"))
+    monkeypatch.undo()
+    assert slot_bytes(tier, 1) == bytes(FILE_BYTES)  # never written: a hole of the sparse file
+    restarted = make_tier(tmp_path, 2)
+    assert restarted.keys() == [k("A")] and restarted.stats().corrupt_blocks == 0
+
+
+def test_a_crash_mid_run_keeps_the_whole_blocks_and_misses_the_torn_one(tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    """Three blocks in adjacent slots go in one write, torn in the middle of the second: after
+    a restart the first is a hit, the second a counted miss, the third's slot is free."""
+    tier = make_tier(tmp_path, 4)
+    tried = die_after(monkeypatch, FILE_BYTES + HEADER_BYTES + BLOCK_BYTES // 2)
+    with pytest.raises(SimulatedCrash):
+        tier.put_many([(k(name), None, payload(name)) for name in "ABC"])
+    monkeypatch.undo()
+    assert tried == [0]
+    restarted = make_tier(tmp_path, 4)
+    assert sorted(restarted.keys()) == sorted([k("A"), k("B")])
+    assert restarted.get(k("A")) == payload("A")
+    assert restarted.get(k("B")) is None and restarted.stats().corrupt_blocks == 1
+    restarted.check_invariants()
+
+
+def test_an_exception_mid_batch_in_a_live_process_leaves_nothing_behind(tmp_path: Path,
+                                                                       monkeypatch) -> None:
+    """Not a write error (an answer) but a bug or an interrupt: the call's unwritten blocks are
+    dropped again (headers zeroed, slots free, nothing pinned) before it propagates."""
+    tier = make_tier(tmp_path, 4)
+    put(tier, "A")
+    real_pwritev = os.pwritev
+
+    def torn_then_raise(fd, buffers, offset):
+        real_pwritev(fd, [b"".join(bytes(b) for b in buffers)[:HEADER_BYTES + 8]], offset)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(disk_tier.os, "pwritev", torn_then_raise)
+    with pytest.raises(KeyboardInterrupt):
+        tier.put_many([(k("B"), k("A"), payload("B")), (k("C"), k("B"), payload("C"))])
+    monkeypatch.undo()
+    assert tier.keys() == [k("A")] and tier.stats().pinned_blocks == 0
+    assert tier.drain_removed_keys() == []  # never announced as stored: nothing to take back
+    tier.check_invariants()  # no sound header left in a free slot
+    assert put(tier, "B", "A") and tier.get(k("B")) == payload("B")
 
 
 def test_full_disk_rejects_put_without_leaving_a_block(
@@ -335,10 +356,8 @@ def test_short_writes_resume_until_the_block_is_whole(tmp_path: Path, monkeypatc
     assert put(tier, "A")
     assert put(tier, "B")
     monkeypatch.undo()
-    slot_then_header = [  # each slot under a zero header, then its header
-        list(range(start, start + FILE_BYTES, 7)) + list(range(start, start + HEADER_BYTES, 7))
-        for start in (0, FILE_BYTES)]
-    assert offsets == slot_then_header[0] + slot_then_header[1]
+    # each slot, header included, in one write that resumes where each short write stopped
+    assert offsets == list(range(0, FILE_BYTES, 7)) + list(range(FILE_BYTES, 2 * FILE_BYTES, 7))
     assert tier.get(k("A")) == payload("A") and tier.get(k("B")) == payload("B")
 
 

@@ -1,6 +1,7 @@
 """DiskTier's page-aligned slots for large blocks and ``put_many``: the same answers and bytes as
-a loop of ``put``, one sync per durable batch, a failed write or sync leaving nothing indexed; a
-payload hashed after its write when its digest is unknown, never hashed again when it is known."""
+a loop of ``put``, blocks in adjacent slots in one write (at most ``RUN_BLOCKS``), one sync per
+durable batch, a failed write or sync leaving nothing indexed; a payload with an unknown digest
+hashed just before its run's write, never hashed again when its digest is known."""
 
 from __future__ import annotations
 
@@ -124,9 +125,10 @@ def test_a_failed_sync_drops_the_whole_batch(tmp_path, monkeypatch):
     tier.check_invariants()
 
 
-def test_a_failed_write_in_a_batch_drops_only_its_block(tmp_path, monkeypatch):
+def test_a_failed_write_drops_the_blocks_of_its_run_only(tmp_path, monkeypatch):
     tier = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
-    assert tier.put(k(9), None, block(9))  # slot 0; the batch's blocks go to slots 1-3
+    assert tier.put_many([(k(10 + i), None, block(10 + i)) for i in range(3)]) == [True] * 3
+    assert tier.remove(k(11))  # free slots: 1, then 3 on
     real = os.pwritev
     failures = []
 
@@ -138,14 +140,73 @@ def test_a_failed_write_in_a_batch_drops_only_its_block(tmp_path, monkeypatch):
 
     monkeypatch.setattr(disk_tier.os, "pwritev", flaky)
     tier.drain_removed_keys()
+    # slots 1 | 3, 4: two runs; the first (block 0's) fails
     assert tier.put_many([(k(i), None, block(i)) for i in range(3)]) == [False, True, True]
     assert failures == [tier.slot_bytes] and tier.stats().write_errors == 1
-    assert sorted(tier.keys()) == sorted([k(9), k(1), k(2)])
+    assert sorted(tier.keys()) == sorted([k(10), k(12), k(1), k(2)])
     assert tier.drain_removed_keys() == []  # never announced
-    assert [tier.block_location(k(i))[1] for i in (1, 2)] == [tier.slot_bytes, 2 * tier.slot_bytes]
+    assert [tier.block_location(k(i))[1] for i in (1, 2)] == [3 * tier.slot_bytes,
+                                                              4 * tier.slot_bytes]
     tier.check_invariants()
     assert tier.put_many([(k(i), None, block(i)) for i in range(3)]) == [True] * 3
     assert [tier.get(k(i)) for i in range(3)] == [block(i) for i in range(3)]
+    assert tier.block_location(k(0))[1] == tier.slot_bytes  # the failed run's slot, free again
+    tier.check_invariants()
+
+
+def test_a_failed_run_write_drops_every_block_of_the_run(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
+
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, "device error")
+
+    monkeypatch.setattr(disk_tier.os, "pwritev", failing)
+    assert tier.put_many([(k(i), None, block(i)) for i in range(3)]) == [False] * 3
+    stats = tier.stats()
+    assert (stats.write_errors, stats.used_blocks, stats.pinned_blocks) == (3, 0, 0)
+    assert tier.drain_removed_keys() == []
+    monkeypatch.undo()
+    tier.check_invariants()
+
+
+def test_adjacent_slots_go_in_one_write_of_at_most_run_blocks(tmp_path, monkeypatch):
+    num_blocks = disk_tier.RUN_BLOCKS + 2
+    tier = DiskTier(tmp_path, (num_blocks + 4) * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
+    keys = [k(i) for i in range(num_blocks)]
+    digests = [block_checksum(block(i)) for i in range(num_blocks)]
+    events = _record_writes_and_hashes(monkeypatch)
+    assert tier.put_many(list(zip(keys, [None, *keys[:-1]], map(block, range(num_blocks)))),
+                         payload_xxh3s=digests) == [True] * num_blocks
+    slot = tier.slot_bytes
+    assert events == [("write", 0, disk_tier.RUN_BLOCKS * slot),
+                      ("write", disk_tier.RUN_BLOCKS * slot, 2 * slot)]
+    monkeypatch.undo()
+    assert [tier.get(key) for key in keys] == [block(i) for i in range(num_blocks)]
+    tier.check_invariants()
+
+
+def test_a_batch_never_evicts_its_own_blocks(tmp_path):
+    """Two slots: a loop of put would write block 0, then evict it for block 2; the batch
+    refuses block 2 instead (nothing of its own is evictable until written)."""
+    tier = DiskTier(tmp_path, 2 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
+    assert tier.put_many([(k(i), None, block(i)) for i in range(3)]) == [True, True, False]
+    assert sorted(tier.keys()) == [k(0), k(1)]
+    stats = tier.stats()
+    assert (stats.evictions, stats.rejected_puts, stats.pinned_blocks) == (0, 1, 0)
+    tier.check_invariants()
+    assert tier.put(k(2), None, block(2)) and tier.stats().evictions == 1  # a later call may
+
+
+def test_a_batch_marks_each_block_leased_as_told(tmp_path):
+    tier = DiskTier(tmp_path, 4 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
+    assert tier.put_many([(k(i), None, block(i)) for i in range(3)],
+                         leased_flags=[True, False, True]) == [True] * 3
+    assert tier.stats().leased_blocks == 2
+    # plain blocks: the free slot, then the plain block 1's; never a leased block's
+    assert tier.put_many([(k(i), None, block(i)) for i in (3, 4, 5)]) == [True, True, False]
+    assert sorted(tier.keys()) == sorted([k(0), k(2), k(3), k(4)])
+    stats = tier.stats()
+    assert (stats.evictions, stats.leased_evictions, stats.leased_blocks) == (1, 0, 2)
     tier.check_invariants()
 
 
@@ -161,16 +222,14 @@ def _record_writes_and_hashes(monkeypatch):
     return events
 
 
-def test_an_unknown_digest_is_hashed_after_the_payload_is_written(tmp_path, monkeypatch):
-    """The slot under a zero header, then the hash (the payload in the CPU's cache), then the
-    header: per block, in order."""
+def test_an_unknown_digest_is_hashed_just_before_its_runs_one_write(tmp_path, monkeypatch):
+    """Each payload hashed (the write then copies it from the CPU's cache), then header and
+    payload of both blocks in one write: no second, header-only write."""
     tier = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
     events = _record_writes_and_hashes(monkeypatch)
     assert tier.put_many([(k(i), None, block(i)) for i in range(2)]) == [True, True]
-    slot = tier.slot_bytes
-    assert events == [("write", 0, slot), ("hash", LARGE_BLOCK_BYTES), ("write", 0, HEADER_BYTES),
-                      ("write", slot, slot), ("hash", LARGE_BLOCK_BYTES),
-                      ("write", slot, HEADER_BYTES)]
+    assert events == [("hash", LARGE_BLOCK_BYTES), ("hash", LARGE_BLOCK_BYTES),
+                      ("write", 0, 2 * tier.slot_bytes)]
     monkeypatch.undo()
     assert [tier.get(k(i)) for i in range(2)] == [block(0), block(1)]
     tier.check_invariants()
@@ -186,9 +245,12 @@ def test_a_known_digest_is_written_without_hashing_again(tmp_path, monkeypatch, 
                              payload_xxh3s=digests) == [True, True]
     else:
         assert all(tier.put(k(i), None, block(i), payload_xxh3=digests[i]) for i in range(2))
-    assert events == [("write", 0, tier.slot_bytes), ("write", tier.slot_bytes, tier.slot_bytes)]
+    slot = tier.slot_bytes
+    assert events == ([("write", 0, 2 * slot)] if batched else  # adjacent: one write
+                      [("write", 0, slot), ("write", slot, slot)])
+    num_writes = len(events)
     assert tier.get(k(1)) == block(1)
-    assert events[2:] == [("hash", LARGE_BLOCK_BYTES)]  # reads still verify
+    assert events[num_writes:] == [("hash", LARGE_BLOCK_BYTES)]  # reads still verify
     monkeypatch.undo()
     restarted = DiskTier(tmp_path, 8 * 17 * PAGE_BYTES, LARGE_BLOCK_BYTES)
     tier.close()

@@ -77,6 +77,33 @@ def test_evicted_host_blocks_are_demoted_and_promoted_back_intact(node):
     node.disk.check_invariants()
 
 
+def test_the_blocks_one_reserve_evicts_reach_the_disk_as_one_write(node, monkeypatch):
+    """The host tier evicts a's four blocks (leaves first) to make room for b's, handing their
+    slots to b in the same call: they are demoted together, before that call returns, in
+    adjacent disk slots written at once, with the bytes they had."""
+    from kvstore import disk_tier
+
+    a, b = chain(1, 4), chain(2, 4)
+    write(node, a)
+    batches, writes = [], []
+    real_put_many, real_pwritev = node.disk.put_many, os.pwritev
+    monkeypatch.setattr(node.disk, "put_many", lambda blocks, **kw: (
+        batches.append([key for key, _, _ in blocks]), real_put_many(blocks, **kw))[1])
+    monkeypatch.setattr(disk_tier.os, "pwritev", lambda fd, buffers, offset: (
+        writes.append(offset), real_pwritev(fd, buffers, offset))[1])
+    slots = node.reserve(b, [None, *b[:-1]])
+    assert batches == [list(reversed(a))] and writes == [0]
+    assert node.tier_counters().demoted_blocks == 4
+    for key, slot in zip(b, slots):
+        node.arena.slot(slot).copy_(payload(key))
+    node.commit(b)
+    monkeypatch.undo()
+    data = read(node, a)  # promoted back (b's blocks go to disk in turn)
+    assert len(data) == 4 and all(torch.equal(d, payload(k)) for d, k in zip(data, a))
+    node.store.check_invariants()
+    node.disk.check_invariants()
+
+
 def test_a_demoted_block_whose_checksum_the_node_knows_is_not_hashed_again(node, monkeypatch):
     """A block the node served (or pulled) carries its XXH3 to the disk tier; one it never
     hashed is hashed once, by the tier. Reads from disk still verify every block."""
