@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -30,6 +31,40 @@ SETTLE_S = 0.5
 WORDS = ("time people year way day thing man world life hand part child eye woman place work "
          "week case point number group problem fact water house money story room night car "
          "city river table music paper game light door tree bird stone road sky sun field").split()
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Every process's (name, user + system CPU seconds so far), by pid: its command line's
+    first words (Ray names its workers ``ray::Class.method``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # ended meanwhile
+            continue
+        name = " ".join(argv.split()[:3])[:70] or entry.name
+        out[int(entry.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_shares(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+               wall_s: float, top: int = 12) -> list[tuple[str, float]]:
+    """The ``top`` processes by CPU used between two ``cpu_seconds`` (% of one core), the
+    rest summed as ``(others)``."""
+    used = []
+    for pid, (name, seconds) in after.items():
+        start = before.get(pid, (name, 0.0))[1]
+        if seconds > start:
+            used.append((f"{pid} {name}", (seconds - start) / wall_s * 100.0))
+    used.sort(key=lambda item: -item[1])
+    rest = sum(share for _name, share in used[top:])
+    return used[:top] + ([("(others)", rest)] if rest else [])
 
 
 def decode_gaps_ms(streams: list[list[float]], settle_s: float = SETTLE_S) -> list[float]:
@@ -80,16 +115,24 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("stack", choices=sorted(stacks))
     parser.add_argument("--sets", type=int, default=3, help="measured sets (after one warm-up)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="also print each process's share of a core over the measured sets")
     parser.add_argument("--logs", type=Path, default=Path("bench-out/decode-probe-logs"))
     args = parser.parse_args(argv)
     model = prepare_model("smollm2")
     with Stack(stacks[args.stack], model, args.logs) as stack:
         asyncio.run(probe_set(stack.base_url, model.name, 1000))  # warm-up
+        before, started = cpu_seconds(), time.perf_counter()
         for seed in range(args.sets):
             gaps = asyncio.run(probe_set(stack.base_url, model.name, seed))
             print(f"{args.stack} set {seed}: ITL mean {statistics.fmean(gaps):.1f} ms, "
                   f"p50 {gaps[len(gaps) // 2]:.1f}, p90 {gaps[int(len(gaps) * 0.9)]:.1f} "
                   f"({len(gaps)} gaps)", flush=True)
+        if args.cpu:
+            wall_s = time.perf_counter() - started
+            print(f"CPU over the measured sets ({wall_s:.0f} s), % of one core:")
+            for name, share in cpu_shares(before, cpu_seconds(), wall_s):
+                print(f"  {share:6.1f}  {name}")
 
 
 if __name__ == "__main__":

@@ -84,11 +84,15 @@ ABLATION_STACKS = (
               settings=("engine.prefill_gate_order=shortest_first",)),
     StackSpec("baton-0p2d-chunk2048", "baton", num_prefill=0, num_decode=2,
               settings=("engine.max_num_batched_tokens=2048",)),
+    StackSpec("baton-0p2d-perrequest", "baton", num_prefill=0, num_decode=2,
+              settings=("gateway.decode_stream=per_request",)),
 )
 """Asked for by name only: ``baton-0p2d`` without its prefill gate (vLLM packs a burst of
 prompts into one step, as the SMG stacks' servers do), with its gate ordered shortest
-priced prefill first instead of first come, first served, and with its engines' steps at
-vLLM's 2,048 tokens instead of 512 (the CPU default before 512 won this ablation)."""
+priced prefill first instead of first come, first served, with its engines' steps at
+vLLM's 2,048 tokens instead of 512 (the CPU default before 512 won this ablation), and with
+a Ray stream per request from the decode instances (an item per token) instead of one per
+instance (a batch per step)."""
 
 
 SMG_BALANCED = ("--cache-threshold", "0.3", "--balance-abs-threshold", "2",

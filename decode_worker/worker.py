@@ -1,7 +1,9 @@
 """The decode worker: loads a request's prompt KV from the store and streams its tokens.
 
 Runs vLLM as KV consumer inside an asyncio Ray actor: many requests share the engine's
-continuous batch, each streamed back through a Ray streaming generator.
+continuous batch. A gateway gets their tokens through one Ray stream per instance, a batch per
+engine step (``outbox`` / ``start`` / ``cancel``, ``decode_worker.outbox``), or one Ray stream
+per request (``generate``).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
+from decode_worker.outbox import Item, Outboxes
 from engine.runner import engine_prefill_ms
 from protos.wire import EngineRequest, EnginePrefill, PositionLogprobs, TokenChunk, TokenLogprob
 from worker.base import EngineWorker
@@ -41,6 +44,27 @@ def _matched_stop(stop_reason: int | str | None) -> str:
 
 class DecodeWorker(EngineWorker):
     role = "decode"
+
+    def _outboxes(self) -> Outboxes:
+        outboxes = getattr(self, "_outboxes_", None)
+        if outboxes is None:
+            outboxes = self._outboxes_ = Outboxes(self.generate)
+        return outboxes
+
+    async def outbox(self, subscriber: str) -> AsyncIterator[list[Item]]:
+        """Call with ``num_returns="streaming"``: the chunks of every request ``subscriber``
+        starts here, a batch per engine step, until the caller closes the stream."""
+        async for batch in self._outboxes().stream(subscriber):
+            yield batch
+
+    async def start(self, request: EngineRequest, subscriber: str) -> None:
+        """Serve ``request`` as ``generate`` does; its chunks (or the error that ends it) go
+        out on ``subscriber``'s outbox. Returns at once."""
+        self._outboxes().start(request, subscriber)
+
+    async def cancel(self, request_id: str, subscriber: str) -> bool:
+        """Stop a request started with ``start`` (the engine aborts it)."""
+        return self._outboxes().cancel(request_id, subscriber)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenChunk]:
         """Yield ``TokenChunk``s as the engine produces them; the last one has a finish reason

@@ -27,6 +27,12 @@ class GatewayConfig(BaseModel):
     tls_key_file: str | None = Field(
         None, description="PEM private key of tls_cert_file; read from the file, never logged."
     )
+    decode_stream: Literal["multiplexed", "per_request"] = Field(
+        "multiplexed", description="How tokens come back from a decode instance: "
+        "'multiplexed', one Ray stream per instance carrying every request's tokens of an engine "
+        "step as one item; 'per_request', one Ray stream per request, an item per token (the "
+        "earlier path: on a CPU its crossings slowed decode steps ~1.25x, docs/benchmarks.md)."
+    )
     admin_key_file: str | None = Field(
         None, description="File with one accepted admin key per line: the baton.v1.Admin service "
         "(status, scale, drain, pin, unpin) on the gateway's port accepts only these keys, never "

@@ -1,7 +1,8 @@
 """The live router: serves a request through the conductor and the Ray worker actors.
 
 place (conductor) → prefill (prefill actor; KV lands in the store) → decode (decode actor,
-streamed back through a Ray streaming generator).
+streamed back over its outbox: one Ray stream per instance, a batch per engine step,
+``gateway.decode_streams``; or one Ray stream per request, ``decode_stream="per_request"``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from conductor.policy import Overloaded
 from gateway import metrics
+from gateway.decode_streams import DecodeStreams, InstanceLost, new_subscriber_id
 from gateway.router import Placed, RouterEvent
 from kvstore.keys import (
     KEY_SIZE_BYTES,
@@ -43,6 +45,9 @@ log = logging.getLogger(__name__)
 MAX_PREFILL_ATTEMPTS = 3
 """Placements one request may get when its prefill worker dies before answering."""
 MAX_DECODE_CONTINUATIONS = 2
+DECODE_STREAMS = ("multiplexed", "per_request")
+"""How tokens come back from a decode instance: its outbox, one Ray stream per instance
+carrying a batch per engine step (``decode_worker.outbox``), or a Ray stream per request."""
 """Times one stream may move to another decode instance after its decode worker died."""
 
 
@@ -100,7 +105,13 @@ def full_block_keys(request: EngineRequest) -> tuple[bytes, ...]:
 class LiveRouter:
     """Implements ``gateway.router.Router`` on a running Ray cluster."""
 
-    def __init__(self, conductor, namespace: str, readiness_interval_s: float = 0.5) -> None:
+    def __init__(self, conductor, namespace: str, readiness_interval_s: float = 0.5,
+                 decode_stream: str = "multiplexed") -> None:
+        if decode_stream not in DECODE_STREAMS:
+            raise ValueError(f"decode_stream must be one of {DECODE_STREAMS}, not {decode_stream!r}")
+        self._decode_stream = decode_stream
+        self._subscriber = new_subscriber_id()
+        self._streams: dict[str, DecodeStreams] = {}
         self._conductor = conductor
         self._namespace = namespace
         self._ready = False
@@ -134,6 +145,9 @@ class LiveRouter:
             self._watcher.cancel()
             self._watcher = None
         self._ready = False
+        for streams in self._streams.values():
+            streams.close()
+        self._streams.clear()
 
     async def _watch(self) -> None:
         """Poll readiness; the engines' key scheme is fetched here too, once, before the router
@@ -285,6 +299,9 @@ class LiveRouter:
 
     def _report_dead(self, instance_id: str, exc: BaseException) -> None:
         self._handles.pop(instance_id, None)
+        streams = self._streams.pop(instance_id, None)
+        if streams is not None:
+            streams.close()
         self.calls.count("conductor.report_failure", "sent")
         self._conductor.report_failure.remote(instance_id, type(exc).__name__)
 
@@ -340,6 +357,12 @@ class LiveRouter:
             raise WorkerFailed(
                 f"decode instance {placement.decode_instance} is gone; retry: {exc}"
             ) from exc
+        if self._decode_stream == "multiplexed":
+            async for chunk in self._multiplexed(placement.decode_instance, decode, request):
+                if chunk.engine_prefill is not None and colocated:
+                    self._prefill_ran(request.request_id, chunk)
+                yield chunk
+            return
         self.calls.count("decode.generate")  # one streaming call, however many chunks
         chunks = decode.generate.options(num_returns="streaming").remote(request)
         finished = False
@@ -348,11 +371,7 @@ class LiveRouter:
                 chunk: TokenChunk = await ref
                 finished = chunk.finish_reason is not None
                 if chunk.engine_prefill is not None and colocated:
-                    # the prefill it ran itself is over: the queue book and the cost model hear of it
-                    self.calls.count("conductor.prefill_done", "sent")
-                    self._conductor.prefill_done.remote(
-                        request.request_id, chunk.engine_prefill.num_cached_tokens,
-                        chunk.engine_prefill.prefill_ms)
+                    self._prefill_ran(request.request_id, chunk)
                 yield chunk
         except RayActorError as exc:
             self._report_dead(placement.decode_instance, exc)
@@ -363,6 +382,35 @@ class LiveRouter:
             if not finished:
                 self.calls.count("decode.cancel", "sent")
                 ray.cancel(chunks)
+
+
+    def _prefill_ran(self, request_id: str, chunk: TokenChunk) -> None:
+        """The prefill a decode instance ran itself is over: the queue book and the cost model
+        hear of it."""
+        self.calls.count("conductor.prefill_done", "sent")
+        self._conductor.prefill_done.remote(request_id, chunk.engine_prefill.num_cached_tokens,
+                                            chunk.engine_prefill.prefill_ms)
+
+    async def _multiplexed(self, instance_id: str, decode,
+                           request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        """``request``'s chunks over the instance's outbox (opened at its first request)."""
+        streams = self._streams.get(instance_id)
+        if streams is None or streams.lost is not None:
+            streams = self._streams[instance_id] = DecodeStreams(decode, self._subscriber,
+                                                                 self.calls)
+        try:
+            async for chunk in streams.stream(request):
+                yield chunk
+        except InstanceLost as lost:
+            if self._streams.get(instance_id) is streams:
+                del self._streams[instance_id]
+                streams.close()
+            if isinstance(lost.cause, (RayActorError, ValueError)):  # died, or its name is gone
+                self._report_dead(instance_id, lost.cause)
+                raise DecodeWorkerDied(instance_id) from lost.cause
+            if isinstance(lost.cause, RayTaskError):
+                raise _unwrap(lost.cause) from lost.cause
+            raise WorkerFailed(f"decode instance {instance_id}: {lost.cause}") from lost.cause
 
 
 def _as_original(chunk: TokenChunk, num_prompt_tokens: int) -> TokenChunk:

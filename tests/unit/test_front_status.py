@@ -97,7 +97,7 @@ def test_every_error_class_in_the_rooms_is_a_baton_error():
     HTTP front's renderings of one (OpenAI's and Anthropic's shape), and the live router's own
     retry signals."""
     allowed_apart = {"BatonError", "OpenAIError", "AnthropicError", "PrefillWorkerDied",
-                     "DecodeWorkerDied"}
+                     "DecodeWorkerDied", "InstanceLost"}
     builtin_roots = {"Exception", "RuntimeError", "ValueError", "KeyError", "OSError",
                      "TimeoutError", "ConnectionError", "LookupError", "TypeError"}
     apart = []

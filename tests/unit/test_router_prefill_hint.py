@@ -35,20 +35,36 @@ class _Prefill:
 
 
 class _Decode:
+    """A decode instance's outbox (``outbox`` / ``start`` / ``cancel``): each request started
+    ends with one chunk, ``delay_s`` after its start."""
+
+    delay_s = 0.0
+
     def __init__(self) -> None:
         self.seen: list[EngineRequest] = []
+        batches: asyncio.Queue = asyncio.Queue()
 
-        def generate(request):
+        def start(request, subscriber):
             self.seen.append(request)
 
+            async def later():
+                await asyncio.sleep(self.delay_s)
+                batches.put_nowait([(request.request_id,
+                                     TokenChunk((7,), "x", finish_reason="length"))])
+
+            asyncio.get_running_loop().create_task(later())
+
+        def outbox(subscriber):
             async def refs():
-                future = asyncio.get_running_loop().create_future()
-                future.set_result(TokenChunk((7,), "x", finish_reason="length"))
-                yield future
+                while True:
+                    future = asyncio.get_running_loop().create_future()
+                    future.set_result(await batches.get())
+                    yield future
 
             return refs()
 
-        self.generate = _Remote(generate)
+        self.start, self.outbox = _Remote(start), _Remote(outbox)
+        self.cancel = _Remote(lambda *args: None)
 
 
 def _served(router: LiveRouter, placement: Placement) -> None:
@@ -104,17 +120,7 @@ class _SlowDecode(_Decode):
 
     def __init__(self, delay_s: float) -> None:
         super().__init__()
-
-        def generate(request):
-            async def refs():
-                await asyncio.sleep(delay_s)
-                future = asyncio.get_running_loop().create_future()
-                future.set_result(TokenChunk((7,), "x", finish_reason="length"))
-                yield future
-
-            return refs()
-
-        self.generate = _Remote(generate)
+        self.delay_s = delay_s
 
 
 def _streamed(placement: Placement, **handles) -> list[tuple]:
