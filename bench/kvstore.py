@@ -32,12 +32,13 @@ from bench.kvstore_measure import PATHS, UCX_ENV, Measurement
 
 SMOLLM2_BLOCK_BYTES = 16 * 23_040
 TARGET_RATIO = 0.8
-PATH_GROUPS = {"disk": ("disk-write", "disk-write-fsync", "disk-read")}
+PATH_GROUPS = {"disk": ("disk-write", "disk-write-nodigest", "disk-write-fsync", "disk-read")}
 BASELINES = {
     "shm": "numpy copy from shared memory",
     "tcp": "raw socket, sendfile from shared memory",
     "ucx": "raw ucxx, one send per block",
     "disk-write": "one pwritev, preallocated file",
+    "disk-write-nodigest": "one pwritev, preallocated file",
     "disk-write-fsync": "one pwritev + fdatasync",
     "disk-read": "one preadv, page cache dropped",
 }
@@ -58,7 +59,7 @@ class PathResult(msgspec.Struct, frozen=True):
 
 
 def expand_paths(paths: tuple[str, ...]) -> list[str]:
-    """Row names for ``paths`` (``disk`` stands for its three rows), in ``PATHS`` order."""
+    """Row names for ``paths`` (``disk`` stands for its four rows), in ``PATHS`` order."""
     wanted: set[str] = set()
     for path in paths:
         wanted.update(PATH_GROUPS.get(path, (path,)))

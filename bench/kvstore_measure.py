@@ -16,12 +16,14 @@ bytes, with no checksums, pins or protocol):
   to the kernel's autotuning, into per-block destinations with ``recv_into``;
 - ``ucx``: the same read over UCX vs a raw ucxx server sending the same blocks (one tagged send
   per block, all in flight) into the same destinations;
-- ``disk-write``: ``DiskTier.put_many`` of fresh blocks with their parents and no known
-  digest, as the node demotes the blocks one store call evicted when it never served or pulled
-  them, vs one ``pwritev`` of the same blocks into a preallocated file, page cache dropped
-  before each round;
-  ``disk-write-fsync`` the same, made durable (``DiskTier(fsync=True).put_many``: one
-  ``fdatasync`` per batch; the baseline's ``pwritev`` then ``fdatasync``);
+- ``disk-write``: ``DiskTier.put_many`` of fresh blocks with their parents and their XXH3s, as
+  the node demotes the blocks one store call evicted (their writer sent the XXH3s with its
+  commit, hashed in its save: that cost is the save's, not timed here), vs one ``pwritev`` of
+  the same blocks into a preallocated file, page cache dropped before each round;
+  ``disk-write-nodigest`` the same without the XXH3s (the tier hashes each payload: a block
+  committed without them);
+  ``disk-write-fsync`` the same as ``disk-write``, made durable (``DiskTier(fsync=True)``:
+  one ``fdatasync`` per batch; the baseline's ``pwritev`` then ``fdatasync``);
 - ``disk-read``: ``DiskTier.get_into`` vs one ``preadv`` of the same blocks, each round after
   ``fsync`` and ``posix_fadvise(DONTNEED)``: the bytes come from the disk, not the page cache.
 """
@@ -44,7 +46,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-PATHS = ("shm", "tcp", "ucx", "disk-write", "disk-write-fsync", "disk-read")
+PATHS = ("shm", "tcp", "ucx", "disk-write", "disk-write-nodigest", "disk-write-fsync",
+         "disk-read")
 SIDES = ("path", "baseline")
 UCX_ENV = {"UCX_TLS": "tcp", "UCXPY_PROGRESS_MODE": "blocking", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
@@ -349,11 +352,14 @@ def _disk_tier(m: Measurement, root: Path, blocks: list[np.ndarray], dests: list
                durable: bool) -> list[float]:
     from kvstore.disk_tier import DiskTier
     from kvstore.keys import BlockKey
+    from kvstore.transfer_wire import block_checksum
 
     slot_bytes_guess = m.block_bytes + 4096
     tier = DiskTier(root / "tier", 2 * m.num_blocks * slot_bytes_guess, m.block_bytes,
                     fsync=durable)
     keys: list[BlockKey] = []
+    # the XXH3s the writer sent with its commit (hashed in its save, not here)
+    digests = None if m.path == "disk-write-nodigest" else [block_checksum(b) for b in blocks]
     try:
         def fresh_keys() -> None:  # an empty tier each round, the same slots rewritten
             for key in keys:
@@ -361,13 +367,11 @@ def _disk_tier(m: Measurement, root: Path, blocks: list[np.ndarray], dests: list
             keys[:] = [BlockKey(os.urandom(16)) for _ in blocks]
             drop_page_cache(tier.path)
 
-        def write() -> None:
-            if durable:  # a batch made durable with one sync
-                stored = tier.put_many([(k, None, b) for k, b in zip(keys, blocks)])
-            else:  # the node's demotion: one put_many of the blocks one store call evicted,
-                # parents named, and no digest (one the node never hashed: a block a local
-                # worker saved and nobody pulled)
-                stored = tier.put_many(list(zip(keys, [None, *keys[:-1]], blocks)))
+        def write() -> None:  # the node's demotion: one put_many of the blocks one store
+            # call evicted, parents named, with their writer's XXH3s (but for nodigest);
+            # durable: the batch synced once
+            stored = tier.put_many(list(zip(keys, [None, *keys[:-1]], blocks)),
+                                   payload_xxh3s=digests)
             if not all(stored):
                 raise RuntimeError("the disk tier refused a benchmark block")
 

@@ -108,7 +108,7 @@ def bench_kvstore(
     disk_dir: Optional[Path] = typer.Option(None, help="Folder for the disk tier runs "
                                             "(default: the system temp folder)."),
     paths: str = typer.Option("shm,tcp,ucx,disk", help="Comma-separated: shm, tcp, ucx, disk "
-                              "(or disk-write, disk-write-fsync, disk-read)."),
+                              "(or disk-write, disk-write-nodigest, disk-write-fsync, disk-read)."),
 ) -> None:
     """Each KV store data path (shared memory, tcp, ucx, disk tier) against a fair baseline."""
     from bench.kvstore import main as run_kvstore_bench

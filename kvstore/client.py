@@ -145,6 +145,14 @@ def _runs_of_each(arena_path: str, runs: list) -> list[StoreSlots]:
             StoreSlots(arena_path, list(run.slots), tuple(run.promoted)) for run in runs]
 
 
+def _checksum_args(keys: Sequence[BlockKey], checksums: Sequence[int] | None) -> tuple:
+    """The commit's arguments after its keys: none, or the blocks' XXH3s (one per key)."""
+    if checksums is None:
+        return ()
+    assert len(checksums) == len(keys), "one checksum per committed block"
+    return (list(checksums),)
+
+
 def _first_run(arena_path: str, runs: list) -> StoreSlots:
     return _runs_of_each(arena_path, runs)[0]
 
@@ -257,17 +265,23 @@ class StoreClient:
         store is gone, and its pins with it)."""
         self._send("release", keys, arena_path)
 
-    def commit(self, keys: Sequence[BlockKey], arena_path: str) -> bool:
-        """True when the store committed the blocks (False: it is gone, they are dropped)."""
-        return self._settling("commit", keys, arena_path)
+    def commit(self, keys: Sequence[BlockKey], arena_path: str,
+               checksums: Sequence[int] | None = None) -> bool:
+        """True when the store committed the blocks (False: it is gone, they are dropped).
+        ``checksums[i]``, when given, is block ``i``'s XXH3-64 as written
+        (``transfer_wire.block_checksum``): the store keeps it instead of hashing the block
+        when it serves or demotes it."""
+        return self._settling("commit", keys, arena_path, _checksum_args(keys, checksums))
 
     def commit_later(self, keys: Sequence[BlockKey], arena_path: str,
-                     on_lost: Callable[[int], None] | None = None) -> None:
+                     on_lost: Callable[[int], None] | None = None,
+                     checksums: Sequence[int] | None = None) -> None:
         """``commit``, sent without waiting. Its answer is awaited before this client's next
         grant (``acquire``, ``reserve_later``), or by whoever must know the blocks are readable
         from other processes (``unsettled_commits``); ``on_lost(len(keys))`` when it turns out
         the store was gone (the blocks are dropped)."""
-        if keys and not self._send("commit", keys, arena_path, on_lost) and on_lost is not None:
+        if keys and not self._send("commit", keys, arena_path, on_lost,
+                                   _checksum_args(keys, checksums)) and on_lost is not None:
             on_lost(len(keys))
 
     def unsettled_commits(self) -> list:
@@ -359,23 +373,24 @@ class StoreClient:
             ref = self._remote(method, *args)
             return self._answer(ref, self.arena_path, method, args, wrap, StoreSlots("", []))
 
-    def _settling(self, method: str, keys: Sequence[BlockKey], arena_path: str) -> bool:
+    def _settling(self, method: str, keys: Sequence[BlockKey], arena_path: str,
+                  args: tuple = ()) -> bool:
         if not keys:
             return True
         with self._lock:
             if not self._ensure_attached() or arena_path != self.arena_path:
                 return False  # granted by a store that is gone: nothing to settle
             try:
-                self._call(method, list(keys))
+                self._call(method, list(keys), *args)
             except _STORE_GONE as exc:
                 self._detach(method, exc)
                 return False
             return True
 
     def _send(self, method: str, keys: Sequence[BlockKey], arena_path: str,
-              on_lost: Callable[[int], None] | None = None) -> bool:
-        """Send a settling call without waiting; False when it is not sent (nothing to settle:
-        it was granted by a store that is gone)."""
+              on_lost: Callable[[int], None] | None = None, args: tuple = ()) -> bool:
+        """Send a settling call without waiting (``args`` after the keys); False when it is not
+        sent (nothing to settle: it was granted by a store that is gone)."""
         if not keys:
             return True
         with self._lock:
@@ -384,7 +399,7 @@ class StoreClient:
                 return False
             kind = "deferred" if method == "commit" else "sent"
             self.calls.count(f"store.{method}", kind)
-            ref = self._remote(method, list(keys))
+            ref = self._remote(method, list(keys), *args)
             sent = _InFlight(method, ref, arena_path, len(keys), on_lost)
             (self._commits if method == "commit" else self._casts).append(sent)
             return True

@@ -49,6 +49,7 @@ from kvstore.connector_meta import (
 )
 from kvstore.keys import BlockKey
 from kvstore.kv_copy import BlockCopier
+from kvstore.transfer_wire import block_checksum
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -280,13 +281,15 @@ class ConnectorWorkerHalf:
             grants = self._store.reserve_many([(save.keys, save.parents) for save in saves])
         else:
             grants = [save.granted.result() for save in saves]
-        commits: dict[str, list[BlockKey]] = {}
+        commits: dict[str, tuple[list[BlockKey], list[int]]] = {}  # arena -> keys, XXH3s
         current = -1  # the save being written: a failure there aborts its own slots
         try:
             for current, (save, granted) in enumerate(zip(saves, grants)):
-                written = self._write_one(save, granted, outcome)
+                written, checksums = self._write_one(save, granted, outcome)
                 if written:
-                    commits.setdefault(granted.arena_path, []).extend(written)
+                    keys, digests = commits.setdefault(granted.arena_path, ([], []))
+                    keys.extend(written)
+                    digests.extend(checksums)
                     self._ledger.add_stored(save.request_id, len(written))
         finally:
             # a save that failed aborted its own slots; the ones after it give theirs back
@@ -294,21 +297,24 @@ class ConnectorWorkerHalf:
                 reserved = [key for key, slot in zip(save.keys, granted.slots) if slot is not None]
                 if reserved and granted.arena_path:
                     self._store.abort(reserved, granted.arena_path)
-            for arena_path, keys in commits.items():
+            for arena_path, (keys, checksums) in commits.items():
                 # readable by other processes once answered: the prefill worker waits for that
                 # before its result returns (``StoreClient.unsettled_commits``)
-                self._store.commit_later(keys, arena_path, self._commit_lost)
+                self._store.commit_later(keys, arena_path, self._commit_lost, checksums)
         return outcome
 
     def _write_one(self, save: SaveSpec, granted: StoreSlots,
-                   outcome: _SaveOutcome) -> list[BlockKey]:
-        """Copy one request's granted blocks into their slots; the keys written."""
+                   outcome: _SaveOutcome) -> tuple[list[BlockKey], list[int]]:
+        """Copy one request's granted blocks into their slots; the keys written and their
+        payloads' XXH3s (``transfer_wire.block_checksum``), hashed here once the copy has
+        landed: the store node keeps them, so it neither hashes a block at its first serve to
+        a peer nor when it demotes it to disk."""
         if not granted.arena_path:  # the store is gone
             outcome.lost_blocks += len(save.keys)
-            return []
+            return [], []
         written = [(i, s) for i, s in enumerate(granted.slots) if s is not None]
         if not written:
-            return []
+            return [], []
         keys = [save.keys[i] for i, _ in written]
         try:
             arena_layers = self._arena_view(granted.arena_path)
@@ -316,16 +322,18 @@ class ConnectorWorkerHalf:
                 self._store.abort(keys, granted.arena_path)
                 outcome.dropped[save.request_id] = (outcome.dropped.get(save.request_id, 0)
                                                     + len(keys))
-                return []
+                return [], []
             if self.stats.crash_mid_save and len(written) >= 2:
                 self._crash_halfway(arena_layers, save, written)
             self._copier("save").save(arena_layers, [save.block_ids[i] for i, _ in written],
                                       [s for _, s in written]).wait()
+            checksums = [block_checksum(arena_layers[s].view(-1).view(torch.uint8).numpy())
+                         for _, s in written]
         except BaseException:  # a live process gives its slots back (a dead one's: the store)
             self._store.abort(keys, granted.arena_path)
             raise
         outcome.saved_blocks += len(keys)
-        return keys
+        return keys, checksums
 
     def _crash_halfway(self, arena_layers: torch.Tensor, save: SaveSpec,
                        written: list[tuple[int, int]]) -> None:

@@ -166,8 +166,9 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
         self._block_size_tokens = block_size_tokens
         self.store = _DemotingStore(num_slots, demote=self._demote)
         self.promoted_blocks = 0
-        # XXH3s of host blocks known without hashing again (served, or pulled and verified),
-        # until evicted: a demotion hands its block's to the disk tier
+        # XXH3s of host blocks known without hashing again (sent by their writer at commit,
+        # served, or pulled and verified), until evicted: a demotion hands its block's to the
+        # disk tier
         self._checksums: dict[BlockKey, int] = {}
         self.demoted_blocks = 0
         self._directory: BlockDirectory | None = None
@@ -263,7 +264,15 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
         return granted
 
     @_locked
-    def commit(self, keys: Sequence[BlockKey], holder: str = "") -> None:
+    def commit(self, keys: Sequence[BlockKey], checksums: Sequence[int] | None = None,
+               holder: str = "") -> None:
+        """Make written blocks readable. ``checksums[i]``, when the writer sends them, is block
+        ``i``'s XXH3-64 as written: kept until the block leaves host memory, so serving it to
+        a peer or demoting it to disk does not hash it (a wrong one reads as corrupt there,
+        never as good bytes)."""
+        if checksums is not None:
+            assert len(checksums) == len(keys), "one checksum per committed block"
+            self._checksums.update(zip(keys, checksums))
         self._commit(keys, holder)
 
     def _commit(self, keys: Sequence[BlockKey], holder: str = "", pulled: bool = False) -> None:

@@ -107,3 +107,27 @@ def test_the_client_recomputes_while_the_store_is_gone_and_finds_the_new_one(ray
     assert client.acquire(chain[:1]).arena_path == third_path
     client.release(chain[:1], third_path)
     ray.get(third_store.shutdown.remote())
+
+
+def test_the_writers_checksums_reach_the_store_with_its_commit(ray_cluster):
+    """Sent with ``commit_later`` (and ``commit``) through Ray, the store node keeps them as the
+    blocks' XXH3s: its first serve gives them back as they were sent, hashing nothing."""
+    try:  # a store left by an earlier test of the module
+        ray.kill(ray.get_actor(NAME, namespace=NAMESPACE), no_restart=True)
+        wait_gone()
+    except ValueError:
+        pass
+    store = start_store()
+    try:
+        client = StoreClient(NAME, NAMESPACE)
+        later, now = keys(2), keys(3)[2:]
+        granted = client.reserve(later, [None, later[0]])
+        client.commit_later(later, granted.arena_path, checksums=[11, 12])
+        ray.get(client.unsettled_commits())
+        granted = client.reserve(now, [later[1]])
+        assert client.commit(now, granted.arena_path, checksums=[13])
+        served = ray.get(store.pin_for_transfer.remote([*later, *now]))
+        assert served.checksums == [11, 12, 13]
+    finally:
+        ray.kill(store, no_restart=True)
+        wait_gone()

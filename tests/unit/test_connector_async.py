@@ -50,6 +50,7 @@ class _Store:
         self.arena = _Arena()
         self.released: list[list] = []
         self.committed: list[list] = []
+        self.checksums: list[list[int] | None] = []  # sent with each commit
         self.grants: list[int | None] = []
 
     def arena_for(self, path):
@@ -61,8 +62,9 @@ class _Store:
     def reserve_many(self, chains):
         return [StoreSlots(ARENA, self.grants[: len(keys)]) for keys, _ in chains]
 
-    def commit_later(self, keys, arena_path, on_lost=None) -> None:
+    def commit_later(self, keys, arena_path, on_lost=None, checksums=None) -> None:
         self.committed.append(list(keys))
+        self.checksums.append(None if checksums is None else list(checksums))
 
     def abort(self, keys, arena_path) -> None:
         raise AssertionError("nothing is aborted here")
@@ -180,6 +182,28 @@ def test_a_finished_requests_blocks_are_held_until_its_saves_are_written_and_com
         assert torch.equal(store.arena.view()[3, index], connector._layers[index][6])
     assert connector._ledger.pending() == [] and connector._ledger.take_stored("r") == 1
     assert connector.stats.saved_blocks == 1
+
+
+def test_a_commit_carries_each_saved_blocks_checksum_as_written():
+    """Hashed once, by the writer: the store keeps them for its serves and demotions."""
+    from kvstore.transfer_wire import block_checksum
+
+    gate = threading.Event()
+    gate.set()
+    connector, store = worker_half(gate)
+    for index, layer in enumerate(connector._layers):
+        for block in range(NUM_BLOCKS):
+            layer[block] = torch.full(BLOCK_SHAPE, float(10 * block + index))
+    store.grants = [4, 1]
+    save = SaveSpec("r", block_ids=[5, 2], keys=[b"x", b"y"], parents=[None, b"x"])
+    step(connector, BatonConnectorMetadata(saves=[save]), finished={"r"})
+    assert until(connector) == ({"r"}, None)
+    assert store.committed == [[b"x", b"y"]]
+    expected = [block_checksum(torch.stack([layer[block] for layer in connector._layers])
+                               .view(torch.uint8).numpy()) for block in (5, 2)]
+    assert store.checksums == [expected]
+    assert expected == [block_checksum(store.arena.slots[slot].numpy()) for slot in (4, 1)]
+    assert expected[0] != expected[1]
 
 
 def test_a_save_that_fails_gives_back_its_slots_and_those_after_it_and_commits_those_before():

@@ -131,6 +131,36 @@ def test_a_demoted_block_whose_checksum_the_node_knows_is_not_hashed_again(node,
     node.disk.check_invariants()
 
 
+def test_checksums_sent_at_commit_are_served_and_demoted_without_hashing(node, monkeypatch):
+    """The writer's XXH3s, sent with its commit, are the node's: its first serve and the
+    demotion to disk take them as they are (no hash anywhere), and a wrong one reads as a
+    corrupt disk block, never as good bytes."""
+    from kvstore import disk_format, transfer_wire
+
+    a, b = chain(1, 4), chain(2, 4)
+    digests = [block_checksum(payload(key).numpy()) for key in a]
+    digests[3] ^= 1  # a writer's bug: a[3]'s is wrong
+    slots = node.reserve(a, [None, *a[:-1]])
+    for key, slot in zip(a, slots):
+        node.arena.slot(slot).copy_(payload(key))
+    hashed = []
+    for module in (disk_format.xxhash, transfer_wire.xxhash):
+        real = module.xxh3_64_intdigest
+        monkeypatch.setattr(module, "xxh3_64_intdigest",
+                            lambda data, real=real: (hashed.append(1), real(data))[1])
+    node.commit(a, digests)
+    served = node.pin_for_transfer(a)
+    node.release(a)
+    assert served.checksums == digests and hashed == []
+    write(node, b)  # evicts a's four blocks to disk with the writer's checksums
+    assert node.tier_counters().demoted_blocks == 4 and hashed == []
+    monkeypatch.undo()
+    data = read(node, a)  # a[0:3] come back; a[3] fails its (wrong) XXH3: a counted miss
+    assert len(data) == 3 and all(torch.equal(d, payload(k)) for d, k in zip(data, a))
+    assert node.tier_counters().disk_corrupt_blocks == 1
+    node.disk.check_invariants()
+
+
 def test_the_tier_counters_and_the_store_gauges_show_the_leases(tmp_path):
     from gateway import metrics
     from protos.wire import PoolStatus, StoreRow
