@@ -9,7 +9,8 @@ With asynchronous transfers (the default) nothing waits on the engine's step:
   arena is no longer mapped fails block by block (``get_block_ids_with_load_errors``, reported
   with the request) and is recomputed.
 - ``wait_for_save`` hands the step's ``SaveSpec``s to the saving thread as one job: one
-  reservation for all of them, the copies, one commit. The blocks become visible (committed,
+  reservation for all of them, the copies, one commit carrying each block's XXH3 (hashed once
+  here, so the store node never hashes it). The blocks become visible (committed,
   indexed) only once written; a finished request's blocks are held by vLLM until
   ``get_finished`` reports its saves done. Before blocks of a preempted request are reused,
   ``handle_preemptions`` waits for the saves in flight.

@@ -85,7 +85,12 @@ logger = logging.getLogger(__name__)
 
 RUN_BLOCKS = 8
 """Most blocks one ``pwritev`` writes (``_write_run``): enough to make the per-call cost small,
-few enough that payloads hashed just before it are still in the CPU's cache when it copies them."""
+few enough that payloads hashed just before it are still in the CPU's cache when it copies them.
+Measured in one process, 128 SmolLM2 blocks (368,640 B) into dropped page cache, 11 interleaved
+rounds, medians (2026-12-05): one ``pwritev`` of the bare batch 6.22 ms; digests known, runs of
+8 6.52 ms (the whole batch in one write 6.50, one write per block 7.72); digests unknown, hashed
+then written 4 / 8 / 16 at a time 7.97 / 7.59 / 8.09 ms, against 9.24 for the former per-block
+slot, hash, then header write."""
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
@@ -314,7 +319,9 @@ class DiskTier:
             self._rejected_puts += 1
             return None
         slot = heapq.heappop(self._free_slots)
-        self._pins[key] = 1  # before indexing: never filed as evictable until written
+        # pinned before it is indexed, so never filed as evictable until written (a reader
+        # may still owe a pin on the key from a copy dropped as corrupt: it stays owed)
+        self._pins[key] = self._pins.get(key, 0) + 1
         self._insert(key, parent, slot, self._next_tick(), leased)
         return slot
 

@@ -429,6 +429,19 @@ def test_corrupt_pinned_block_is_dropped_and_the_pin_is_still_owed(tmp_path: Pat
 # -- eviction and pins -----------------------------------------------------------------------------
 
 
+def test_a_pin_owed_on_a_dropped_block_still_pins_the_block_put_again(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path, 2)
+    put(tier, "A")
+    assert tier.pin(k("A"))
+    flip_byte(HEADER_BYTES)(tier, slot_of(tier, "A"))
+    assert tier.get(k("A")) is None  # dropped as corrupt; the reader's pin is still owed
+    assert tier.put(k("A"), None, payload("A"))
+    assert tier.stats().pinned_blocks == 1
+    tier.unpin(k("A"))  # the reader's
+    assert tier.stats().pinned_blocks == 0 and tier.stats().evictable_blocks == 1
+    tier.check_invariants()
+
+
 def test_leaf_lru_eviction_order_is_exact(tmp_path: Path) -> None:
     tier = make_tier(tmp_path, 4, extra_bytes=FILE_BYTES - 1)  # room for 4 blocks, not 5
     for name, parent in [("A", None), ("B", "A"), ("C", "B"), ("D", None)]:
