@@ -39,11 +39,11 @@ class Outbox:
         self._wake.set()
 
     async def batches(self) -> AsyncIterator[list[Item]]:
-        """Each batch once something is pending; one turn of the loop first, so that what the
-        other requests' outputs of the same engine step put joins it."""
+        """Each batch once something is pending. The engine hands a step's outputs to the
+        event loop in one callback (``EngineRunner._deliver``), so every request's chunk of
+        that step is put before this wakes: one step, one batch."""
         while True:
             await self._wake.wait()
-            await asyncio.sleep(0)
             self._wake.clear()
             batch, self.pending = self.pending, []
             yield batch

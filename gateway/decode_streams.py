@@ -86,7 +86,7 @@ class DecodeStreams:
     def close(self) -> None:
         """Stop splitting and end the instance's outbox (its requests are cancelled there)."""
         self._pump.cancel()
-        if self.lost is None:
+        if self.lost is None and ray.is_initialized():
             try:
                 ray.cancel(self._refs)
             except Exception:  # noqa: BLE001 - Ray is shutting down, or the actor is gone

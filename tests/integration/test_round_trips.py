@@ -42,10 +42,12 @@ BLOCK = 128  # vLLM's CPU block size
 MAX_TOKENS = 8
 
 ROUTER_STEADY = CallCounts(
-    blocking={"conductor.place": 1, "decode.generate": 1, "prefill.prefill": 1},
-    sent={"conductor.finished": 1, "conductor.prefill_done": 1},
+    blocking={"conductor.place": 1, "prefill.prefill": 1},
+    sent={"conductor.finished": 1, "conductor.prefill_done": 1, "decode.start": 1},
 )
-"""place → prefill → one decode stream; the conductor's books are closed without waiting."""
+"""place → prefill → the decode started on the instance's outbox (its tokens come back on the
+stream the router keeps open to that instance); the conductor's books are closed without
+waiting."""
 PREFILL_STEADY = CallCounts(deferred={"store.commit": 1, "store.reserve_many": 1})
 """The producer's connector saves the prompt (no lookup: the placement expects nothing cached):
 its saving thread reserves, copies and commits after the forward pass; the commit is awaited
@@ -54,8 +56,9 @@ DECODE_STEADY = CallCounts(deferred={"store.acquire_many": 1}, sent={"store.rele
 """The decode engine's connector: the lookup pins the prompt's blocks (sent without waiting),
 its loading thread copies them, and they are unpinned without waiting once landed. It saves
 nothing: the store held every prompt block at its lookup."""
-FIRST_REQUEST_ONLY = CallCounts(blocking={"gcs.get_actor": 2})
-"""The router's first request also looks up both workers' actors (then cached)."""
+FIRST_REQUEST_ONLY = CallCounts(blocking={"gcs.get_actor": 2, "decode.outbox": 1})
+"""The router's first request also looks up both workers' actors (then cached) and opens the
+decode instance's outbox stream (then kept)."""
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -125,9 +128,9 @@ async def test_a_steady_state_request_makes_exactly_these_round_trips(server, fi
     calls = await one_request(server, seed=2)
 
     assert calls == {"router": ROUTER_STEADY, "prefill": PREFILL_STEADY, "decode": DECODE_STEADY}
-    assert sum(c.total("blocking") for c in calls.values()) == 3
+    assert sum(c.total("blocking") for c in calls.values()) == 2
     assert sum(c.total("deferred") for c in calls.values()) == 3
-    assert sum(c.total("sent") for c in calls.values()) == 3
+    assert sum(c.total("sent") for c in calls.values()) == 4
 
 
 async def test_an_engine_driven_directly_hashes_the_prompt_itself(server, first_request):
