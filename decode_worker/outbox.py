@@ -16,7 +16,7 @@ import asyncio
 import logging
 from typing import AsyncIterator, Callable
 
-from protos.errors import BatonError, WorkerFailed
+from protos.errors import BatonError, InvalidRequest, WorkerFailed
 from protos.wire import EngineRequest, TokenChunk
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,9 @@ class Outboxes:
         """Serve ``request``; its chunks, or the error that ends it, go to ``subscriber``."""
         outbox = self._get(subscriber)
         if request.request_id in outbox.tasks:
-            outbox.put(request.request_id, WorkerFailed(
-                f"request_id '{request.request_id}' is already streaming to this gateway"))
+            outbox.put(request.request_id, InvalidRequest(
+                f"request_id '{request.request_id}' is already in flight on this instance; give "
+                "every request its own id (or leave it empty for a generated one)"))
             return
         outbox.tasks[request.request_id] = asyncio.get_running_loop().create_task(
             self._serve(request, outbox))

@@ -10,7 +10,7 @@ import uuid
 from typing import AsyncIterator
 
 import ray
-from protos.errors import BatonError, WorkerFailed
+from protos.errors import BatonError, InvalidRequest, WorkerFailed
 from protos.wire import CallCounts, EngineRequest, TokenChunk
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,9 @@ class DecodeStreams:
         if self.lost is not None:
             raise self.lost
         if request_id in self._queues:
-            raise WorkerFailed(f"request_id '{request_id}' is already streaming on this instance")
+            raise InvalidRequest(
+                f"request_id '{request_id}' is already in flight on this instance; give every "
+                "request its own id (or leave it empty for a generated one)")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._calls.count("decode.start", "sent")

@@ -120,7 +120,7 @@ def test_cancel_stops_the_request_in_the_worker_and_closing_the_outbox_cancels_t
     assert left == 0
 
 
-def test_a_request_id_already_streaming_to_the_same_gateway_is_refused():
+def test_a_request_id_already_in_flight_from_the_same_gateway_is_an_invalid_request():
     async def go():
         engine = _Engine()
         outboxes = Outboxes(engine.generate)
@@ -132,8 +132,8 @@ def test_a_request_id_already_streaming_to_the_same_gateway_is_refused():
         return batch
 
     [(rid, error)] = asyncio.run(go())
-    assert rid == "a" and isinstance(error, WorkerFailed)
-    assert "already streaming" in str(error)
+    assert rid == "a" and isinstance(error, InvalidRequest)
+    assert str(error).startswith("request_id 'a' is already in flight on this instance")
 
 
 class _Remote:
@@ -248,3 +248,24 @@ def test_a_lost_instance_ends_every_stream_on_it_and_later_ones_at_once():
     assert got == {"a": [(100,)], "b": [(100,)]}
     assert all(isinstance(e, InstanceLost) and isinstance(e.cause, ConnectionError)
                for e in errors)
+
+
+def test_the_gateway_refuses_a_request_id_already_streaming_on_the_instance():
+    async def go():
+        engine = _Engine()
+        handle = _Handle(Outboxes(engine.generate))
+        streams = DecodeStreams(handle, "g1", CallCounts())
+        first = streams.stream(_request("a", 5))
+        started = asyncio.ensure_future(first.__anext__())
+        await asyncio.sleep(0.005)
+        with pytest.raises(InvalidRequest, match="request_id 'a' is already in flight"):
+            async for _ in streams.stream(_request("a")):
+                pass
+        await engine.step()
+        chunk = await started
+        await first.aclose()
+        streams.close()
+        return chunk, handle.started
+
+    chunk, started = asyncio.run(go())
+    assert chunk.token_ids == (100,) and started == ["a"]
