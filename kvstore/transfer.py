@@ -129,6 +129,23 @@ def _byte_views(into: Sequence[Any], block_bytes: int) -> list[np.ndarray]:
     return arrays
 
 
+def copy_and_hash(source_slots: np.ndarray, slots: Sequence[int],
+                  dests: list[np.ndarray]) -> list[int]:
+    """Copy ``source_slots[slots[i]]`` into ``dests[i]`` and hash each block (``block_checksum``)
+    right after its copy, while its bytes are still in the CPU's cache: the shm read's one pass.
+    Hashing after the whole batch read every block back from memory (47 MB for 128 SmolLM2
+    blocks: ~1.5 ms cold against ~0.6 ms here, on a copy of ~1.7 ms)."""
+    landed = []
+    for dest, slot in zip(dests, slots):
+        np.copyto(dest, source_slots[slot])
+        landed.append(block_checksum(dest))
+    return landed
+
+
+def _landed_checksums(dests: list[np.ndarray], num_blocks: int) -> list[int]:
+    return [block_checksum(dests[i]) for i in range(num_blocks)]
+
+
 class _Connection:
     """One authenticated connection to a peer's block server; one request at a time."""
 
@@ -136,7 +153,10 @@ class _Connection:
         self.welcome = welcome
         self.lock = asyncio.Lock()
 
-    async def read(self, request: ReadRequest, dests: list[np.ndarray]) -> ReadReply:
+    async def read(self, request: ReadRequest,
+                   dests: list[np.ndarray]) -> tuple[ReadReply, list[int]]:
+        """Send ``request``, land the served blocks in ``dests[:n]``; the reply and the
+        ``block_checksum`` of each landed block, in order."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -149,19 +169,18 @@ class _TcpConnection(_Connection):
         self.sock = sock
         self.arena: HostArena | None = None  # the peer's arena, mapped for shm reads
 
-    async def read(self, request: ReadRequest, dests: list[np.ndarray]) -> ReadReply:
+    async def read(self, request: ReadRequest,
+                   dests: list[np.ndarray]) -> tuple[ReadReply, list[int]]:
         await send_frame(self.sock, request)
         reply = expect(await recv_frame(self.sock), ReadReply)
         _check_reply(reply, request)
         if request.mode == "stream":
             for i in range(len(reply.checksums)):
                 await recv_exactly_into(self.sock, memoryview(dests[i]))
-        else:
-            source = self.peer_slots()
-            for i, slot in enumerate(reply.slots):
-                np.copyto(dests[i], source[slot])
-            await send_frame(self.sock, Release(request.request_id))
-        return reply
+            return reply, _landed_checksums(dests, len(reply.checksums))
+        landed = copy_and_hash(self.peer_slots(), reply.slots, dests)
+        await send_frame(self.sock, Release(request.request_id))
+        return reply, landed
 
     def peer_slots(self) -> np.ndarray:
         if self.arena is None:
@@ -181,12 +200,13 @@ class _UcxConnection(_Connection):
         super().__init__(welcome)
         self.endpoint = endpoint
 
-    async def read(self, request: ReadRequest, dests: list[np.ndarray]) -> ReadReply:
+    async def read(self, request: ReadRequest,
+                   dests: list[np.ndarray]) -> tuple[ReadReply, list[int]]:
         await self.endpoint.send_obj(encode(request))
         reply = expect(decode(await self.endpoint.recv_obj()), ReadReply)
         _check_reply(reply, request)
         await asyncio.gather(*(self.endpoint.recv(dests[i]) for i in range(len(reply.checksums))))
-        return reply
+        return reply, _landed_checksums(dests, len(reply.checksums))
 
     def close(self) -> None:
         self.endpoint.abort()
@@ -301,11 +321,11 @@ class TransferClient:
         request = ReadRequest(next(self._request_ids), [bytes(k) for k in keys],
                               "shm" if path == "shm" else "stream")
         started = time.perf_counter()
-        reply = await connection.read(request, dests)
+        reply, landed = await connection.read(request, dests)
         num_verified = len(reply.checksums)
         corrupt = 0
-        for i, expected in enumerate(reply.checksums):
-            if block_checksum(dests[i]) != expected:
+        for i, (expected, actual) in enumerate(zip(reply.checksums, landed, strict=True)):
+            if actual != expected:
                 corrupt += 1
                 num_verified = min(num_verified, i)
         seconds = time.perf_counter() - started

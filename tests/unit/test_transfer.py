@@ -17,7 +17,7 @@ import torch
 from kvstore.config import KVStoreConfig, TransferConfig
 from kvstore.node import KVStoreNode
 from kvstore.standalone import synthetic_block, synthetic_chain, write_chain
-from kvstore.transfer import PeerRefused, TransferClient, TransferConfigError
+from kvstore.transfer import PeerRefused, TransferClient, TransferConfigError, copy_and_hash
 from kvstore.transfer_server import BlockServer
 from kvstore.transfer_wire import (
     FRAME_HEADER,
@@ -103,6 +103,38 @@ def test_only_the_leading_run_is_served(node, client):
     # a key the node lacks ends the run even if later keys are present
     result = client.read(node.transfer_address(), [keys[3], keys[0]], empty_blocks(2), path="tcp")
     assert result.num_blocks == 0
+
+
+def test_copy_and_hash_lands_each_slot_in_its_destination_and_hashes_what_landed():
+    source = np.arange(6 * 64, dtype=np.uint32).astype(np.uint8).reshape(6, 64)
+    source += np.arange(6, dtype=np.uint8)[:, None] * 7  # every slot's bytes differ
+    dests = [np.zeros(64, dtype=np.uint8) for _ in range(4)]
+
+    landed = copy_and_hash(source, [4, 0, 5], dests)
+
+    for dest, slot in zip(dests, [4, 0, 5]):
+        assert np.array_equal(dest, source[slot])
+    assert not dests[3].any()  # no slot for it: untouched
+    assert landed == [block_checksum(source[4]), block_checksum(source[0]),
+                      block_checksum(source[5])]
+
+
+def test_a_shared_memory_block_corrupted_in_the_arena_ends_the_run(node, client):
+    keys = synthetic_chain(1, 4)
+    write_chain(node, keys)
+    address = node.transfer_address()
+    assert client.read(address, keys, empty_blocks(4), path="shm").num_blocks == 4  # hashed
+    slot = node.acquire(keys[2:3])[0]
+    node.release(keys[2:3])
+    node.arena.slot(slot)[100] ^= 0xFF  # a bit flip after the block was hashed
+
+    dests = empty_blocks(4)
+    result = client.read(address, keys, dests, path="shm")
+
+    assert (result.num_blocks, result.corrupt_blocks) == (2, 1)
+    assert result.checksums == [block_checksum(synthetic_block(k, BLOCK_BYTES)) for k in keys[:2]]
+    for key, dest in zip(keys[:2], dests):
+        assert np.array_equal(dest.numpy(), synthetic_block(key, BLOCK_BYTES))
 
 
 def _raw_connect(address, secret: bytes, rcvbuf_bytes: int = 0) -> tuple[socket.socket, Welcome]:
