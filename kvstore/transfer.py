@@ -121,7 +121,11 @@ def _byte_views(into: Sequence[Any], block_bytes: int) -> list[np.ndarray]:
     for i, dest in enumerate(into):
         if hasattr(dest, "numpy") and not isinstance(dest, np.ndarray):
             dest = dest.numpy()  # a CPU torch tensor shares its memory
-        array = np.frombuffer(memoryview(dest).cast("B"), dtype=np.uint8)
+        if (isinstance(dest, np.ndarray) and dest.dtype == np.uint8 and dest.ndim == 1
+                and dest.flags.c_contiguous):
+            array = dest  # already flat bytes (an arena slot, the benchmark's destinations)
+        else:
+            array = np.frombuffer(memoryview(dest).cast("B"), dtype=np.uint8)
         if array.nbytes != block_bytes or not array.flags.writeable:
             raise ValueError(f"destination {i} must be a writable buffer of {block_bytes} "
                              f"bytes, got {array.nbytes} bytes (writable={array.flags.writeable})")
