@@ -94,6 +94,10 @@ class BlockDirectory:
         """How many blocks the directory records on ``node_id`` (any tier)."""
         return int(self._redis.scard(_node_blocks(node_id)))
 
+    def node_block_keys(self, node_id: str) -> set[BlockKey]:
+        """The keys of every block the directory records on ``node_id`` (any tier)."""
+        return {BlockKey(bytes.fromhex(h.decode())) for h in self._redis.smembers(_node_blocks(node_id))}
+
     def nodes(self) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in self._redis.hgetall(NODES_KEY).items()}
 

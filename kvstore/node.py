@@ -338,6 +338,9 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
         """Where this node holds each key, read-only (no pin, no LRU touch): ``"host"`` for a
         readable host-tier block, ``"disk"`` for one only on the disk tier, None when it holds
         neither. What the Redis directory should say of this node, block by block."""
+        return self._tiers(keys)
+
+    def _tiers(self, keys: Sequence[BlockKey]) -> list[str | None]:
         out: list[str | None] = []
         for key in keys:
             info = self.store.block_info(key)
@@ -475,9 +478,7 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
             if not self._publish_failing:  # once per outage, not once per block
                 log.warning("could not publish block metadata to Redis (%s); serving goes on, "
                             "the node re-registers when Redis is back", exc)
-            self._publish_failing = True
-        else:
-            self._publish_failing = False
+            self._publish_failing = True  # until the heartbeat re-registers what it holds
 
     def _record_disk_removals(self) -> None:
         if self.disk is not None:
@@ -487,9 +488,11 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
         """Renew this node's liveness and remove the entries of nodes that stopped doing so."""
         while not self._stop_heartbeat.wait(config.heartbeat_interval_s):
             try:
-                if not self._registered or not directory.heartbeat(self.node_id,
-                                                                   config.heartbeat_ttl_s):
+                if not directory.heartbeat(self.node_id, config.heartbeat_ttl_s):
                     self._reregister(directory, config)
+                elif not self._registered or self._publish_failing:
+                    # Redis kept its data but missed what this node published meanwhile
+                    self._reregister(directory, config, reason="Redis was unreachable")
                 for dead in directory.reap_dead_nodes():
                     log.warning("store node %s stopped heartbeating; removed its block entries", dead)
             except Exception:
@@ -515,10 +518,29 @@ class KVStoreNode(NodePulls, NodeLeases, NodeHolders):
         if self.transfer_server is not None:
             directory.set_transfer_address(self.node_id, msgspec.json.encode(self.transfer_address()))
         directory.register(self.node_id, str(self.arena.path), config.heartbeat_ttl_s)
+        with self._lock:
+            self._reconcile(directory, [*host, *disk], ["host"] * len(host) + ["disk"] * len(disk))
         self._registered = self._registered_once = True
+        self._publish_failing = False
         log.log(logging.INFO if reason == "started" else logging.WARNING,
                 "store node %s registered in Redis (%s) with %d host and %d disk blocks",
                 self.node_id, reason, len(host), len(disk))
+
+    def _reconcile(self, directory: BlockDirectory, published: Sequence[BlockKey],
+                   tiers: Sequence[str]) -> None:
+        """Under the lock, after ``published`` went out at ``tiers`` without it: put right what
+        moved meanwhile (a block evicted or demoted had its change published, then overwritten
+        by the snapshot's), and drop every entry of this node it does not hold (removals that
+        failed while Redis was unreachable, which a Redis that kept its data still has)."""
+        now = self._tiers(published)
+        for tier in ("host", "disk"):
+            directory.publish(self.node_id, tier=tier, stored=[
+                key for key, was, is_ in zip(published, tiers, now) if is_ == tier and was != tier])
+        held = set(self.store.ready_keys())
+        if self.disk is not None:
+            held.update(self.disk.keys())
+        stale = directory.node_block_keys(self.node_id) - held
+        directory.publish(self.node_id, removed=sorted(stale))
 
     def shutdown(self) -> None:
         self._stop_heartbeat.set()

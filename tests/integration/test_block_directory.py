@@ -187,3 +187,37 @@ def test_a_node_started_while_redis_is_down_registers_once_it_is_back(tmp_path):
     finally:
         node.shutdown()
         server.stop()
+
+
+def test_what_a_node_could_not_publish_while_redis_was_unreachable_is_put_right(tmp_path, redis_url):
+    """A Redis that keeps its data but could not be reached for a while (a network blip, not a
+    restart) missed an eviction and a commit; at its next heartbeat after that, the node puts
+    the directory back to exactly what it holds: the evicted blocks' entries gone, the new ones
+    there."""
+    node = _node(tmp_path, "n-blip", redis_url)
+    directory = BlockDirectory.from_url(redis_url)
+    try:
+        old, kept = keys(13, 2), keys(14, 2)
+        _write(node, old)
+        _write(node, kept)  # the host tier holds 4 blocks: full
+        publish = node._directory.publish
+
+        def unreachable(*args, **kwargs):
+            raise ConnectionError("Redis unreachable")
+
+        node._directory.publish = unreachable
+        time.sleep(0.3)  # heartbeats go on: the node is registered all along
+        new = keys(15, 2)
+        _write(node, new)  # evicts the least recently used: `old`; neither change is published
+        assert directory.locate(old + new) == [{"n-blip": "host"}] * 2 + [{}, {}]
+        node._directory.publish = publish
+
+        deadline = time.monotonic() + 5
+        while directory.locate(old + new) != [{}, {}] + [{"n-blip": "host"}] * 2 and (
+                time.monotonic() < deadline):
+            time.sleep(0.05)
+        assert directory.locate(old + kept + new) == [{}, {}] + [{"n-blip": "host"}] * 4
+        assert directory.node_block_keys("n-blip") == set(kept + new)
+        assert node.tiers(old + kept + new) == [None, None] + ["host"] * 4
+    finally:
+        node.shutdown()
