@@ -9,7 +9,7 @@ from engine.warmup import warmup_points
 
 def test_the_points_for_a_long_window_span_both_dimensions():
     assert warmup_points(8192, 128) == [
-        (2048, 0), (256, 0), (1024, 0),  # the prefix, then two fresh prompts
+        (2048, 0), (8, 0), (256, 0), (1024, 0),  # the prefix, then fresh prompts: a step's floor
         (128, 1024), (512, 1024), (128, 2048), (512, 2048),  # over half and all of the prefix
     ]
 
