@@ -200,17 +200,20 @@ def test_what_a_node_could_not_publish_while_redis_was_unreachable_is_put_right(
         old, kept = keys(13, 2), keys(14, 2)
         _write(node, old)
         _write(node, kept)  # the host tier holds 4 blocks: full
-        publish = node._directory.publish
+        publish = BlockDirectory.publish
 
         def unreachable(*args, **kwargs):
             raise ConnectionError("Redis unreachable")
 
-        node._directory.publish = unreachable
-        time.sleep(0.3)  # heartbeats go on: the node is registered all along
-        new = keys(15, 2)
-        _write(node, new)  # evicts the least recently used: `old`; neither change is published
-        assert directory.locate(old + new) == [{"n-blip": "host"}] * 2 + [{}, {}]
-        node._directory.publish = publish
+        BlockDirectory.publish = unreachable  # every writer of the node (its heartbeat's too)
+        try:
+            time.sleep(0.3)  # heartbeats go on: the node is registered all along
+            new = keys(15, 2)
+            _write(node, new)  # evicts the least recently used: `old`; neither change is published
+            time.sleep(0.3)  # heartbeats try to put it right, and cannot
+            assert directory.locate(old + new) == [{"n-blip": "host"}] * 2 + [{}, {}]
+        finally:
+            BlockDirectory.publish = publish
 
         deadline = time.monotonic() + 5
         while directory.locate(old + new) != [{}, {}] + [{"n-blip": "host"}] * 2 and (
