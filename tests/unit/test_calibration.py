@@ -215,7 +215,7 @@ def test_later_engines_warm_ups_refine_the_warm_start_until_a_live_refit():
     both = calibration.prefill.t_prefill_ms(1024, 0) / SHOP.t_prefill_ms(1024, 0)
     assert 1.0 < both < 2.0
     rng = random.Random(4)
-    assert calibration.prefill_source() == "warm-up of 14 prefills"  # both engines' seven
+    assert calibration.prefill_source() == "warm-up of 16 prefills"  # both engines' eight
     for _ in range(8):  # live traffic: the machine as SHOP says, a spread of u and c
         u, c = rng.randrange(16, 2048), rng.choice([0, 512, 1024, 2048])
         calibration.observe_prefill(u, c, SHOP.t_prefill_ms(u, c))
