@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conductor.calibration import CostCalibration
+from conductor.calibration import WARMUP_PRIOR_UNTIL, CostCalibration
 from conductor.cost_model import DecodeCostModel, PrefillCostModel
 from conductor.policy import PolicyConfig
 from conductor.state import ConductorState
@@ -221,9 +221,26 @@ def test_later_engines_warm_ups_refine_the_warm_start_until_a_live_refit():
         calibration.observe_prefill(u, c, SHOP.t_prefill_ms(u, c))
     assert calibration.num_prefill_refits == 1
     assert calibration.prefill_source() == "refit 1 times on live prefills"
-    assert calibration.prefill.t_prefill_ms(1024, 0) == pytest.approx(SHOP.t_prefill_ms(1024, 0), rel=1e-6)
+    refit = calibration.prefill
     assert not calibration.warm_start(warmup(slower=3.0))  # a live refit is not replaced
+    assert calibration.prefill is refit
+    for _ in range(WARMUP_PRIOR_UNTIL - 8):  # the live window full enough: the warm-up leaves the fit
+        u, c = rng.randrange(16, 2048), rng.choice([0, 512, 1024, 2048])
+        calibration.observe_prefill(u, c, SHOP.t_prefill_ms(u, c))
     assert calibration.prefill.t_prefill_ms(1024, 0) == pytest.approx(SHOP.t_prefill_ms(1024, 0), rel=1e-6)
+
+
+def test_a_few_live_shapes_are_fitted_with_the_warm_ups_grid():
+    # an agent fleet's first live window: cold prompts and steps over one prefix length, on a
+    # machine 10% slower than its warm-up measured; alone, the window cannot pin five terms
+    calibration = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=8, refit_every=8)
+    assert calibration.warm_start(warmup())
+    live = [(1495, 0), (87, 1408), (214, 1408), (1506, 0), (87, 1408), (214, 1408), (87, 1408), (1495, 0)]
+    for u, c in live:
+        calibration.observe_prefill(u, c, SHOP.t_prefill_ms(u, c) * 1.1)
+    assert calibration.num_prefill_refits == 1
+    for u, c in ((512, 2048), (128, 1024), (2048, 0)):  # between the warm-up and the live level
+        assert SHOP.t_prefill_ms(u, c) < calibration.prefill.t_prefill_ms(u, c) < SHOP.t_prefill_ms(u, c) * 1.1
 
 
 def test_a_profile_is_not_replaced_by_a_warm_start():
