@@ -196,8 +196,8 @@ def test_a_commit_carries_each_saved_blocks_checksum_as_written():
             layer[block] = torch.full(BLOCK_SHAPE, float(10 * block + index))
     store.grants = [4, 1]
     save = SaveSpec("r", block_ids=[5, 2], keys=[b"x", b"y"], parents=[None, b"x"])
-    step(connector, BatonConnectorMetadata(saves=[save]), finished={"r"})
-    assert until(connector) == ({"r"}, None)
+    first = step(connector, BatonConnectorMetadata(saves=[save]), finished={"r"})  # may be done at once
+    assert (first if first != (None, None) else until(connector)) == ({"r"}, None)
     assert store.committed == [[b"x", b"y"]]
     expected = [block_checksum(torch.stack([layer[block] for layer in connector._layers])
                                .view(torch.uint8).numpy()) for block in (5, 2)]
