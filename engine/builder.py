@@ -89,7 +89,8 @@ def build_engine_args(
         kv_transfer = KVTransferConfig(
             kv_connector="BatonConnector",
             kv_connector_module_path="kvstore.connector",
-            kv_role=_KV_ROLE[role],
+            kv_role=("kv_consumer" if role == "decode" and config.decode_saves == "none"
+                     else _KV_ROLE[role]),
             engine_id=engine_id,
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={
@@ -101,6 +102,7 @@ def build_engine_args(
                 "sync_load_step_fraction": config.kv_sync_load_step_fraction,
                 "lookup_wait_step_fraction": config.kv_lookup_wait_step_fraction,
                 "lookup_wait_max_s": config.kv_lookup_wait_max_ms / 1000.0,
+                "save_whole_prompts": role == "decode" and config.decode_saves == "per_prompt",
             },
         )
     max_len = min(config.max_model_len_tokens or model.max_model_len, model.max_model_len)

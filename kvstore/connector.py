@@ -124,6 +124,7 @@ class BatonConnector(ConnectorSchedulerHalf, ConnectorWorkerHalf, KVConnectorBas
         self._saves = cfg.kv_role in ("kv_producer", "kv_both")
         self._loads = cfg.kv_role in ("kv_consumer", "kv_both")
         self._async = bool(extra.get("async_transfers", True))
+        self._save_whole_prompts = bool(extra.get("save_whole_prompts", False))
         self._sync_load_fraction = float(extra.get("sync_load_step_fraction", SYNC_LOAD_FRACTION))
         self._lookup_wait_fraction = float(extra.get("lookup_wait_step_fraction", LOOKUP_WAIT_FRACTION))
         self._lookup_wait_max_s = float(extra.get("lookup_wait_max_s", LOOKUP_WAIT_MAX_S))

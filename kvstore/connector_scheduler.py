@@ -142,6 +142,9 @@ class ConnectorSchedulerHalf:
     _async: bool
     _lookups_unsent: list[_RequestState]
     _final_saves: list[SaveSpec]
+    _save_whole_prompts: bool = False
+    """A decode engine's ``engine.decode_saves: per_prompt``: a prompt's blocks are saved in one
+    ``SaveSpec`` once the whole prompt is computed, not step by step."""
     _releases: dict[str, list[BlockKey]]
     _stepping: bool
     """The last step scheduled work: a wait on the store now would hold running sequences."""
@@ -363,6 +366,8 @@ class ConnectorSchedulerHalf:
                 continue
             done_tokens = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             done_tokens = min(done_tokens, state.num_prompt_tokens)
+            if self._save_whole_prompts and done_tokens < state.num_prompt_tokens:
+                continue  # one save when the whole prompt is computed
             # full blocks once computed; the partial tail once the whole prompt is
             full_blocks = -(-done_tokens // self._block_size) if (
                 done_tokens == state.num_prompt_tokens) else done_tokens // self._block_size

@@ -308,6 +308,13 @@ def test_the_connector_knobs_reach_the_connectors_extra_config(tiny_model):
     extra = args.kv_transfer_config.kv_connector_extra_config
     assert (extra["sync_load_step_fraction"], extra["lookup_wait_step_fraction"],
             extra["lookup_wait_max_s"]) == (0.2, 0.01, 0.007)
+    # a prompt saved whole is the decode role's choice; prefill engines always save per step
+    whole = EngineConfig(decode_saves="per_prompt")
+    wiring = StoreWiring("store", "ns", "node")
+    assert [build_engine_args(c, model, role, "e0", wiring).kv_transfer_config
+            .kv_connector_extra_config["save_whole_prompts"]
+            for c, role in ((whole, "decode"), (whole, "prefill"), (EngineConfig(), "decode"))
+            ] == [True, False, False]
 
 
 def test_the_engines_step_budget_reaches_vllm(tiny_model):

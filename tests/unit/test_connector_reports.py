@@ -90,3 +90,40 @@ def test_the_runner_carries_the_gateways_keys_and_the_lookup_flag_and_nothing_el
                                                     store_lookup=False))
     assert carried == {PARAMS_KEY: {"model_id": "m", "kv_layout": "torch.float32:128",
                                     "block_size": 128, "keys": b"k" * 16, "lookup": False}}
+
+
+def _stepped(connector: BatonConnector, req_id: str, computed: int, scheduled: int,
+             new_blocks: list[int], first: bool) -> list:
+    """One scheduled step of ``req_id`` (its first, or a later chunk), as vLLM's
+    ``SchedulerOutput`` names it; the saves the step's metadata hands the worker half."""
+    new = [SimpleNamespace(req_id=req_id, block_ids=(new_blocks,), num_computed_tokens=computed)]
+    cached = SimpleNamespace(req_ids=[] if first else [req_id],
+                             new_block_ids=[] if first else [(new_blocks,)],
+                             resumed_req_ids=set(), num_computed_tokens=[] if first else [computed])
+    output = SimpleNamespace(total_num_scheduled_tokens=scheduled,
+                             scheduled_new_reqs=new if first else [],
+                             scheduled_cached_reqs=cached, num_scheduled_tokens={req_id: scheduled})
+    return connector.build_connector_meta(output).saves
+
+
+@pytest.mark.parametrize("whole_prompts", [False, True])
+def test_a_decode_engine_saves_a_prompt_step_by_step_or_in_one_save_when_it_is_done(whole_prompts):
+    # a 40-token prompt in 16-token blocks (2 full blocks and a tail), computed in 3 chunks of 16
+    keys = [f"k{i}" for i in range(3)]
+    state = _RequestState(keys=keys, num_prompt_tokens=40)
+    connector = scheduler_half({"r-1": state})
+    connector._saves, connector._block_size, connector._async = True, 16, True
+    connector._loads_ready, connector._stepping, connector._step_s = [], False, 0.05
+    connector._last_meta_at = 0.0
+    connector._save_whole_prompts = whole_prompts
+
+    steps = [_stepped(connector, "r-1", 0, 16, [7], first=True),
+             _stepped(connector, "r-1", 16, 16, [8], first=False),
+             _stepped(connector, "r-1", 32, 8, [9], first=False)]
+
+    saved = [[(s.keys, s.block_ids) for s in saves] for saves in steps]
+    if whole_prompts:
+        assert saved == [[], [], [(keys, [7, 8, 9])]]
+    else:
+        assert saved == [[(["k0"], [7])], [(["k1"], [8])], [(["k2"], [9])]]
+    assert state.saved_blocks == 3 and state.has_saves
