@@ -86,8 +86,8 @@ ABLATION_STACKS = (
               settings=("engine.max_num_batched_tokens=2048",)),
     StackSpec("baton-0p2d-perrequest", "baton", num_prefill=0, num_decode=2,
               settings=("gateway.decode_stream=per_request",)),
-    StackSpec("baton-0p2d-promptsaves", "baton", num_prefill=0, num_decode=2,
-              settings=("engine.decode_saves=per_prompt",)),
+    StackSpec("baton-0p2d-stepsaves", "baton", num_prefill=0, num_decode=2,
+              settings=("engine.decode_saves=per_step",)),
     StackSpec("baton-0p2d-nosaves", "baton", num_prefill=0, num_decode=2,
               settings=("engine.decode_saves=none",)),
 )
@@ -96,8 +96,8 @@ prompts into one step, as the SMG stacks' servers do), with its gate ordered sho
 priced prefill first instead of first come, first served, with its engines' steps at
 vLLM's 2,048 tokens instead of 512 (the CPU default before 512 won this ablation), and with
 a Ray stream per request from the decode instances (an item per token) instead of one per
-instance (a batch per step), and with the decode engines saving each prompt's blocks once it is
-computed, or not at all, instead of step by step (``engine.decode_saves``)."""
+instance (a batch per step), and with the decode engines saving each prompt's blocks step by step, or not at
+all, instead of once the prompt is computed (``engine.decode_saves``)."""
 
 
 SMG_BALANCED = ("--cache-threshold", "0.3", "--balance-abs-threshold", "2",

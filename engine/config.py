@@ -88,13 +88,14 @@ class EngineConfig(BaseModel):
         "for on vLLM's scheduler thread. false: the synchronous path (copies and store calls "
         "on the step), the baseline of `baton bench itl`.")
     decode_saves: Literal["per_step", "per_prompt", "none"] = Field(
-        "per_step", description="When a decode engine writes the prompt blocks it computed to "
+        "per_prompt", description="When a decode engine writes the prompt blocks it computed to "
         "the store: 'per_step' each step's newly computed blocks (one reservation and one "
         "commit per step: a 1,615-token prompt in 512-token steps makes four of each); "
         "'per_prompt' all of them once the whole prompt is computed (one of each); 'none' "
         "nothing (the engine only loads: an ablation, its siblings cannot load what it "
         "computed). Prefill "
-        "engines always save per step: their result waits for the last commit.")
+        "engines always save per step: their result waits for the last commit. per_prompt won "
+        "the live agent-fleet A/B narrowly (docs/benchmarks.md, 'The decode role's saves').")
     enforce_eager: bool = Field(
         True, description="Skip torch.compile/CUDA graphs: ~3 s start instead of ~70 s on CPU."
     )

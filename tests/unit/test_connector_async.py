@@ -309,11 +309,11 @@ def test_the_connector_knobs_reach_the_connectors_extra_config(tiny_model):
     assert (extra["sync_load_step_fraction"], extra["lookup_wait_step_fraction"],
             extra["lookup_wait_max_s"]) == (0.2, 0.01, 0.007)
     # a prompt saved whole is the decode role's choice; prefill engines always save per step
-    whole = EngineConfig(decode_saves="per_prompt")
+    whole, steps = EngineConfig(), EngineConfig(decode_saves="per_step")
     wiring = StoreWiring("store", "ns", "node")
     assert [build_engine_args(c, model, role, "e0", wiring).kv_transfer_config
             .kv_connector_extra_config["save_whole_prompts"]
-            for c, role in ((whole, "decode"), (whole, "prefill"), (EngineConfig(), "decode"))
+            for c, role in ((whole, "decode"), (whole, "prefill"), (steps, "decode"))
             ] == [True, False, False]
 
 
