@@ -84,6 +84,10 @@ ABLATION_STACKS = (
               settings=("engine.prefill_gate_order=shortest_first",)),
     StackSpec("baton-0p2d-chunk2048", "baton", num_prefill=0, num_decode=2,
               settings=("engine.max_num_batched_tokens=2048",)),
+    StackSpec("baton-0p2d-chunk256", "baton", num_prefill=0, num_decode=2,
+              settings=("engine.max_num_batched_tokens=256",)),
+    StackSpec("baton-0p2d-chunk384", "baton", num_prefill=0, num_decode=2,
+              settings=("engine.max_num_batched_tokens=384",)),
     StackSpec("baton-0p2d-perrequest", "baton", num_prefill=0, num_decode=2,
               settings=("gateway.decode_stream=per_request",)),
     StackSpec("baton-0p2d-stepsaves", "baton", num_prefill=0, num_decode=2,
@@ -94,7 +98,8 @@ ABLATION_STACKS = (
 """Asked for by name only: ``baton-0p2d`` without its prefill gate (vLLM packs a burst of
 prompts into one step, as the SMG stacks' servers do), with its gate ordered shortest
 priced prefill first instead of first come, first served, with its engines' steps at
-vLLM's 2,048 tokens instead of 512 (the CPU default before 512 won this ablation), and with
+vLLM's 2,048 tokens instead of 512 (the CPU default before 512 won this ablation), or at 256 or
+384, and with
 a Ray stream per request from the decode instances (an item per token) instead of one per
 instance (a batch per step), and with the decode engines saving each prompt's blocks step by step, or not at
 all, instead of once the prompt is computed (``engine.decode_saves``)."""
