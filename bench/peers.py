@@ -330,9 +330,13 @@ def _run_stack(spec: StackSpec, run: int, model, workloads: dict[str, Workload],
                      f"{probe.result['late_ms_max']:.0f} ms, {probe.result['stalls']} of "
                      f"{STALL_MS:.0f} ms or more, {probe.result['stalled_s']:.2f} s in all")
             if report.get("cost_model_error_pct"):
-                e = report["cost_model_error_pct"].get("prefill") or {}
-                echo(f"    cost model, prefill error on held-out prefills: median "
-                     f"{e.get('median', float('nan')):.1f}%, p90 {e.get('p90', float('nan')):.1f}%")
+                errors = report["cost_model_error_pct"]
+                echo("    cost model, held-out error: " + "; ".join(
+                    f"{what} median {errors[model].get('median', float('nan')):.1f}%, p90 "
+                    f"{errors[model].get('p90', float('nan')):.1f}%"
+                    for model, what in (("prefill", "prefill"), ("decode", "decode step"),
+                                        ("decode_per_request", "decode per request"),
+                                        ("handoff", "hand-off")) if model in errors))
     return reports
 
 

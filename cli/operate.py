@@ -270,6 +270,8 @@ def cost_model_line(cost_model) -> str:
     source = f" (prefill model: {cost_model.prefill_source})" if cost_model.prefill_source else ""
     line = (f"cost model: calibrating from measured timings{source}; "
             f"{error('prefill', cost_model.prefill)}; {error('decode', cost_model.decode)}")
+    if cost_model.decode_per_request is not None:
+        line += f"; {error('decode per request', cost_model.decode_per_request)}"
     if cost_model.handoff is not None or cost_model.handoff_overhead_ms:
         line += (f"; KV hand-off overhead {cost_model.handoff_overhead_ms:.1f} ms, "
                  f"{error('hand-off', cost_model.handoff)}")

@@ -79,6 +79,14 @@ HANDOFF_WINDOW = 64
 batch's step time as load changes."""
 
 
+PREDICTED_STEPS_KEPT = 4096
+"""Per instance, the newest numbered decode steps whose held-out prediction is kept for the
+per-request error (``observe_decode_span``): a request whose span reaches further back is
+judged on the steps still kept."""
+
+MIN_SPAN_STEPS = 2
+"""A finished request is judged per request over at least this many predicted steps."""
+
 MIN_TBT_ERROR_SAMPLES = 16
 """Held-out decode steps the margin waits for before it trusts the measured error."""
 
@@ -106,6 +114,9 @@ class CostCalibration:
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._prefill_errors: deque[float] = deque(maxlen=error_window)
         self._step_errors: deque[float] = deque(maxlen=error_window)
+        self._request_errors: deque[float] = deque(maxlen=error_window)
+        self._predicted_steps: dict[str, dict[int, tuple[float, float]]] = {}
+        """instance -> step number -> (predicted, measured ms), for steps predicted before fitted."""
         self._handoff_residuals: deque[float] = deque(maxlen=HANDOFF_WINDOW)
         self._handoff_errors: deque[float] = deque(maxlen=error_window)
         self._since_handoff_fit = 0
@@ -162,14 +173,19 @@ class CostCalibration:
         self.num_prefill_refits += 1
         return True
 
-    def observe_decode_step(self, num_seqs: int, context_tokens: int, step_ms: float) -> bool:
+    def observe_decode_step(self, num_seqs: int, context_tokens: int, step_ms: float,
+                            instance_id: str = "", seq: int = -1) -> bool:
         """One measured decode step (or a request's mean inter-token time over its batch);
-        True when it refitted the decode model."""
+        True when it refitted the decode model. A numbered step (``seq`` >= 0, the engine's
+        count of its timed decode-only steps) keeps its held-out prediction for the
+        per-request error of the requests in it (``observe_decode_span``)."""
         if step_ms <= 0 or num_seqs < 1 or context_tokens < 0:
             return False
         if self._decode_fitted:
             predicted = self.decode.t_step_ms(num_seqs, context_tokens)
             self._step_errors.append(abs(predicted - step_ms) / step_ms * 100.0)
+            if seq >= 0:
+                self._keep_prediction(instance_id, seq, predicted, step_ms)
         self._steps.append((num_seqs, context_tokens, step_ms))
         self._since_step_fit += 1
         if len(self._steps) < self._min_samples or self._since_step_fit < self._refit_every:
@@ -184,6 +200,29 @@ class CostCalibration:
             return False
         self.decode, self._decode_fitted = refit, True
         self.num_decode_refits += 1
+        return True
+
+    def _keep_prediction(self, instance_id: str, seq: int, predicted: float, measured: float) -> None:
+        steps = self._predicted_steps.setdefault(instance_id, {})
+        if steps and seq <= next(reversed(steps)):
+            steps.clear()  # numbering started again: a new engine under the same name
+        steps[seq] = (predicted, measured)
+        if len(steps) > PREDICTED_STEPS_KEPT:
+            del steps[next(iter(steps))]  # the oldest (numbers arrive in order)
+
+    def observe_decode_span(self, instance_id: str, first_seq: int, last_seq: int) -> bool:
+        """A finished request was in ``instance_id``'s numbered decode steps ``first_seq`` to
+        ``last_seq``: the decode model's error for it is its kept steps' predicted time against
+        their measured time, summed (each step predicted before it joined a fit). True when
+        recorded: at least ``MIN_SPAN_STEPS`` of its steps were predicted and kept."""
+        steps = self._predicted_steps.get(instance_id)
+        if not steps or last_seq < first_seq:
+            return False
+        kept = [steps[s] for s in range(first_seq, last_seq + 1) if s in steps]
+        if len(kept) < MIN_SPAN_STEPS:
+            return False
+        predicted, measured = sum(p for p, _ in kept), sum(m for _, m in kept)
+        self._request_errors.append(abs(predicted - measured) / measured * 100.0)
         return True
 
     def observe_handoff(self, measured_ms: float, transfer_ms: float) -> bool:
@@ -225,5 +264,9 @@ class CostCalibration:
         return _summary(self._prefill_errors)
 
     def decode_error(self) -> PredictionError | None:
-        """The decode model's error, the same way."""
+        """The decode model's error per step, the same way."""
         return _summary(self._step_errors)
+
+    def decode_request_error(self) -> PredictionError | None:
+        """The decode model's error per finished request (``observe_decode_span``)."""
+        return _summary(self._request_errors)

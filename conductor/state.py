@@ -649,16 +649,20 @@ class ConductorState:
             self.index.note_device_blocks(prefill.instance_id, prefill.block_keys)
         self._refresh_view(prefill.instance_id)
 
-    def observe_decode_steps(self, steps) -> None:
+    def observe_decode_steps(self, steps, instance_id: str = "", spans=()) -> None:
         """An instance's timed decode-only steps (``InstanceStats.decode_steps``) feed the
-        calibration when there is one; a refit replaces the priced decode-step model (admission's
+        calibration when there is one, and its finished requests' spans of them
+        (``decode_spans``) the per-request error; a refit replaces the priced decode-step model (admission's
         TBT and the co-located prefill's batch term use it), as ``prefill_done`` does for
         prefill."""
         if self.calibration is None:
             return
         for step in steps:
-            if self.calibration.observe_decode_step(step.num_seqs, step.context_tokens, step.step_ms):
+            if self.calibration.observe_decode_step(step.num_seqs, step.context_tokens, step.step_ms,
+                                                    instance_id, step.seq):
                 self.config = self.config.model_copy(update={"decode_cost": self.calibration.decode})
+        for span in spans:  # after the steps: a span names steps of this report or earlier ones
+            self.calibration.observe_decode_span(instance_id, span.first_seq, span.last_seq)
         margin = tbt_error_margin(self.calibration.decode_error())
         if abs(margin - self.config.tbt_error_frac) >= 0.01:
             self.config = self.config.model_copy(update={"tbt_error_frac": margin})

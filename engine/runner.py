@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from protos.errors import InvalidRequest, WorkerFailed
-from protos.wire import DecodeStep, EngineRequest, SamplingOptions
+from protos.wire import DecodeSpan, DecodeStep, EngineRequest, SamplingOptions
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,12 @@ class _Abort:
     request_id: str
 
 
-DECODE_STEPS_KEPT = 32
-"""Decode-step timings a runner keeps between two ``take_decode_steps`` (the newest)."""
+DECODE_STEPS_KEPT = 128
+"""Decode-step timings a runner keeps between two ``take_decode_steps`` (the newest): a stats
+interval of 0.5 s holds ~30 CPU steps, ~50 of a GPU's."""
+
+DECODE_SPANS_KEPT = 256
+"""Finished requests' ``DecodeSpan``s a runner keeps between two ``take_decode_spans``."""
 
 
 def engine_prefill_ms(output) -> float | None:
@@ -131,6 +135,9 @@ class EngineRunner:
         self._stopping = False
         self.num_finished_reqs = 0
         self._decode_steps: deque[DecodeStep] = deque(maxlen=DECODE_STEPS_KEPT)
+        self._decode_seq = 0  # the next timed decode-only step's number (``DecodeStep.seq``)
+        self._spans: dict[str, list[int]] = {}  # running request -> [first, last] decode step
+        self._decode_spans: deque[DecodeSpan] = deque(maxlen=DECODE_SPANS_KEPT)
         self._thread = threading.Thread(target=self._loop, name="baton-engine", daemon=True)
         self._thread.start()
 
@@ -223,8 +230,7 @@ class EngineRunner:
                     started = time.perf_counter()
                     outputs = self.engine.step()
                     if decoding is not None and outputs:
-                        self._decode_steps.append(
-                            DecodeStep(*decoding, (time.perf_counter() - started) * 1000.0))
+                        self._timed_decode_step(*decoding, (time.perf_counter() - started) * 1000.0)
                     self._deliver(outputs)
                     if not outputs and self._only_transfers():
                         time.sleep(_TRANSFER_POLL_S)  # nothing to step: let the copies run
@@ -239,10 +245,10 @@ class EngineRunner:
             return
         self._dead = EngineDead("engine shut down")
 
-    def _decode_only(self) -> tuple[int, int] | None:
-        """(sequences, context tokens) when the next step can only decode: every running
-        request is past its prompt and none waits to be scheduled; else None (a step with a
-        prefill in it is not a decode step)."""
+    def _decode_only(self) -> tuple[int, int, list[str]] | None:
+        """(sequences, context tokens, their request ids) when the next step can only decode:
+        every running request is past its prompt and none waits to be scheduled; else None (a
+        step with a prefill in it is not a decode step)."""
         scheduler = self._scheduler()
         if (scheduler is None or not scheduler.running or scheduler.waiting
                 or getattr(scheduler, "kv_holding_waiting", None)):
@@ -252,7 +258,33 @@ class EngineRunner:
             if request.num_computed_tokens < request.num_prompt_tokens:
                 return None
             context += request.num_computed_tokens
-        return len(scheduler.running), context
+        return len(scheduler.running), context, [r.request_id for r in scheduler.running]
+
+    def _timed_decode_step(self, num_seqs: int, context_tokens: int, request_ids: list[str],
+                           step_ms: float) -> None:
+        """Keep a timed decode-only step, numbered, and extend its requests' spans."""
+        seq = self._decode_seq
+        self._decode_seq += 1
+        self._decode_steps.append(DecodeStep(num_seqs, context_tokens, step_ms, seq))
+        for request_id in request_ids:
+            span = self._spans.get(request_id)
+            if span is None:
+                self._spans[request_id] = [seq, seq]
+            else:
+                span[1] = seq
+
+    def _end_span(self, request_id: str) -> None:
+        """The request is over: its span (if it was in a timed decode-only step) is reported."""
+        span = self._spans.pop(request_id, None)
+        if span is not None:
+            self._decode_spans.append(DecodeSpan(span[0], span[1]))
+
+    def take_decode_spans(self) -> list[DecodeSpan]:
+        """The spans of the requests finished since the last call (at most ``DECODE_SPANS_KEPT``)."""
+        spans = []
+        while self._decode_spans:
+            spans.append(self._decode_spans.popleft())
+        return spans
 
     def take_decode_steps(self) -> list[DecodeStep]:
         """The decode-only steps timed since the last call (at most ``DECODE_STEPS_KEPT``)."""
@@ -293,6 +325,7 @@ class EngineRunner:
                 self._held.remove(held)
                 return
             self._prefilling.discard(command.request_id)
+            self._spans.pop(command.request_id, None)  # aborted: not judged
             if self._sinks.pop(command.request_id, None) is not None:
                 self.engine.abort_request([command.request_id])
             self._admit_held()
@@ -361,6 +394,7 @@ class EngineRunner:
             if output.finished:
                 entry = self._sinks.pop(output.request_id, None)
                 self.num_finished_reqs += 1
+                self._end_span(output.request_id)
             else:
                 entry = self._sinks.get(output.request_id)
             if entry is not None:

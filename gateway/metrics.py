@@ -81,7 +81,8 @@ AUTOSCALE_ENABLED = Gauge("baton_autoscale_enabled",
 COST_MODEL_ERROR = Gauge(
     "baton_cost_model_error_pct",
     "The conductor's cost model's absolute percentage error on requests it was not fitted on "
-    "(model: prefill, decode, handoff; stat: median, p90); absent until measured.", ["model", "stat"])
+    "(model: prefill, decode (per step), handoff, decode_per_request (a finished request's "
+    "decode-only steps, summed); stat: median, p90); absent until measured.", ["model", "stat"])
 HANDOFF_OVERHEAD = Gauge(
     "baton_kv_handoff_overhead_ms",
     "What the conductor prices a disaggregated KV hand-off at beyond its bytes: the median of "
@@ -205,7 +206,7 @@ def set_pool_gauges(status) -> None:
 def _set_cost_model(cost_model) -> None:
     if cost_model is None:
         return
-    for name in ("prefill", "decode", "handoff"):
+    for name in ("prefill", "decode", "handoff", "decode_per_request"):
         error = getattr(cost_model, name)
         if error is not None:
             COST_MODEL_ERROR.labels(name, "median").set(error.median_pct)

@@ -268,6 +268,18 @@ class DecodeStep(msgspec.Struct, frozen=True, array_like=True):
     context_tokens: int
     """Tokens the batch attended over (every sequence's computed tokens)."""
     step_ms: float
+    seq: int = -1
+    """The step's number among the engine's timed decode-only steps (from 0; -1: not numbered):
+    ``DecodeSpan``s name steps by it."""
+
+
+class DecodeSpan(msgspec.Struct, frozen=True, array_like=True):
+    """A finished request's decode-only steps: every one the engine timed from ``first_seq`` to
+    ``last_seq`` (``DecodeStep.seq``) had it in its batch. The conductor judges its decode-step
+    model per request over them (``CostCalibration.observe_decode_span``)."""
+
+    first_seq: int
+    last_seq: int
 
 
 class InstanceStats(msgspec.Struct, frozen=True):
@@ -298,6 +310,8 @@ class InstanceStats(msgspec.Struct, frozen=True):
     decode_steps: tuple[DecodeStep, ...] = ()
     """Decode-only engine steps timed since the previous ``stats`` call (the newest few): what
     the conductor refits its decode-step model from."""
+    decode_spans: tuple[DecodeSpan, ...] = ()
+    """Requests finished since the previous ``stats`` call: the decode-only steps each was in."""
 
 
 # ---------------------------------------------------------------- operations (pools, fronts)
@@ -414,6 +428,9 @@ class CostModelStatus(msgspec.Struct, frozen=True):
     ``PolicyConfig.handoff_overhead_ms``)."""
     handoff: PredictionError | None = None
     """The priced hand-off's error on hand-offs measured after it was set."""
+    decode_per_request: PredictionError | None = None
+    """The decode-step model's error per finished request: its decode-only steps' predicted
+    time (each predicted before it was fitted) against their measured time, summed."""
 
 
 class PoolStatus(msgspec.Struct, frozen=True):

@@ -242,6 +242,8 @@ class EngineWorker:
 
         running, waiting = self.runner.num_running_and_waiting()
         loads = connector_stats(self.instance_id)
+        # spans before steps: every step a span names was kept before the span was
+        spans = tuple(self.runner.take_decode_spans())
         return InstanceStats(
             instance_id=self.instance_id,
             role=self.role,
@@ -258,6 +260,7 @@ class EngineWorker:
             recent_ttft_ms=statistics.median(self._recent_ttft_ms) if self._recent_ttft_ms else None,
             recent_itl_ms=statistics.median(self._recent_itl_ms) if self._recent_itl_ms else None,
             decode_steps=tuple(self.runner.take_decode_steps()),
+            decode_spans=spans,
         )
 
     def _record_request(self, num_prompt_tokens: int, num_cached_tokens: int,

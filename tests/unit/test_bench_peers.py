@@ -406,3 +406,18 @@ def test_a_stacks_process_runs_in_its_own_group_and_the_benchmarks_session(tmp_p
         stack.stop()
     assert stack.pids() == []
 
+
+
+def test_the_decode_models_per_request_error_reaches_the_metrics_bench_peers_reads():
+    from prometheus_client import REGISTRY, generate_latest
+
+    from bench.peers import parse_cost_model_error
+    from gateway.metrics import _set_cost_model
+    from protos.wire import CostModelStatus, PredictionError
+
+    _set_cost_model(CostModelStatus(True, PredictionError(6.5, 19.25, 40),
+                                    PredictionError(8.0, 31.0, 200), "", 0.0, None,
+                                    PredictionError(3.5, 9.25, 60)))
+    errors = parse_cost_model_error(generate_latest(REGISTRY).decode())
+    assert (errors["decode"], errors["decode_per_request"]) == (
+        {"median": 8.0, "p90": 31.0}, {"median": 3.5, "p90": 9.25})

@@ -184,6 +184,43 @@ def test_admissions_tbt_margin_follows_the_decode_models_measured_p90_error():
     assert state.config.tbt_error_frac == tbt_error_margin(calibration.decode_error()) > 0.0
 
 
+def test_a_finished_request_is_judged_on_its_decode_steps_summed_each_predicted_before_fitted():
+    from protos.wire import DecodeSpan, DecodeStep
+
+    calibration = CostCalibration(PrefillCostModel(), STEPS, min_samples=6, refit_every=1000,
+                                  fitted=True)
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=16), calibration=calibration)
+    # steps 0-3 on e0: predicted p, measured 1.3p, 0.8p, 1.25p, 1.0p; one request was in 1-3
+    scale = [1.3, 0.8, 1.25, 1.0]
+    steps = [DecodeStep(2, 1000 + i, STEPS.t_step_ms(2, 1000 + i) * k, i) for i, k in enumerate(scale)]
+    state.observe_decode_steps(steps, "e0", (DecodeSpan(1, 3),))
+    predicted = [STEPS.t_step_ms(2, 1000 + i) for i in range(1, 4)]
+    measured = [p * k for p, k in zip(predicted, scale[1:])]
+    expected = abs(sum(predicted) - sum(measured)) / sum(measured) * 100
+    error = calibration.decode_request_error()
+    assert (error.num_predictions, error.median_pct) == (1, round(expected, 2))
+    assert expected < 5.0 < 20.0 < calibration.decode_error().median_pct  # per step: 0-25% off
+    # another engine's numbers are its own; a span with fewer than 2 predicted steps is not judged
+    assert not calibration.observe_decode_span("e1", 1, 3)
+    assert not calibration.observe_decode_span("e0", 3, 9)
+    assert not calibration.observe_decode_span("e0", 3, 2)
+    # an engine whose numbering starts again (a new process, same name) drops the old steps
+    state.observe_decode_steps([DecodeStep(2, 1000, STEPS.t_step_ms(2, 1000), 0)], "e0")
+    assert not calibration.observe_decode_span("e0", 1, 3)
+
+
+def test_steps_measured_before_the_model_was_fitted_are_not_judged_per_request():
+    calibration = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=6, refit_every=6)
+    for i, (seqs, context) in enumerate([(1, 500), (4, 500), (16, 500), (1, 8000), (4, 8000), (16, 8000)]):
+        calibration.observe_decode_step(seqs, context, STEPS.t_step_ms(seqs, context), "e0", i)
+    assert calibration.num_decode_refits == 1
+    assert not calibration.observe_decode_span("e0", 0, 5)  # priced by the placeholders
+    for i in (6, 7):
+        calibration.observe_decode_step(2, 900, STEPS.t_step_ms(2, 900), "e0", i)
+    assert calibration.observe_decode_span("e0", 0, 7)  # judged on 6 and 7 only
+    assert calibration.decode_request_error().median_pct == pytest.approx(0.0, abs=1e-6)
+
+
 # --- engines' warm-up measurements: the first fit ----------------------------------------------
 
 SHOP = PrefillCostModel(intercept_ms=30.0, per_token_ms=0.43, per_token_sq_ms=1e-4,

@@ -97,6 +97,12 @@ def test_status_shows_the_cost_models_held_out_error(monkeypatch):
     assert operate.cost_model_line(warm) == (
         "cost model: calibrating from measured timings (prefill model: warm-up of 7 prefills); "
         "prefill not measured yet; decode not measured yet")
+    per_request = CostModelStatus(True, None, PredictionError(8.0, 31.0, 200), "", 0.0, None,
+                                  PredictionError(3.5, 9.25, 60))
+    assert operate.cost_model_line(per_request) == (
+        "cost model: calibrating from measured timings; prefill not measured yet; decode error "
+        "median 8.0%, p90 31.0% (last 200 held out); decode per request error median 3.5%, p90 "
+        "9.2% (last 60 held out)")
     handoff = CostModelStatus(True, None, None, "", 283.5, PredictionError(9.0, 30.5, 17))
     assert operate.cost_model_line(handoff) == (
         "cost model: calibrating from measured timings; prefill not measured yet; decode not "

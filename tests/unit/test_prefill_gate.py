@@ -7,6 +7,8 @@ of a held request never reaches the engine; an engine crash fails the held ones 
 
 from __future__ import annotations
 
+from collections import deque
+
 from types import SimpleNamespace
 
 import pytest
@@ -47,6 +49,7 @@ def _runner(max_prefills: int, shortest_first: bool = False) -> EngineRunner:
     runner.shortest_first = shortest_first
     runner._sinks, runner._held, runner._prefilling = {}, [], set()
     runner.num_finished_reqs = 0
+    runner._spans, runner._decode_spans = {}, deque()
     return runner
 
 
