@@ -69,6 +69,10 @@ interval of 0.5 s holds ~30 CPU steps, ~50 of a GPU's."""
 DECODE_SPANS_KEPT = 256
 """Finished requests' ``DecodeSpan``s a runner keeps between two ``take_decode_spans``."""
 
+OPEN_SPANS_MAX = 4096
+"""Spans of running requests a runner keeps at most (past it they are dropped: a request the
+runner never saw end, e.g. under a vLLM that names requests otherwise, leaks nothing)."""
+
 
 def engine_prefill_ms(output) -> float | None:
     """The engine's own prefill time of a ``RequestOutput`` (ms): from when its scheduler
@@ -266,6 +270,8 @@ class EngineRunner:
         seq = self._decode_seq
         self._decode_seq += 1
         self._decode_steps.append(DecodeStep(num_seqs, context_tokens, step_ms, seq))
+        if len(self._spans) > OPEN_SPANS_MAX:
+            self._spans.clear()
         for request_id in request_ids:
             span = self._spans.get(request_id)
             if span is None:
@@ -273,9 +279,21 @@ class EngineRunner:
             else:
                 span[1] = seq
 
+    def _pop_span(self, request_id: str) -> list[int] | None:
+        """The span of ``request_id`` as the caller names it. vLLM's scheduler names a request
+        by that id plus ``-`` and 8 random characters (``InputProcessor.assign_request_id``),
+        its outputs by the caller's id."""
+        span = self._spans.pop(request_id, None)
+        if span is None:
+            prefix = request_id + "-"
+            key = next((k for k in self._spans if k.startswith(prefix) and len(k) == len(prefix) + 8),
+                       None)
+            span = self._spans.pop(key) if key is not None else None
+        return span
+
     def _end_span(self, request_id: str) -> None:
         """The request is over: its span (if it was in a timed decode-only step) is reported."""
-        span = self._spans.pop(request_id, None)
+        span = self._pop_span(request_id)
         if span is not None:
             self._decode_spans.append(DecodeSpan(span[0], span[1]))
 
@@ -325,7 +343,7 @@ class EngineRunner:
                 self._held.remove(held)
                 return
             self._prefilling.discard(command.request_id)
-            self._spans.pop(command.request_id, None)  # aborted: not judged
+            self._pop_span(command.request_id)  # aborted: not judged
             if self._sinks.pop(command.request_id, None) is not None:
                 self.engine.abort_request([command.request_id])
             self._admit_held()

@@ -215,6 +215,18 @@ async def test_the_engines_own_prefill_times_calibrate_the_cost_model_on_held_ou
             max_tokens=8 + 8 * n) for n in range(4)))
     await wait_until(lambda: _at_least(decode_steps, 1), what="timed decode steps")
 
+    async def judged_requests() -> int:  # finished requests judged on their decode steps
+        per_request = (await server.cluster.conductor.pool_status.remote()).cost_model.decode_per_request
+        return per_request.num_predictions if per_request else 0
+
+    # with the decode model fitted, a request decoding over its predicted steps is judged per
+    # request when it ends (the engine names it by the caller's id plus vLLM's random suffix)
+    before_requests = await judged_requests()
+    await asyncio.gather(*(client.generate(server.target, token_ids=random_prompt(BLOCK, seed=760 + n),
+                                           max_tokens=16) for n in range(2)))
+    await wait_until(lambda: _at_least(judged_requests, before_requests + 1),
+                     what="a request judged on its decode steps")
+
 
 async def _at_least(count, n: int) -> bool:
     return await count() >= n

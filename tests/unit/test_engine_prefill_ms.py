@@ -63,10 +63,12 @@ def test_a_finished_request_reports_the_numbered_decode_steps_it_was_in():
     from protos.wire import DecodeSpan, DecodeStep
 
     runner = _runner_over([])
-    runner._timed_decode_step(1, 100, ["a"], 20.0)        # step 0: a alone
-    runner._timed_decode_step(2, 230, ["a", "b"], 25.0)   # step 1
-    runner._timed_decode_step(2, 232, ["a", "b"], 26.0)   # step 2
-    runner._timed_decode_step(1, 131, ["b"], 21.0)        # step 3: a finished after step 2
+    # vLLM's scheduler names a request by the caller's id plus 8 random characters
+    a, b = "a-1f3e5d7c", "b"  # b: an engine that keeps the caller's ids
+    runner._timed_decode_step(1, 100, [a], 20.0)        # step 0: a alone
+    runner._timed_decode_step(2, 230, [a, b], 25.0)     # step 1
+    runner._timed_decode_step(2, 232, [a, b], 26.0)     # step 2
+    runner._timed_decode_step(1, 131, [b], 21.0)        # step 3: a finished after step 2
     runner._end_span("a")
     assert runner.take_decode_spans() == [DecodeSpan(0, 2)]
     runner._end_span("never-stepped")  # finished without a timed decode-only step
