@@ -8,7 +8,6 @@ of a held request never reaches the engine; an engine crash fails the held ones 
 from __future__ import annotations
 
 from collections import deque
-
 from types import SimpleNamespace
 
 import pytest
