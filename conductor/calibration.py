@@ -146,15 +146,22 @@ class CostCalibration:
         self._prefill_fitted = self._warm_started = True
         return True
 
-    def observe_prefill(self, uncached_tokens: int, cached_tokens: int, prefill_ms: float) -> bool:
-        """One measured prefill; True when it refitted the prefill model."""
-        if prefill_ms <= 0 or uncached_tokens < 0 or cached_tokens < 0:
+    def observe_prefill(self, uncached_tokens: int, cached_tokens: int, prefill_ms: float,
+                        batch_ms: float = 0.0) -> bool:
+        """One measured prefill; True when it refitted the prefill model. ``batch_ms``: the
+        decode batch's steps its chunks shared, as priced (a co-located prefill beside running
+        sequences): predicted with it, and fitted on the measured time less it (the prefill
+        model is the prompt's own work; placement adds the batch)."""
+        if prefill_ms <= 0 or uncached_tokens < 0 or cached_tokens < 0 or batch_ms < 0:
             return False
         if self._prefill_fitted:  # the placeholders' errors say nothing about the calibration
-            predicted = self.prefill.t_prefill_ms(uncached_tokens, cached_tokens)
+            predicted = self.prefill.t_prefill_ms(uncached_tokens, cached_tokens) + batch_ms
             self._prefill_errors.append(abs(predicted - prefill_ms) / prefill_ms * 100.0)
+        own_ms = prefill_ms - batch_ms
+        if own_ms <= 0:  # the batch priced at placement outweighs the whole measurement
+            return False
         self._prefills.append(PrefillSample(uncached_tokens=uncached_tokens, cached_tokens=cached_tokens,
-                                            prefill_ms=prefill_ms))
+                                            prefill_ms=own_ms))
         self._since_prefill_fit += 1
         if len(self._prefills) < self._min_samples or self._since_prefill_fit < self._refit_every:
             return False

@@ -85,6 +85,7 @@ class PrefillPrice(msgspec.Struct, frozen=True):
             transfer_ms=self.transfer_ms, queue_ms=self.queue_ms, prefill_ms=self.prefill_ms,
             expected_cached_blocks=self.num_cached_blocks, pulled_from=self.pulled_from,
             priority=-self.num_cached_blocks, handoff_ms=handoff_ms,
+            decode_batch_ms=self.decode_batch_ms,
         )
 
 

@@ -160,6 +160,10 @@ class Placement(msgspec.Struct, frozen=True):
     handoff_ms: float = 0.0
     """Priced KV hand-off to the decode instance (ms; its calibrated overhead included), when the
     policy prices one (Baton, disaggregated); 0 otherwise."""
+    decode_batch_ms: float = 0.0
+    """Of ``queue_ms``, the decode steps of the instance's running batch that the prompt's chunks
+    share (a co-located prefill beside a batch; 0 otherwise): the prefill's own steps take that
+    much longer, which the cost model's calibration takes out of the measured prefill."""
 
 
 class CachedByTier(msgspec.Struct, frozen=True):

@@ -150,6 +150,29 @@ def test_only_a_prefill_that_ran_alone_on_its_instance_calibrates():
         state.finished(request_id)
 
 
+def test_a_colocated_prefill_beside_a_decode_batch_is_judged_with_the_batch_it_was_priced_with():
+    extras = KeyExtras("m", "", "", "L")
+    calibration = CostCalibration(MACHINE, STEPS, fitted=True)
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=16), calibration=calibration)
+    state.register("d0", "decode", "n0", "m", "L")  # a co-located pool of one
+    state.set_ready("d0", True)
+
+    def place(request_id: str, start: int):
+        tokens = list(range(start, start + 512))
+        return state.place(PlacementRequest(request_id, 512, tuple(block_keys(tokens, 16, extras)), 8))
+
+    first = place("a", 0)
+    assert first.decode_batch_ms == 0.0  # nothing decoding yet
+    state.prefill_done("a", 0, MACHINE.t_prefill_ms(512, 0))  # a decodes from now on
+    second = place("b", 10_000)
+    assert second.prefill_instance == "d0" and second.decode_batch_ms > 0.0
+    state.prefill_done("b", 0, MACHINE.t_prefill_ms(512, 0) + second.decode_batch_ms)
+    error = calibration.prefill_error()
+    assert error.num_predictions == 2 and error.p90_pct == pytest.approx(0.0, abs=1e-6)
+    for request_id in ("a", "b"):
+        state.finished(request_id)
+
+
 def test_the_state_prices_decode_steps_with_the_refitted_model():
     from protos.wire import DecodeStep
 
@@ -182,6 +205,24 @@ def test_admissions_tbt_margin_follows_the_decode_models_measured_p90_error():
     state.observe_decode_steps(steps * 3)
     assert calibration.decode_error().num_predictions >= MIN_TBT_ERROR_SAMPLES
     assert state.config.tbt_error_frac == tbt_error_margin(calibration.decode_error()) > 0.0
+
+
+def test_a_prefill_beside_a_decode_batch_is_fitted_without_the_batch_and_judged_with_it():
+    calibration = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=8, refit_every=8)
+    rng = random.Random(11)
+    # half of the prefills ran beside a batch whose steps, as priced, added 30-60 ms to them
+    for i, (uncached, cached, own) in enumerate(agent_prefills(16, seed=4)):
+        batch = rng.uniform(30.0, 60.0) if i % 2 else 0.0
+        calibration.observe_prefill(uncached, cached, own + batch, batch)
+    assert calibration.num_prefill_refits >= 1
+    for u, c in ((64, 0), (300, 1536), (1500, 0)):  # the prompt's own work, not the batch's
+        assert calibration.prefill.t_prefill_ms(u, c) == pytest.approx(MACHINE.t_prefill_ms(u, c), rel=1e-3)
+    before = calibration.prefill_error().num_predictions
+    calibration.observe_prefill(300, 1536, MACHINE.t_prefill_ms(300, 1536) + 45.0, 45.0)
+    error = calibration.prefill_error()
+    assert error.num_predictions == before + 1 and error.median_pct == pytest.approx(0.0, abs=1e-3)
+    assert not calibration.observe_prefill(300, 0, 40.0, 50.0)  # more batch than measured: not fitted
+    assert not calibration.observe_prefill(300, 0, 400.0, -1.0)
 
 
 def test_a_finished_request_is_judged_on_its_decode_steps_summed_each_predicted_before_fitted():
