@@ -98,11 +98,10 @@ ABLATION_STACKS = (
 """Asked for by name only: ``baton-0p2d`` without its prefill gate (vLLM packs a burst of
 prompts into one step, as the SMG stacks' servers do), with its gate ordered shortest
 priced prefill first instead of first come, first served, with its engines' steps at
-vLLM's 2,048 tokens instead of 512 (the CPU default before 512 won this ablation), or at 256 or
-384, and with
-a Ray stream per request from the decode instances (an item per token) instead of one per
-instance (a batch per step), and with the decode engines saving each prompt's blocks step by step, or not at
-all, instead of once the prompt is computed (``engine.decode_saves``)."""
+vLLM's 2,048 tokens instead of 512 (the CPU default before 512 won this ablation) or at 256 or
+384, with a Ray stream per request from the decode instances (an item per token) instead of one
+per instance (a batch per step), and with the decode engines saving each prompt's blocks step
+by step, or not at all, instead of once the prompt is computed (``engine.decode_saves``)."""
 
 
 SMG_BALANCED = ("--cache-threshold", "0.3", "--balance-abs-threshold", "2",

@@ -656,9 +656,9 @@ class ConductorState:
     def observe_decode_steps(self, steps, instance_id: str = "", spans=()) -> None:
         """An instance's timed decode-only steps (``InstanceStats.decode_steps``) feed the
         calibration when there is one, and its finished requests' spans of them
-        (``decode_spans``) the per-request error; a refit replaces the priced decode-step model (admission's
-        TBT and the co-located prefill's batch term use it), as ``prefill_done`` does for
-        prefill."""
+        (``decode_spans``) the per-request error; a refit replaces the priced decode-step model
+        (admission's TBT and the co-located prefill's batch term use it), as ``prefill_done``
+        does for prefill."""
         if self.calibration is None:
             return
         for step in steps:

@@ -93,9 +93,9 @@ class EngineConfig(BaseModel):
         "commit per step: a 1,615-token prompt in 512-token steps makes four of each); "
         "'per_prompt' all of them once the whole prompt is computed (one of each); 'none' "
         "nothing (the engine only loads: an ablation, its siblings cannot load what it "
-        "computed). Prefill "
-        "engines always save per step: their result waits for the last commit. per_prompt won "
-        "the live agent-fleet A/B narrowly (docs/benchmarks.md, 'The decode role's saves').")
+        "computed). Prefill engines always save per step: their result waits for the last "
+        "commit. per_prompt won the live agent-fleet A/B narrowly (docs/benchmarks.md, 'The "
+        "decode role's saves').")
     enforce_eager: bool = Field(
         True, description="Skip torch.compile/CUDA graphs: ~3 s start instead of ~70 s on CPU."
     )

@@ -97,6 +97,15 @@ def _structured_outputs(sampling: SamplingOptions):
     return None
 
 
+def _drained(queue_: deque) -> list:
+    """Everything in ``queue_``, oldest first, taken out one by one (the engine thread may append
+    meanwhile: each ``popleft`` is atomic, and what it appends after is left for next time)."""
+    items = []
+    while queue_:
+        items.append(queue_.popleft())
+    return items
+
+
 def _put_all(items) -> None:
     """On a request's event loop: each (sink, output) of one engine step, in step order."""
     for sink, output in items:
@@ -299,17 +308,11 @@ class EngineRunner:
 
     def take_decode_spans(self) -> list[DecodeSpan]:
         """The spans of the requests finished since the last call (at most ``DECODE_SPANS_KEPT``)."""
-        spans = []
-        while self._decode_spans:
-            spans.append(self._decode_spans.popleft())
-        return spans
+        return _drained(self._decode_spans)
 
     def take_decode_steps(self) -> list[DecodeStep]:
         """The decode-only steps timed since the last call (at most ``DECODE_STEPS_KEPT``)."""
-        steps = []
-        while self._decode_steps:
-            steps.append(self._decode_steps.popleft())
-        return steps
+        return _drained(self._decode_steps)
 
     def _busy(self) -> bool:
         """Requests to step, or KV transfers the connector has not reported finished (a load a

@@ -13,8 +13,9 @@ copy finished. ``update_state_after_alloc`` turns the pin into a ``LoadSpec`` fo
 half, which releases it once copied. The synchronous baseline (``async_transfers`` off) asks
 the store and waits, and has the worker half copy before the forward pass.
 
-Saves (``build_connector_meta``): each step's newly computed prompt blocks become ``SaveSpec``s;
-the worker half reserves, copies and commits them off the step. When a request finishes, the
+Saves (``build_connector_meta``): each step's newly computed prompt blocks become ``SaveSpec``s
+(a decode engine's, by default, one ``SaveSpec`` once the whole prompt is computed:
+``engine.decode_saves``); the worker half reserves, copies and commits them off the step. When a request finishes, the
 full blocks its output completed are saved too (an agent's next step, prompt = this prompt +
 reply + tool result, loads the reply's KV instead of recomputing it); ``request_finished`` then
 holds the request's blocks until the worker half reports them written. Blocks the store held at
