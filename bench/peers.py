@@ -336,6 +336,9 @@ def _run_stack(spec: StackSpec, run: int, model, workloads: dict[str, Workload],
                     f"{errors[model].get('p90', float('nan')):.1f}%"
                     for model, what in (("prefill", "prefill"), ("decode", "decode step"),
                                         ("decode_per_request", "decode per request"),
+                                        ("mixed_step", "mixed step"),
+                                        ("decode_per_request_all_steps",
+                                         "decode per request, all steps"),
                                         ("handoff", "hand-off")) if model in errors))
     return reports
 

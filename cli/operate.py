@@ -272,6 +272,10 @@ def cost_model_line(cost_model) -> str:
             f"{error('prefill', cost_model.prefill)}; {error('decode', cost_model.decode)}")
     if cost_model.decode_per_request is not None:
         line += f"; {error('decode per request', cost_model.decode_per_request)}"
+    if cost_model.mixed_step is not None:
+        line += f"; {error('decode beside prompt chunks, per step', cost_model.mixed_step)}"
+    if cost_model.decode_per_request_all_steps is not None:
+        line += (f"; {error('decode per request, all steps', cost_model.decode_per_request_all_steps)}")
     if cost_model.handoff is not None or cost_model.handoff_overhead_ms:
         line += (f"; KV hand-off overhead {cost_model.handoff_overhead_ms:.1f} ms, "
                  f"{error('hand-off', cost_model.handoff)}")

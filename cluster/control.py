@@ -106,7 +106,9 @@ class ClusterConductor(Conductor):
                                      calibration.prefill_source() if calibration else "",
                                      self.state.config.handoff_overhead_ms,
                                      calibration.handoff_error() if calibration else None,
-                                     calibration.decode_request_error() if calibration else None)
+                                     calibration.decode_request_error() if calibration else None,
+                                     calibration.mixed_step_error() if calibration else None,
+                                     calibration.request_all_steps_error() if calibration else None)
         return PoolStatus(self._config.policy, sizes, rows, await self._store_rows(),
                           self.state.counters, self.pools.log[-20:],
                           self.autoscaler.status() if self.autoscaler is not None else None,

@@ -24,6 +24,11 @@ held the live error at a 22% median where live refits alone reach 5%. Either way
 judged on the live window only. Errors are only counted on live measurements, each predicted
 before it joins a fit.
 
+A step that decodes beside prompt chunks (a co-located engine) is judged, never fitted on, as
+placement prices it: the decode model's step plus each chunk's share of its prompt's prefill
+(``observe_mixed_step``); a finished request is judged over its decode-only steps (the decode
+model's own figure) and over all the steps it decoded in (the whole cost model's).
+
 The KV hand-off of a disaggregated request is priced as its bytes' transfer plus a measured
 overhead (``PolicyConfig.handoff_overhead_ms``): the decode instance's lookup and load, the step
 boundaries it waits for and its first step beside its running batch. The router measures each
@@ -91,6 +96,22 @@ MIN_TBT_ERROR_SAMPLES = 16
 """Held-out decode steps the margin waits for before it trusts the measured error."""
 
 
+def _keep(predictions: dict[str, dict[int, tuple[float, float]]], instance_id: str, seq: int,
+          predicted: float, measured: float) -> None:
+    steps = predictions.setdefault(instance_id, {})
+    if steps and seq <= next(reversed(steps)):
+        steps.clear()  # numbering started again: a new engine under the same name
+    steps[seq] = (predicted, measured)
+    if len(steps) > PREDICTED_STEPS_KEPT:
+        del steps[next(iter(steps))]  # the oldest (numbers arrive in order)
+
+
+def _sum_error(kept: list[tuple[float, float]]) -> float:
+    """Absolute percentage error of the summed predictions against the summed measurements."""
+    predicted, measured = sum(p for p, _ in kept), sum(m for _, m in kept)
+    return abs(predicted - measured) / measured * 100.0
+
+
 def tbt_error_margin(error: PredictionError | None) -> float:
     """Admission's inter-token margin (``PolicyConfig.tbt_error_frac``) from the decode model's
     measured error (``PredictionError``, in percent): its p90 as a fraction, capped; 0 until
@@ -115,8 +136,13 @@ class CostCalibration:
         self._prefill_errors: deque[float] = deque(maxlen=error_window)
         self._step_errors: deque[float] = deque(maxlen=error_window)
         self._request_errors: deque[float] = deque(maxlen=error_window)
+        self._mixed_errors: deque[float] = deque(maxlen=error_window)
+        self._request_all_errors: deque[float] = deque(maxlen=error_window)
         self._predicted_steps: dict[str, dict[int, tuple[float, float]]] = {}
         """instance -> step number -> (predicted, measured ms), for steps predicted before fitted."""
+        self._predicted_mixed: dict[str, dict[int, tuple[float, float]]] = {}
+        """The same for mixed steps (``observe_mixed_step``), kept apart: the decode model's own
+        per-request figure covers decode-only steps."""
         self._handoff_residuals: deque[float] = deque(maxlen=HANDOFF_WINDOW)
         self._handoff_errors: deque[float] = deque(maxlen=error_window)
         self._since_handoff_fit = 0
@@ -209,27 +235,45 @@ class CostCalibration:
         self.num_decode_refits += 1
         return True
 
+    def observe_mixed_step(self, num_seqs: int, context_tokens: int, chunks, step_ms: float,
+                           instance_id: str = "", seq: int = -1) -> bool:
+        """One measured step that decoded ``num_seqs`` sequences beside prompt chunks
+        (``MixedStep``): predicted as placement prices it, the decode model's step plus each
+        chunk's share of its prompt's prefill (``PrefillCostModel.t_chunk_ms``), once both
+        models are fitted; never fitted on. True when its error was recorded (and, numbered,
+        its prediction kept for the per-request figure over all steps)."""
+        if (step_ms <= 0 or num_seqs < 1 or context_tokens < 0 or not chunks
+                or not (self._decode_fitted and self._prefill_fitted)):
+            return False
+        predicted = self.decode.t_step_ms(num_seqs, context_tokens) + sum(
+            self.prefill.t_chunk_ms(c.done_tokens, c.num_tokens, c.cached_tokens) for c in chunks)
+        self._mixed_errors.append(abs(predicted - step_ms) / step_ms * 100.0)
+        if seq >= 0:
+            _keep(self._predicted_mixed, instance_id, seq, predicted, step_ms)
+        return True
+
     def _keep_prediction(self, instance_id: str, seq: int, predicted: float, measured: float) -> None:
-        steps = self._predicted_steps.setdefault(instance_id, {})
-        if steps and seq <= next(reversed(steps)):
-            steps.clear()  # numbering started again: a new engine under the same name
-        steps[seq] = (predicted, measured)
-        if len(steps) > PREDICTED_STEPS_KEPT:
-            del steps[next(iter(steps))]  # the oldest (numbers arrive in order)
+        _keep(self._predicted_steps, instance_id, seq, predicted, measured)
 
     def observe_decode_span(self, instance_id: str, first_seq: int, last_seq: int) -> bool:
         """A finished request was in ``instance_id``'s numbered decode steps ``first_seq`` to
         ``last_seq``: the decode model's error for it is its kept steps' predicted time against
         their measured time, summed (each step predicted before it joined a fit). True when
-        recorded: at least ``MIN_SPAN_STEPS`` of its steps were predicted and kept."""
-        steps = self._predicted_steps.get(instance_id)
-        if not steps or last_seq < first_seq:
+        recorded: at least ``MIN_SPAN_STEPS`` of its steps were predicted and kept. The same
+        sum over its decode-only and mixed steps together (``observe_mixed_step``) is the cost
+        model's error on its whole decode (``request_all_steps_error``)."""
+        if last_seq < first_seq:
             return False
+        steps = self._predicted_steps.get(instance_id, {})
+        mixed = self._predicted_mixed.get(instance_id, {})
         kept = [steps[s] for s in range(first_seq, last_seq + 1) if s in steps]
+        every = [steps.get(s) or mixed.get(s) for s in range(first_seq, last_seq + 1)
+                 if s in steps or s in mixed]
+        if len(every) >= MIN_SPAN_STEPS:
+            self._request_all_errors.append(_sum_error(every))
         if len(kept) < MIN_SPAN_STEPS:
             return False
-        predicted, measured = sum(p for p, _ in kept), sum(m for _, m in kept)
-        self._request_errors.append(abs(predicted - measured) / measured * 100.0)
+        self._request_errors.append(_sum_error(kept))
         return True
 
     def observe_handoff(self, measured_ms: float, transfer_ms: float) -> bool:
@@ -277,3 +321,12 @@ class CostCalibration:
     def decode_request_error(self) -> PredictionError | None:
         """The decode model's error per finished request (``observe_decode_span``)."""
         return _summary(self._request_errors)
+
+    def mixed_step_error(self) -> PredictionError | None:
+        """The priced mixed step's error (``observe_mixed_step``)."""
+        return _summary(self._mixed_errors)
+
+    def request_all_steps_error(self) -> PredictionError | None:
+        """The cost model's error per finished request over every step it decoded in,
+        decode-only and mixed (``observe_decode_span``)."""
+        return _summary(self._request_all_errors)

@@ -316,9 +316,12 @@ class Conductor:
         (None: not calibrating, or nothing measured yet): what ``baton status`` is to show."""
         calibration = self.state.calibration
         if calibration is None:
-            return {"prefill": None, "decode": None, "decode_per_request": None}
+            return {"prefill": None, "decode": None, "decode_per_request": None, "mixed_step": None,
+                    "decode_per_request_all_steps": None}
         return {"prefill": calibration.prefill_error(), "decode": calibration.decode_error(),
-                "decode_per_request": calibration.decode_request_error()}
+                "decode_per_request": calibration.decode_request_error(),
+                "mixed_step": calibration.mixed_step_error(),
+                "decode_per_request_all_steps": calibration.request_all_steps_error()}
 
     async def prefill_done(self, request_id: str, num_cached_tokens: int | None,
                            prefill_ms: float | None = None) -> None:
@@ -580,4 +583,5 @@ class Conductor:
                 self.state.set_ready(instance_id, stats.ready)
                 self.state.update_load(instance_id, stats.num_waiting_reqs, stats.kv_usage_frac)
                 self.state.observe_loads(instance_id, stats.kv_loaded_bytes, stats.kv_load_seconds)
-                self.state.observe_decode_steps(stats.decode_steps, instance_id, stats.decode_spans)
+                self.state.observe_decode_steps(stats.decode_steps, instance_id, stats.decode_spans,
+                                                stats.mixed_steps)

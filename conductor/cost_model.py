@@ -95,6 +95,14 @@ class PrefillCostModel(BaseModel):
         t = self.intercept_ms + self.per_token_ms * u + self.per_token_sq_ms * u * u
         return max(0.0, t + self.per_token_cached_ms * u * c + self.per_cached_token_ms * c)
 
+    def t_chunk_ms(self, done_tokens: int, num_tokens: int, cached_tokens: int) -> float:
+        """Predicted time (ms) of one chunk of a prompt computed over several engine steps: the
+        uncached tokens ``done_tokens`` to ``done_tokens + num_tokens``, the prompt's share of
+        ``t_prefill_ms`` between them (so a prompt's chunks sum to its prefill; the first carries
+        the intercept and the cached term)."""
+        whole = self.t_prefill_ms(done_tokens + num_tokens, cached_tokens)
+        return whole if done_tokens <= 0 else max(0.0, whole - self.t_prefill_ms(done_tokens, cached_tokens))
+
     @classmethod
     def fit(cls, samples: Iterable[PrefillSample]) -> PrefillCostModel:
         """Non-negative least-squares fit (relative error) over the features [1, u, u², u·c, c].

@@ -653,18 +653,21 @@ class ConductorState:
             self.index.note_device_blocks(prefill.instance_id, prefill.block_keys)
         self._refresh_view(prefill.instance_id)
 
-    def observe_decode_steps(self, steps, instance_id: str = "", spans=()) -> None:
+    def observe_decode_steps(self, steps, instance_id: str = "", spans=(), mixed_steps=()) -> None:
         """An instance's timed decode-only steps (``InstanceStats.decode_steps``) feed the
-        calibration when there is one, and its finished requests' spans of them
-        (``decode_spans``) the per-request error; a refit replaces the priced decode-step model
-        (admission's TBT and the co-located prefill's batch term use it), as ``prefill_done``
-        does for prefill."""
+        calibration when there is one, its mixed steps (``mixed_steps``) are judged, and its
+        finished requests' spans of them (``decode_spans``) give the per-request errors; a
+        refit replaces the priced decode-step model (admission's TBT and the co-located
+        prefill's batch term use it), as ``prefill_done`` does for prefill."""
         if self.calibration is None:
             return
         for step in steps:
             if self.calibration.observe_decode_step(step.num_seqs, step.context_tokens, step.step_ms,
                                                     instance_id, step.seq):
                 self.config = self.config.model_copy(update={"decode_cost": self.calibration.decode})
+        for step in mixed_steps:
+            self.calibration.observe_mixed_step(step.num_seqs, step.context_tokens, step.chunks,
+                                                step.step_ms, instance_id, step.seq)
         for span in spans:  # after the steps: a span names steps of this report or earlier ones
             self.calibration.observe_decode_span(instance_id, span.first_seq, span.last_seq)
         margin = tbt_error_margin(self.calibration.decode_error())

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from protos.errors import InvalidRequest, WorkerFailed
-from protos.wire import DecodeSpan, DecodeStep, EngineRequest, SamplingOptions
+from engine.step_shapes import ScheduleTap
+from protos.wire import DecodeSpan, DecodeStep, EngineRequest, MixedStep, SamplingOptions
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ class _Abort:
 DECODE_STEPS_KEPT = 128
 """Decode-step timings a runner keeps between two ``take_decode_steps`` (the newest): a stats
 interval of 0.5 s holds ~30 CPU steps, ~50 of a GPU's."""
+
+MIXED_STEPS_KEPT = 128
+"""Mixed-step timings a runner keeps between two ``take_mixed_steps`` (the newest)."""
 
 DECODE_SPANS_KEPT = 256
 """Finished requests' ``DecodeSpan``s a runner keeps between two ``take_decode_spans``."""
@@ -148,7 +152,10 @@ class EngineRunner:
         self._stopping = False
         self.num_finished_reqs = 0
         self._decode_steps: deque[DecodeStep] = deque(maxlen=DECODE_STEPS_KEPT)
-        self._decode_seq = 0  # the next timed decode-only step's number (``DecodeStep.seq``)
+        self._mixed_steps: deque[MixedStep] = deque(maxlen=MIXED_STEPS_KEPT)
+        self._decode_seq = 0  # the next timed step's number (``DecodeStep.seq``, ``MixedStep.seq``)
+        scheduler = self._scheduler()
+        self._tap = ScheduleTap(scheduler) if scheduler is not None else None
         self._spans: dict[str, list[int]] = {}  # running request -> [first, last] decode step
         self._decode_spans: deque[DecodeSpan] = deque(maxlen=DECODE_SPANS_KEPT)
         self._thread = threading.Thread(target=self._loop, name="baton-engine", daemon=True)
@@ -240,10 +247,14 @@ class EngineRunner:
                 self._drain_commands(block=not busy)
                 if busy or self.engine.has_unfinished_requests():
                     decoding = self._decode_only()
+                    schedules = self._tap.num_schedules if self._tap is not None else 0
                     started = time.perf_counter()
                     outputs = self.engine.step()
+                    step_ms = (time.perf_counter() - started) * 1000.0
                     if decoding is not None and outputs:
-                        self._timed_decode_step(*decoding, (time.perf_counter() - started) * 1000.0)
+                        self._timed_decode_step(*decoding, step_ms)
+                    elif outputs and self._tap is not None and self._tap.num_schedules == schedules + 1:
+                        self._timed_mixed_step(step_ms)
                     self._deliver(outputs)
                     if not outputs and self._only_transfers():
                         time.sleep(_TRANSFER_POLL_S)  # nothing to step: let the copies run
@@ -279,6 +290,21 @@ class EngineRunner:
         seq = self._decode_seq
         self._decode_seq += 1
         self._decode_steps.append(DecodeStep(num_seqs, context_tokens, step_ms, seq))
+        self._extend_spans(request_ids, seq)
+
+    def _timed_mixed_step(self, step_ms: float) -> None:
+        """Keep the step just run, numbered, when it decoded beside prompt chunks (its shape
+        from the scheduler's tap), and extend its decoding requests' spans."""
+        shape = self._tap.last
+        if shape is None or not shape.is_mixed:
+            return
+        seq = self._decode_seq
+        self._decode_seq += 1
+        self._mixed_steps.append(MixedStep(len(shape.decode_request_ids), shape.context_tokens,
+                                           shape.chunks, step_ms, seq))
+        self._extend_spans(shape.decode_request_ids, seq)
+
+    def _extend_spans(self, request_ids, seq: int) -> None:
         if len(self._spans) > OPEN_SPANS_MAX:
             self._spans.clear()
         for request_id in request_ids:
@@ -313,6 +339,10 @@ class EngineRunner:
     def take_decode_steps(self) -> list[DecodeStep]:
         """The decode-only steps timed since the last call (at most ``DECODE_STEPS_KEPT``)."""
         return _drained(self._decode_steps)
+
+    def take_mixed_steps(self) -> list[MixedStep]:
+        """The mixed steps timed since the last call (at most ``MIXED_STEPS_KEPT``)."""
+        return _drained(self._mixed_steps)
 
     def _busy(self) -> bool:
         """Requests to step, or KV transfers the connector has not reported finished (a load a

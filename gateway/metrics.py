@@ -82,7 +82,9 @@ COST_MODEL_ERROR = Gauge(
     "baton_cost_model_error_pct",
     "The conductor's cost model's absolute percentage error on requests it was not fitted on "
     "(model: prefill, decode (per step), handoff, decode_per_request (a finished request's "
-    "decode-only steps, summed); stat: median, p90); absent until measured.", ["model", "stat"])
+    "decode-only steps, summed), mixed_step (a step decoding beside prompt chunks, priced as "
+    "placement prices it), decode_per_request_all_steps (every step a finished request decoded "
+    "in, summed); stat: median, p90); absent until measured.", ["model", "stat"])
 HANDOFF_OVERHEAD = Gauge(
     "baton_kv_handoff_overhead_ms",
     "What the conductor prices a disaggregated KV hand-off at beyond its bytes: the median of "
@@ -206,7 +208,8 @@ def set_pool_gauges(status) -> None:
 def _set_cost_model(cost_model) -> None:
     if cost_model is None:
         return
-    for name in ("prefill", "decode", "handoff", "decode_per_request"):
+    for name in ("prefill", "decode", "handoff", "decode_per_request", "mixed_step",
+                 "decode_per_request_all_steps"):
         error = getattr(cost_model, name)
         if error is not None:
             COST_MODEL_ERROR.labels(name, "median").set(error.median_pct)

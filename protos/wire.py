@@ -273,8 +273,35 @@ class DecodeStep(msgspec.Struct, frozen=True, array_like=True):
     """Tokens the batch attended over (every sequence's computed tokens)."""
     step_ms: float
     seq: int = -1
-    """The step's number among the engine's timed decode-only steps (from 0; -1: not numbered):
+    """The step's number among the engine's timed steps with sequences decoding in them
+    (decode-only ones and ``MixedStep``s share the count; from 0; -1: not numbered):
     ``DecodeSpan``s name steps by it."""
+
+
+class PromptChunk(msgspec.Struct, frozen=True, array_like=True):
+    """Part of one prompt computed in one engine step (chunked prefill)."""
+
+    done_tokens: int
+    """Of the prompt's uncached tokens, those computed in earlier steps."""
+    num_tokens: int
+    """Computed in this step."""
+    cached_tokens: int
+    """The prompt's tokens it did not compute (its prefix hit when it was first scheduled)."""
+
+
+class MixedStep(msgspec.Struct, frozen=True, array_like=True):
+    """One engine step that decoded ``num_seqs`` sequences while it computed prompt chunks (a
+    co-located engine), as the engine's thread timed it. Placement prices such a step as the
+    decode batch's step plus each chunk's share of its prompt's prefill; the conductor judges
+    that price on it (``CostCalibration.observe_mixed_step``), never fits on it."""
+
+    num_seqs: int
+    context_tokens: int
+    """Tokens the decoding sequences attended over."""
+    chunks: tuple[PromptChunk, ...]
+    step_ms: float
+    seq: int
+    """Its number in the count ``DecodeStep.seq`` shares."""
 
 
 class DecodeSpan(msgspec.Struct, frozen=True, array_like=True):
@@ -284,6 +311,8 @@ class DecodeSpan(msgspec.Struct, frozen=True, array_like=True):
 
     first_seq: int
     last_seq: int
+    """(Since ``MixedStep``s share the numbering, the steps of a span are decode-only and mixed
+    ones; each figure judges the kind it covers.)"""
 
 
 class InstanceStats(msgspec.Struct, frozen=True):
@@ -315,7 +344,10 @@ class InstanceStats(msgspec.Struct, frozen=True):
     """Decode-only engine steps timed since the previous ``stats`` call (the newest few): what
     the conductor refits its decode-step model from."""
     decode_spans: tuple[DecodeSpan, ...] = ()
-    """Requests finished since the previous ``stats`` call: the decode-only steps each was in."""
+    """Requests finished since the previous ``stats`` call: the timed steps each decoded in."""
+    mixed_steps: tuple[MixedStep, ...] = ()
+    """Steps that decoded beside prompt chunks, timed since the previous ``stats`` call (the
+    newest few): the conductor judges their price, and with them a request's whole decode."""
 
 
 # ---------------------------------------------------------------- operations (pools, fronts)
@@ -435,6 +467,13 @@ class CostModelStatus(msgspec.Struct, frozen=True):
     decode_per_request: PredictionError | None = None
     """The decode-step model's error per finished request: its decode-only steps' predicted
     time (each predicted before it was fitted) against their measured time, summed."""
+    mixed_step: PredictionError | None = None
+    """The price of a step that decoded beside prompt chunks (decode step + the chunks' share
+    of their prompts' prefill, as placement prices a co-located prefill's batch) against its
+    measured time."""
+    decode_per_request_all_steps: PredictionError | None = None
+    """Per finished request over every timed step it decoded in, decode-only and mixed: the
+    cost model's price of its whole decode against its measured time, summed."""
 
 
 class PoolStatus(msgspec.Struct, frozen=True):

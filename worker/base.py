@@ -261,6 +261,7 @@ class EngineWorker:
             recent_itl_ms=statistics.median(self._recent_itl_ms) if self._recent_itl_ms else None,
             decode_steps=tuple(self.runner.take_decode_steps()),
             decode_spans=spans,
+            mixed_steps=tuple(self.runner.take_mixed_steps()),
         )
 
     def _record_request(self, num_prompt_tokens: int, num_cached_tokens: int,

@@ -262,6 +262,67 @@ def test_steps_measured_before_the_model_was_fitted_are_not_judged_per_request()
     assert calibration.decode_request_error().median_pct == pytest.approx(0.0, abs=1e-6)
 
 
+def test_a_prompts_chunks_are_priced_as_its_share_of_its_prefill():
+    # three steps of 512, 512 and 79 uncached tokens over a 256-token prefix hit
+    shares = [MACHINE.t_chunk_ms(0, 512, 256), MACHINE.t_chunk_ms(512, 512, 256),
+              MACHINE.t_chunk_ms(1024, 79, 256)]
+    assert shares[0] == pytest.approx(MACHINE.t_prefill_ms(512, 256))  # the intercept, once
+    assert sum(shares) == pytest.approx(MACHINE.t_prefill_ms(1103, 256))
+    assert shares[1] == pytest.approx(MACHINE.t_prefill_ms(1024, 256) - MACHINE.t_prefill_ms(512, 256))
+
+
+def test_a_mixed_step_is_judged_as_placement_prices_it_and_never_fitted_on():
+    from protos.wire import MixedStep, PromptChunk
+
+    calibration = CostCalibration(MACHINE, STEPS, min_samples=6, refit_every=1, fitted=True)
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=16), calibration=calibration)
+    chunks = (PromptChunk(done_tokens=0, num_tokens=300, cached_tokens=1500),
+              PromptChunk(done_tokens=512, num_tokens=211, cached_tokens=0))
+    priced = (STEPS.t_step_ms(3, 5000) + MACHINE.t_prefill_ms(300, 1500)
+              + MACHINE.t_chunk_ms(512, 211, 0))
+    state.observe_decode_steps((), "e0", (), (MixedStep(3, 5000, chunks, priced * 1.25, 0),))
+    error = calibration.mixed_step_error()
+    assert (error.num_predictions, error.median_pct) == (1, round(abs(priced - priced * 1.25) / (priced * 1.25) * 100, 2))
+    assert (calibration.num_decode_refits, calibration.num_prefill_refits) == (0, 0)
+    assert calibration.decode is STEPS and calibration.prefill is MACHINE
+    assert calibration.decode_error() is None  # not a decode-only step
+    # not judged without chunks, or before both models are fitted
+    assert not calibration.observe_mixed_step(3, 5000, (), 100.0, "e0", 1)
+    unfitted = CostCalibration(MACHINE, STEPS, min_samples=6, refit_every=1)
+    assert not unfitted.observe_mixed_step(3, 5000, chunks, 100.0, "e0", 1)
+
+
+def test_a_finished_request_is_judged_over_its_decode_only_and_mixed_steps_together():
+    from protos.wire import DecodeSpan, DecodeStep, MixedStep, PromptChunk
+
+    calibration = CostCalibration(MACHINE, STEPS, min_samples=6, refit_every=1000, fitted=True)
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=16), calibration=calibration)
+    chunk = (PromptChunk(done_tokens=0, num_tokens=250, cached_tokens=1600),)
+    mixed_price = STEPS.t_step_ms(2, 3000) + MACHINE.t_prefill_ms(250, 1600)
+    # steps 0 and 2 decode only, 1 and 3 mixed; the request decoded in 0-3 (seq 4: after it ended)
+    state.observe_decode_steps(
+        (DecodeStep(2, 3000, STEPS.t_step_ms(2, 3000) * 1.1, 0),
+         DecodeStep(2, 3002, STEPS.t_step_ms(2, 3002) * 1.1, 2),
+         DecodeStep(1, 1500, 500.0, 4)), "e0", (DecodeSpan(0, 3),),
+        (MixedStep(2, 3001, chunk, mixed_price * 0.7, 1), MixedStep(2, 3003, chunk, mixed_price * 0.7, 3)))
+    decode_only = [(STEPS.t_step_ms(2, c), STEPS.t_step_ms(2, c) * 1.1) for c in (3000, 3002)]
+    every = decode_only + [(STEPS.t_step_ms(2, c) + MACHINE.t_prefill_ms(250, 1600), mixed_price * 0.7)
+                           for c in (3001, 3003)]
+
+    def summed(pairs):
+        return round(abs(sum(p for p, _ in pairs) - sum(m for _, m in pairs)) / sum(m for _, m in pairs) * 100, 2)
+
+    assert calibration.decode_request_error().median_pct == summed(decode_only)
+    assert calibration.request_all_steps_error().median_pct == summed(every)
+    # a request that decoded only beside chunks is judged over all its steps, not the decode model's
+    assert not calibration.observe_decode_span("e0", 1, 1)
+    assert not calibration.observe_decode_span("e0", 3, 3)
+    assert calibration.request_all_steps_error().num_predictions == 1
+    calibration.observe_decode_span("e0", 1, 3)
+    assert calibration.request_all_steps_error().num_predictions == 2
+    assert calibration.decode_request_error().num_predictions == 1  # seq 2 alone: under 2 steps
+
+
 # --- engines' warm-up measurements: the first fit ----------------------------------------------
 
 SHOP = PrefillCostModel(intercept_ms=30.0, per_token_ms=0.43, per_token_sq_ms=1e-4,

@@ -48,7 +48,7 @@ def _runner(max_prefills: int, shortest_first: bool = False) -> EngineRunner:
     runner.shortest_first = shortest_first
     runner._sinks, runner._held, runner._prefilling = {}, [], set()
     runner.num_finished_reqs = 0
-    runner._spans, runner._decode_spans = {}, deque()
+    runner._spans, runner._decode_spans, runner._tap = {}, deque(), None
     return runner
 
 
