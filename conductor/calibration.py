@@ -8,7 +8,10 @@ fitted model and its absolute percentage error recorded, and only then added to 
 next refit uses, so every reported error is on a request the model had not seen. Every
 ``refit_every`` measurements the model is refitted on the last ``window`` of them
 (``cost_model.nonnegative_relative_fit``); a window the fit cannot use (too few, or no spread)
-keeps the current model, and so does a refit that predicts its own window worse than it.
+keeps the current model, and so does a refit that predicts its own window worse than it. The
+decode model's window is shorter (``DECODE_WINDOW``, the refit judged on its newest
+``DECODE_JUDGED_ON`` steps): a step's time follows what else the machine is doing, and a long
+window lagged every change of it.
 
 Engines' warm-up measurements (``engine.warmup``) start the model when no profile was given:
 while no live refit has happened, the warm-up prefills every engine reported so far are fitted
@@ -84,6 +87,20 @@ HANDOFF_WINDOW = 64
 batch's step time as load changes."""
 
 
+DECODE_WINDOW = 64
+"""Decode steps the decode model is refitted on (the newest). A step's time moves with what
+else the machine runs, not only with its batch and context: on two cores, steps of the same
+shape took ~40 ms beside the other engine's cold prompts and ~25 ms without (1p1d, SmolLM2), so
+a model fitted on 256 steps lagged a change of workload by ~100 steps, all priced 60-75% over.
+Replaying three logged live runs (1,461 held-out steps, 2 seeds, both Baton stacks, private
+prefixes then the fleet): per-step error median / p90 8.5 / 74.7, 7.4 / 24.2, 12.4 / 87.9 % with
+256; 3.6 / 14.5, 6.3 / 20.1, 3.3 / 17.8 % with 64 judged on the newest 32 (32 steps: about the
+same, 128: p90 up to 83 %)."""
+
+DECODE_JUDGED_ON = 32
+"""A decode refit replaces the model unless it predicts the newest this many steps of its
+window worse (the rest of the window is what it is fitted on, not what it must now price)."""
+
 PREDICTED_STEPS_KEPT = 4096
 """Per instance, the newest numbered decode steps whose held-out prediction is kept for the
 per-request error (``observe_decode_span``): a request whose span reaches further back is
@@ -94,6 +111,22 @@ MIN_SPAN_STEPS = 2
 
 MIN_TBT_ERROR_SAMPLES = 16
 """Held-out decode steps the margin waits for before it trusts the measured error."""
+
+
+def mixed_step_ms(prefill: PrefillCostModel, decode: DecodeCostModel, num_seqs: int,
+                  context_tokens: int, chunks) -> float:
+    """The price of a step that decodes ``num_seqs`` sequences over ``context_tokens`` beside
+    prompt ``chunks`` (``PromptChunk``s), as placement prices a co-located prefill: the decode
+    model's step plus each chunk's share of its prompt's prefill (``t_chunk_ms``). A chunk of
+    one token is a prompt found whole (cached or loaded: vLLM computes its last token again)
+    and costs what one more decoding sequence over its context does; the prefill model, fitted
+    on prompts that compute, priced a hand-off's first step on a decode engine (one sequence
+    decoding beside it) at ~40 ms where it took 23-27 (SmolLM2, one CPU core)."""
+    singles = [c for c in chunks if c.num_tokens == 1]
+    context = context_tokens + sum(c.done_tokens + c.cached_tokens for c in singles)
+    return decode.t_step_ms(num_seqs + len(singles), context) + sum(
+        prefill.t_chunk_ms(c.done_tokens, c.num_tokens, c.cached_tokens)
+        for c in chunks if c.num_tokens != 1)
 
 
 def _keep(predictions: dict[str, dict[int, tuple[float, float]]], instance_id: str, seq: int,
@@ -126,13 +159,14 @@ class CostCalibration:
 
     def __init__(self, prefill: PrefillCostModel, decode: DecodeCostModel, window: int = 256,
                  min_samples: int = 8, refit_every: int = 8, error_window: int = 256,
-                 fitted: bool = False) -> None:
+                 fitted: bool = False, decode_window: int = DECODE_WINDOW) -> None:
         assert window >= min_samples >= 4 and refit_every >= 1 and error_window >= 1
+        assert decode_window >= min_samples
         self.prefill, self.decode = prefill, decode
         self._window, self._min_samples, self._refit_every = window, min_samples, refit_every
         self._prefills: deque[PrefillSample] = deque(maxlen=window)
         self._warmup: deque[PrefillSample] = deque(maxlen=MAX_WARMUP_SAMPLES)
-        self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=decode_window)
         self._prefill_errors: deque[float] = deque(maxlen=error_window)
         self._step_errors: deque[float] = deque(maxlen=error_window)
         self._request_errors: deque[float] = deque(maxlen=error_window)
@@ -227,7 +261,8 @@ class CostCalibration:
         if len({n for n, _, _ in self._steps}) < 2 or len({c for _, c, _ in self._steps}) < 2:
             return False  # one batch size or one context only: the terms cannot be told apart
         refit = DecodeCostModel.fit(self._steps)
-        steps = [PrefillSample(uncached_tokens=n, cached_tokens=c, prefill_ms=t) for n, c, t in self._steps]
+        newest = list(self._steps)[-DECODE_JUDGED_ON:]
+        steps = [PrefillSample(uncached_tokens=n, cached_tokens=c, prefill_ms=t) for n, c, t in newest]
         if self._decode_fitted and _window_error(refit.t_step_ms, steps) > _window_error(
                 self.decode.t_step_ms, steps):
             return False
@@ -238,15 +273,13 @@ class CostCalibration:
     def observe_mixed_step(self, num_seqs: int, context_tokens: int, chunks, step_ms: float,
                            instance_id: str = "", seq: int = -1) -> bool:
         """One measured step that decoded ``num_seqs`` sequences beside prompt chunks
-        (``MixedStep``): predicted as placement prices it, the decode model's step plus each
-        chunk's share of its prompt's prefill (``PrefillCostModel.t_chunk_ms``), once both
-        models are fitted; never fitted on. True when its error was recorded (and, numbered,
-        its prediction kept for the per-request figure over all steps)."""
+        (``MixedStep``): predicted by ``mixed_step_ms`` once both models are fitted; never
+        fitted on. True when its error was recorded (and, numbered, its prediction kept for the
+        per-request figure over all steps)."""
         if (step_ms <= 0 or num_seqs < 1 or context_tokens < 0 or not chunks
                 or not (self._decode_fitted and self._prefill_fitted)):
             return False
-        predicted = self.decode.t_step_ms(num_seqs, context_tokens) + sum(
-            self.prefill.t_chunk_ms(c.done_tokens, c.num_tokens, c.cached_tokens) for c in chunks)
+        predicted = mixed_step_ms(self.prefill, self.decode, num_seqs, context_tokens, chunks)
         self._mixed_errors.append(abs(predicted - step_ms) / step_ms * 100.0)
         if seq >= 0:
             _keep(self._predicted_mixed, instance_id, seq, predicted, step_ms)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conductor.calibration import WARMUP_PRIOR_UNTIL, CostCalibration
+from conductor.calibration import WARMUP_PRIOR_UNTIL, CostCalibration, mixed_step_ms
 from conductor.cost_model import DecodeCostModel, PrefillCostModel
 from conductor.policy import PolicyConfig
 from conductor.state import ConductorState
@@ -262,6 +262,21 @@ def test_steps_measured_before_the_model_was_fitted_are_not_judged_per_request()
     assert calibration.decode_request_error().median_pct == pytest.approx(0.0, abs=1e-6)
 
 
+def test_the_decode_model_follows_the_machine_when_the_same_steps_get_faster():
+    # 200 steps while another engine computes beside (slow), then the same shapes at 0.6x
+    fast = DecodeCostModel(step_ms_base=STEPS.step_ms_base * 0.6, step_ms_per_seq=STEPS.step_ms_per_seq * 0.6,
+                           step_ms_per_kv_token=STEPS.step_ms_per_kv_token * 0.6)
+    calibration = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=8, refit_every=8)
+    shapes = [(n, n * 1700 + 24 * i) for i in range(25) for n in (4, 6, 8, 10, 12, 8, 6, 4)]
+    for n, context in shapes:
+        calibration.observe_decode_step(n, context, STEPS.t_step_ms(n, context))
+    assert calibration.decode.t_step_ms(10, 17000) == pytest.approx(STEPS.t_step_ms(10, 17000), rel=0.01)
+    for n, context in shapes[:64]:
+        calibration.observe_decode_step(n, context, fast.t_step_ms(n, context))
+    # within 64 steps of the change it prices the machine as it is now
+    assert calibration.decode.t_step_ms(10, 17000) == pytest.approx(fast.t_step_ms(10, 17000), rel=0.02)
+
+
 def test_a_prompts_chunks_are_priced_as_its_share_of_its_prefill():
     # three steps of 512, 512 and 79 uncached tokens over a 256-token prefix hit
     shares = [MACHINE.t_chunk_ms(0, 512, 256), MACHINE.t_chunk_ms(512, 512, 256),
@@ -286,6 +301,12 @@ def test_a_mixed_step_is_judged_as_placement_prices_it_and_never_fitted_on():
     assert (calibration.num_decode_refits, calibration.num_prefill_refits) == (0, 0)
     assert calibration.decode is STEPS and calibration.prefill is MACHINE
     assert calibration.decode_error() is None  # not a decode-only step
+    # a prompt found whole (cached or loaded) computes its last token: one more decoding sequence
+    whole = (PromptChunk(done_tokens=0, num_tokens=1, cached_tokens=1800),)
+    state.observe_decode_steps((), "e0", (), (MixedStep(3, 5000, whole + chunks[:1], 100.0, 1),))
+    assert calibration.mixed_step_error().num_predictions == 2
+    assert mixed_step_ms(MACHINE, STEPS, 3, 5000, whole + chunks[:1]) == pytest.approx(
+        STEPS.t_step_ms(4, 6800) + MACHINE.t_prefill_ms(300, 1500))
     # not judged without chunks, or before both models are fitted
     assert not calibration.observe_mixed_step(3, 5000, (), 100.0, "e0", 1)
     unfitted = CostCalibration(MACHINE, STEPS, min_samples=6, refit_every=1)
