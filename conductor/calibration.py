@@ -271,15 +271,16 @@ class CostCalibration:
         return True
 
     def observe_mixed_step(self, num_seqs: int, context_tokens: int, chunks, step_ms: float,
-                           instance_id: str = "", seq: int = -1) -> bool:
+                           instance_id: str = "", seq: int = -1, copy_ms: float = 0.0) -> bool:
         """One measured step that decoded ``num_seqs`` sequences beside prompt chunks
-        (``MixedStep``): predicted by ``mixed_step_ms`` once both models are fitted; never
-        fitted on. True when its error was recorded (and, numbered, its prediction kept for the
+        (``MixedStep``): predicted by ``mixed_step_ms``, plus ``copy_ms`` for the KV blocks
+        copied in on the step (priced as placement prices a transfer), once both models are
+        fitted; never fitted on. True when its error was recorded (and, numbered, its prediction kept for the
         per-request figure over all steps)."""
         if (step_ms <= 0 or num_seqs < 1 or context_tokens < 0 or not chunks
-                or not (self._decode_fitted and self._prefill_fitted)):
+                or copy_ms < 0 or not (self._decode_fitted and self._prefill_fitted)):
             return False
-        predicted = mixed_step_ms(self.prefill, self.decode, num_seqs, context_tokens, chunks)
+        predicted = mixed_step_ms(self.prefill, self.decode, num_seqs, context_tokens, chunks) + copy_ms
         self._mixed_errors.append(abs(predicted - step_ms) / step_ms * 100.0)
         if seq >= 0:
             _keep(self._predicted_mixed, instance_id, seq, predicted, step_ms)

@@ -665,9 +665,11 @@ class ConductorState:
             if self.calibration.observe_decode_step(step.num_seqs, step.context_tokens, step.step_ms,
                                                     instance_id, step.seq):
                 self.config = self.config.model_copy(update={"decode_cost": self.calibration.decode})
-        for step in mixed_steps:
+        block_bytes = self.config.block_size_tokens * self.config.kv_bytes_per_token
+        for step in mixed_steps:  # blocks copied in on the step: priced as a same-node transfer
+            copy_ms = self.config.transfer.t_transfer_ms(step.loaded_blocks * block_bytes, "same_node")
             self.calibration.observe_mixed_step(step.num_seqs, step.context_tokens, step.chunks,
-                                                step.step_ms, instance_id, step.seq)
+                                                step.step_ms, instance_id, step.seq, copy_ms)
         for span in spans:  # after the steps: a span names steps of this report or earlier ones
             self.calibration.observe_decode_span(instance_id, span.first_seq, span.last_seq)
         margin = tbt_error_margin(self.calibration.decode_error())

@@ -301,7 +301,7 @@ class EngineRunner:
         seq = self._decode_seq
         self._decode_seq += 1
         self._mixed_steps.append(MixedStep(len(shape.decode_request_ids), shape.context_tokens,
-                                           shape.chunks, step_ms, seq))
+                                           shape.chunks, step_ms, seq, shape.loaded_blocks))
         self._extend_spans(shape.decode_request_ids, seq)
 
     def _extend_spans(self, request_ids, seq: int) -> None:

@@ -32,6 +32,9 @@ class StepShape:
     context_tokens: int
     """Tokens the decoding sequences attend over (their computed tokens before the step)."""
     chunks: tuple[PromptChunk, ...]
+    loaded_blocks: int = 0
+    """KV blocks the connector copied in on this step, before its forward pass (loads it did
+    not leave to run beside the step: ``kvstore.connector_meta.LoadSpec.on_step``)."""
 
     @property
     def is_mixed(self) -> bool:
@@ -82,4 +85,6 @@ class ScheduleTap:
                 starts.pop(request_id, None)  # its prompt is computed
         if len(starts) > PROMPT_STARTS_MAX:
             starts.clear()
-        return StepShape(tuple(decoding), context, tuple(chunks))
+        loads = getattr(getattr(output, "kv_connector_metadata", None), "loads", None) or ()
+        loaded = sum(len(load.block_ids) for load in loads if getattr(load, "on_step", False))
+        return StepShape(tuple(decoding), context, tuple(chunks), loaded)

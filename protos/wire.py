@@ -302,6 +302,9 @@ class MixedStep(msgspec.Struct, frozen=True, array_like=True):
     step_ms: float
     seq: int
     """Its number in the count ``DecodeStep.seq`` shares."""
+    loaded_blocks: int = 0
+    """KV blocks the connector copied in on the step, before its forward pass (a hand-off's
+    blocks, when cheap enough to copy there): their copy is part of ``step_ms``."""
 
 
 class DecodeSpan(msgspec.Struct, frozen=True, array_like=True):

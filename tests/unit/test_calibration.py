@@ -307,6 +307,14 @@ def test_a_mixed_step_is_judged_as_placement_prices_it_and_never_fitted_on():
     assert calibration.mixed_step_error().num_predictions == 2
     assert mixed_step_ms(MACHINE, STEPS, 3, 5000, whole + chunks[:1]) == pytest.approx(
         STEPS.t_step_ms(4, 6800) + MACHINE.t_prefill_ms(300, 1500))
+    # KV blocks copied in on the step are priced as a same-node transfer of their bytes
+    config = state.config
+    copied = config.transfer.t_transfer_ms(112 * config.block_size_tokens * config.kv_bytes_per_token,
+                                           "same_node")
+    measured = mixed_step_ms(MACHINE, STEPS, 3, 5000, whole) + copied
+    state.observe_decode_steps((), "e0", (), (MixedStep(3, 5000, whole, measured, 2, loaded_blocks=112),))
+    assert copied > 10.0 and calibration.mixed_step_error().num_predictions == 3
+    assert calibration._mixed_errors[-1] == pytest.approx(0.0, abs=1e-9)  # the newest: priced exactly
     # not judged without chunks, or before both models are fitted
     assert not calibration.observe_mixed_step(3, 5000, (), 100.0, "e0", 1)
     unfitted = CostCalibration(MACHINE, STEPS, min_samples=6, refit_every=1)

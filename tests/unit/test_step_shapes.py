@@ -55,6 +55,29 @@ def test_a_step_decoding_beside_chunks_is_mixed_and_chunks_count_from_the_prefix
     assert tap.num_schedules == 4
 
 
+def test_blocks_the_connector_copies_in_on_the_step_are_counted_those_left_to_run_beside_not():
+    from kvstore.connector_meta import BatonConnectorMetadata, LoadSpec
+
+    scheduler = FakeScheduler()
+    tap = ScheduleTap(scheduler)
+    scheduler.add("a", prompt_tokens=4, computed=4)
+    scheduler.add("h", prompt_tokens=1800, computed=1799)  # a hand-off: all but its last token loaded
+    scheduler.plan = {"a": 1, "h": 1}
+    schedule = scheduler.schedule
+
+    def with_loads():
+        output = schedule()
+        output.kv_connector_metadata = BatonConnectorMetadata(loads=[
+            LoadSpec("h", list(range(112)), list(range(112)), [b"k"] * 112, "/arena", on_step=True),
+            LoadSpec("x", list(range(30)), list(range(30)), [b"k"] * 30, "/arena", on_step=False)])
+        return output
+
+    scheduler.schedule = with_loads
+    tap = ScheduleTap(scheduler)
+    scheduler.schedule()
+    assert tap.last == StepShape(("a",), 4, (PromptChunk(0, 1, 1799),), loaded_blocks=112)
+
+
 def test_a_scheduler_output_it_cannot_read_leaves_no_shape():
     scheduler = FakeScheduler()
     tap = ScheduleTap(scheduler)
