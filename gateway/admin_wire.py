@@ -71,7 +71,8 @@ def status_to_pb(view: StatusView) -> apb.StatusResponse:
         reply.cost_model.calibrating = pools.cost_model.calibrating
         reply.cost_model.prefill_source = pools.cost_model.prefill_source
         reply.cost_model.handoff_overhead_ms = pools.cost_model.handoff_overhead_ms
-        for name in ("prefill", "decode", "handoff"):
+        for name in ("prefill", "decode", "handoff", "decode_per_request", "mixed_step",
+                     "decode_per_request_all_steps"):
             error = getattr(pools.cost_model, name)
             if error is not None:
                 getattr(reply.cost_model, name).CopyFrom(
@@ -87,7 +88,8 @@ def _cost_model(m: apb.CostModelStatus) -> CostModelStatus:
         return PredictionError(e.median_pct, e.p90_pct, e.num_predictions)
 
     return CostModelStatus(m.calibrating, error("prefill"), error("decode"), m.prefill_source,
-                           m.handoff_overhead_ms, error("handoff"))
+                           m.handoff_overhead_ms, error("handoff"), error("decode_per_request"),
+                           error("mixed_step"), error("decode_per_request_all_steps"))
 
 
 def autoscale_to_pb(a: AutoscaleStatus) -> apb.AutoscaleStatus:

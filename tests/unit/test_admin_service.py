@@ -187,7 +187,9 @@ def test_status_round_trips_every_field():
         assert status_from_pb(status_to_pb(view)) == view
     for cost_model in (CostModelStatus(False), CostModelStatus(True, PredictionError(7.5, 21.25, 40)),
                        CostModelStatus(True, PredictionError(1.0, 2.0, 3), PredictionError(4.0, 5.0, 6)),
-                       CostModelStatus(True, None, None, "profile", 283.5, PredictionError(9.0, 30.5, 17))):
+                       CostModelStatus(True, None, None, "profile", 283.5, PredictionError(9.0, 30.5, 17)),
+                       CostModelStatus(True, None, None, "", 0.0, None, PredictionError(3.5, 9.25, 60),
+                                       PredictionError(14.5, 22.0, 36), PredictionError(6.0, 13.5, 44))):
         view = StatusView(msgspec.structs.replace(pools, cost_model=cost_model), None, "c")
         assert status_from_pb(status_to_pb(view)) == view
     # the proto's counters map holds what the node reported: no disk counters without a disk

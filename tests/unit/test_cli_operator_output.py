@@ -103,6 +103,15 @@ def test_status_shows_the_cost_models_held_out_error(monkeypatch):
         "cost model: calibrating from measured timings; prefill not measured yet; decode error "
         "median 8.0%, p90 31.0% (last 200 held out); decode per request error median 3.5%, p90 "
         "9.2% (last 60 held out)")
+    every = CostModelStatus(True, None, PredictionError(8.0, 31.0, 200), "", 0.0, None,
+                            PredictionError(3.5, 9.25, 60), PredictionError(14.5, 22.0, 36),
+                            PredictionError(6.0, 13.5, 44))
+    assert operate.cost_model_line(every) == (
+        "cost model: calibrating from measured timings; prefill not measured yet; decode error "
+        "median 8.0%, p90 31.0% (last 200 held out); decode per request error median 3.5%, p90 "
+        "9.2% (last 60 held out); decode beside prompt chunks, per step error median 14.5%, p90 "
+        "22.0% (last 36 held out); decode per request, all steps error median 6.0%, p90 13.5% "
+        "(last 44 held out)")
     handoff = CostModelStatus(True, None, None, "", 283.5, PredictionError(9.0, 30.5, 17))
     assert operate.cost_model_line(handoff) == (
         "cost model: calibrating from measured timings; prefill not measured yet; decode not "

@@ -85,20 +85,26 @@ class StatusResponse(_message.Message):
     def __init__(self, cluster_name: _Optional[str] = ..., policy: _Optional[str] = ..., pool_sizes: _Optional[_Mapping[str, PhaseCounts]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ..., placement_counters: _Optional[_Mapping[str, int]] = ..., placements_by_prefill_instance: _Optional[_Mapping[str, int]] = ..., recent_events: _Optional[_Iterable[str]] = ..., fronts: _Optional[_Union[Fronts, _Mapping]] = ..., autoscale: _Optional[_Union[AutoscaleStatus, _Mapping]] = ..., cost_model: _Optional[_Union[CostModelStatus, _Mapping]] = ...) -> None: ...
 
 class CostModelStatus(_message.Message):
-    __slots__ = ("calibrating", "prefill", "decode", "prefill_source", "handoff_overhead_ms", "handoff")
+    __slots__ = ("calibrating", "prefill", "decode", "prefill_source", "handoff_overhead_ms", "handoff", "decode_per_request", "mixed_step", "decode_per_request_all_steps")
     CALIBRATING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SOURCE_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MIXED_STEP_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PER_REQUEST_ALL_STEPS_FIELD_NUMBER: _ClassVar[int]
     calibrating: bool
     prefill: PredictionError
     decode: PredictionError
     prefill_source: str
     handoff_overhead_ms: float
     handoff: PredictionError
-    def __init__(self, calibrating: _Optional[bool] = ..., prefill: _Optional[_Union[PredictionError, _Mapping]] = ..., decode: _Optional[_Union[PredictionError, _Mapping]] = ..., prefill_source: _Optional[str] = ..., handoff_overhead_ms: _Optional[float] = ..., handoff: _Optional[_Union[PredictionError, _Mapping]] = ...) -> None: ...
+    decode_per_request: PredictionError
+    mixed_step: PredictionError
+    decode_per_request_all_steps: PredictionError
+    def __init__(self, calibrating: _Optional[bool] = ..., prefill: _Optional[_Union[PredictionError, _Mapping]] = ..., decode: _Optional[_Union[PredictionError, _Mapping]] = ..., prefill_source: _Optional[str] = ..., handoff_overhead_ms: _Optional[float] = ..., handoff: _Optional[_Union[PredictionError, _Mapping]] = ..., decode_per_request: _Optional[_Union[PredictionError, _Mapping]] = ..., mixed_step: _Optional[_Union[PredictionError, _Mapping]] = ..., decode_per_request_all_steps: _Optional[_Union[PredictionError, _Mapping]] = ...) -> None: ...
 
 class PredictionError(_message.Message):
     __slots__ = ("median_pct", "p90_pct", "num_predictions")
