@@ -4,7 +4,10 @@ are started (no engines: the live benchmark runs outside CI)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -405,6 +408,32 @@ def test_a_stacks_process_runs_in_its_own_group_and_the_benchmarks_session(tmp_p
     finally:
         stack.stop()
     assert stack.pids() == []
+
+
+def test_stop_signals_every_process_before_it_waits_for_any(tmp_path):
+    """Two processes that ignore SIGINT: both get it at once, then SIGKILL after one grace
+    period for the two (not one grace period each, in turn)."""
+    spec = StackSpec("smg-round_robin", "smg", smg_policy="round_robin")
+    stack = Stack(spec, model=None, log_dir=tmp_path)
+    stack.STOP_STEPS = ((signal.SIGINT, 2.0), (signal.SIGKILL, 5.0))
+    ignore = ("import signal, sys, time\n"
+              "def got(*_):\n"
+              "    open(sys.argv[1], 'w').write(repr(time.monotonic()))\n"
+              "signal.signal(signal.SIGINT, got)\n"
+              "open(sys.argv[1] + '.up', 'w').close()\n"
+              "time.sleep(60)\n")
+    marks = [tmp_path / "a", tmp_path / "b"]
+    for mark in marks:
+        stack._spawn(mark.name, [sys.executable, "-c", ignore, str(mark)])
+    deadline = time.monotonic() + 20
+    while not all(Path(f"{m}.up").exists() for m in marks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    procs = [proc for _, proc in stack.procs]
+    stack.stop()
+    got = sorted(float(m.read_text()) for m in marks)
+    assert got[1] - got[0] < 1.0  # the second SIGINT did not wait for the first's grace period
+    assert [proc.returncode for proc in procs] == [-signal.SIGKILL, -signal.SIGKILL]
+    assert stack.procs == []
 
 
 
