@@ -39,6 +39,11 @@ class StatusView(msgspec.Struct, frozen=True):
     cluster_name: str
 
 
+_COST_MODEL_ERRORS = ("prefill", "decode", "handoff", "decode_per_request", "mixed_step",
+                      "decode_per_request_all_steps")
+"""The ``PredictionError`` fields ``CostModelStatus`` shares with its proto, by name."""
+
+
 def status_to_pb(view: StatusView) -> apb.StatusResponse:
     pools = view.pools
     reply = apb.StatusResponse(cluster_name=view.cluster_name, policy=pools.policy,
@@ -71,8 +76,7 @@ def status_to_pb(view: StatusView) -> apb.StatusResponse:
         reply.cost_model.calibrating = pools.cost_model.calibrating
         reply.cost_model.prefill_source = pools.cost_model.prefill_source
         reply.cost_model.handoff_overhead_ms = pools.cost_model.handoff_overhead_ms
-        for name in ("prefill", "decode", "handoff", "decode_per_request", "mixed_step",
-                     "decode_per_request_all_steps"):
+        for name in _COST_MODEL_ERRORS:
             error = getattr(pools.cost_model, name)
             if error is not None:
                 getattr(reply.cost_model, name).CopyFrom(
@@ -87,9 +91,9 @@ def _cost_model(m: apb.CostModelStatus) -> CostModelStatus:
         e = getattr(m, name)
         return PredictionError(e.median_pct, e.p90_pct, e.num_predictions)
 
-    return CostModelStatus(m.calibrating, error("prefill"), error("decode"), m.prefill_source,
-                           m.handoff_overhead_ms, error("handoff"), error("decode_per_request"),
-                           error("mixed_step"), error("decode_per_request_all_steps"))
+    return CostModelStatus(m.calibrating, prefill_source=m.prefill_source,
+                           handoff_overhead_ms=m.handoff_overhead_ms,
+                           **{name: error(name) for name in _COST_MODEL_ERRORS})
 
 
 def autoscale_to_pb(a: AutoscaleStatus) -> apb.AutoscaleStatus:

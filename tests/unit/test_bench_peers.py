@@ -436,7 +436,6 @@ def test_stop_signals_every_process_before_it_waits_for_any(tmp_path):
     assert stack.procs == []
 
 
-
 def test_the_decode_models_per_request_error_reaches_the_metrics_bench_peers_reads():
     from prometheus_client import REGISTRY, generate_latest
 
