@@ -24,7 +24,7 @@ from conductor.kv_feed import KvEventFeed
 from conductor.kv_index import StreamGap
 from conductor.policy import PolicyConfig, PrefixHit
 from conductor.sessions import SessionCounters, SessionView
-from conductor.state import ConductorState, PlacementCounters
+from conductor.state import CoalesceWait, ConductorState, PlacementCounters
 from kvstore.keys import BlockKey
 from protos.errors import InvalidRequest, NoWorkerReady
 from protos.wire import (
@@ -102,6 +102,8 @@ class Conductor:
         self._store_topics: dict[bytes, str] = {}
         self._store_endpoints: dict[str, str] = {}  # node → where its current process publishes
         self._prefill_events: dict[str, asyncio.Event] = {}
+        self._pool_waits: list[tuple[CoalesceWait, asyncio.Event]] = []
+        """Coalesced requests waiting for their blocks to reach a store (``_wait_for_pool``)."""
         self._tasks: list[asyncio.Task] = []
         self._events_received = 0
         self._drop_next: dict[str, int] = {}
@@ -128,7 +130,7 @@ class Conductor:
         """Add an instance (not ready until ``mark_ready``); re-registering resets its index."""
         self._start_tasks()
         self.state.register(joining.instance_id, joining.role, joining.node_id, joining.model_id,
-                            joining.kv_layout)
+                            joining.kv_layout, joining.saves_prompts)
         self._key_scheme = KeyScheme(joining.model_id, joining.kv_layout,
                                      self.state.config.block_size_tokens,
                                      self.state.config.kv_bytes_per_token)
@@ -288,6 +290,8 @@ class Conductor:
                     self.state.release(wait)
                 note = (f"{'coalesced' if waited else 'timed out'} after "
                         f"{(time.monotonic() - started) * 1000.0:.0f} ms ({wait.describe()}); ")
+                if waited:
+                    note += await self._wait_for_pool(wait)
             elif wait is not None:
                 self.state.counters.coalesce_declined += 1
                 note = f"not coalesced ({wait.describe()}); "
@@ -298,6 +302,36 @@ class Conductor:
         if note:
             placement = msgspec.structs.replace(placement, reason=note + placement.reason)
         return placement
+
+    async def _wait_for_pool(self, wait: CoalesceWait) -> str:
+        """After coalescing, wait (``ConductorState.pool_wait_ms``) for the owner's blocks to
+        reach its node's store, so that this request may load them on another instance rather
+        than queue behind the waiters already placed on the owner's; what it says is added to
+        the placement's reason ('' when it did not wait)."""
+        bound_ms = self.state.pool_wait_ms(wait)
+        if bound_ms <= 0.0:
+            return ""
+        started = time.monotonic()
+        event = asyncio.Event()
+        self._pool_waits.append((wait, event))
+        try:
+            await asyncio.wait_for(event.wait(), bound_ms / 1000.0)
+            held = True
+        except asyncio.TimeoutError:
+            held = False
+        finally:
+            self._pool_waits.remove((wait, event))
+        waited_ms = (time.monotonic() - started) * 1000.0
+        self.state.counters.pool_waits += 1
+        self.state.counters.pooled += held
+        return (f"{'pooled' if held else 'not pooled'} after {waited_ms:.0f} ms "
+                f"(the owner's queue {bound_ms:.1f} ms); ")
+
+    def _wake_pool_waits(self) -> None:
+        """Store events arrived: wake the requests waiting for blocks the store now holds."""
+        for wait, event in self._pool_waits:
+            if not event.is_set() and self.state.pool_holds(wait):
+                event.set()
 
     async def _wait_for(self, owner: str) -> bool:
         """Wait for ``owner``'s prefill to end; False when it did not within the bound."""
@@ -443,6 +477,8 @@ class Conductor:
             return
         if gap is not None:
             await self._repair(gap, engine)
+        if not engine and self._pool_waits:
+            self._wake_pool_waits()
 
     def _clear(self, source: str, engine: bool) -> None:
         if engine:

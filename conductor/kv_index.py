@@ -393,6 +393,15 @@ class KvIndex:
         return RunGroups(tuple([PrefixHit(*run) for run in runs]), memoryview(bits).cast("q"),
                          memoryview(run_of).cast("q"))
 
+    def node_holds(self, node_id: str, keys: Sequence[BlockKey]) -> bool:
+        """Whether the store node ``node_id`` holds every one of ``keys`` in host memory or on
+        disk (as its events said): what another instance on that node could load."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return False
+        host, disk = node.host_keys, node.disk_keys
+        return all(key in host or key in disk for key in keys)
+
     def bit_of(self, instance_id: str) -> int | None:
         """The instance's bit in holder masks and ``RunGroups.bits`` (None: not tracked)."""
         inst = self._instances.get(instance_id)

@@ -85,6 +85,9 @@ class _Prefill:
 class _Instance:
     role: str
     node_id: str
+    saves_prompts: bool = False
+    """Its engine saves the prompts it computes to its node's store
+    (``Registration.saves_prompts``)."""
     ready: bool = False
     was_ready: bool = False
     draining: bool = False
@@ -150,6 +153,9 @@ class CoalesceWait(msgspec.Struct, frozen=True):
     """Predicted TTFT of the policy's choice now (inf: it would be rejected)."""
     now_instance: str
     """That choice's prefill instance ('' when rejected)."""
+    run_keys: tuple[bytes, ...] = ()
+    """The blocks of the request the owner computes: once its node's store holds them, another
+    instance there can load them instead of queueing behind the owner (``pool_wait_ms``)."""
 
     @property
     def total_ms(self) -> float:
@@ -174,6 +180,11 @@ class PlacementCounters(msgspec.Struct):
     coalesce_declined: int = 0
     """Requests that could have waited for an in-flight prefill of their blocks and were placed
     at once, because waiting was priced slower (``ConductorState.coalesce_wait``)."""
+    pool_waits: int = 0
+    """Coalesced requests that then waited for the blocks to reach the owner's store, so that
+    another instance could load them (``Conductor._wait_for_pool``)."""
+    pooled: int = 0
+    """Of those, the ones whose blocks reached the store within the wait."""
     colocated: int = 0
     pulled: int = 0
     index_corrections: int = 0
@@ -237,9 +248,10 @@ class ConductorState:
 
     # ------------------------------------------------------------------ membership and load
 
-    def register(self, instance_id: str, role: str, node_id: str, model_id: str, kv_layout: str) -> None:
+    def register(self, instance_id: str, role: str, node_id: str, model_id: str, kv_layout: str,
+                 saves_prompts: bool = False) -> None:
         assert role in ("prefill", "decode"), role
-        self._instances[instance_id] = _Instance(role, node_id)
+        self._instances[instance_id] = _Instance(role, node_id, saves_prompts)
         self._membership_changed(instance_id)
         self.index.add_instance(instance_id, node_id, model_id, kv_layout)
         self._refresh_view(instance_id)
@@ -590,7 +602,31 @@ class ConductorState:
         except Overloaded:
             now_ms, now_instance = float("inf"), ""
         return CoalesceWait(owner, prefill.instance_id, wait_ms, behind_ms, rest_ms, now_ms,
-                            now_instance)
+                            now_instance, tuple(keys[start:start + run]))
+
+    def pool_wait_ms(self, wait: CoalesceWait) -> float:
+        """After the owner of ``wait`` finished: how long the waiter may wait for the owner's
+        blocks to reach its node's store, 0 when not worth it. Placing now puts every waiter on
+        the owner's instance, the only one that holds the blocks yet, each behind the ones
+        placed before it; once the store holds them, another ready instance on that node can
+        load them instead. Worth waiting when the owner's engine saves its prompts, such an
+        instance exists, the store does not hold the blocks yet, and the owner's instance has
+        work queued: at most that queue, what placing on it now would wait anyway."""
+        inst = self._instances.get(wait.instance_id)
+        if (inst is None or not inst.saves_prompts or not inst.node_id or not wait.run_keys
+                or not inst.prefills):
+            return 0.0
+        if not any(other is not inst and other.ready and not other.draining
+                   and other.node_id == inst.node_id
+                   for other in self._instances.values()):
+            return 0.0
+        if self.index.node_holds(inst.node_id, wait.run_keys):
+            return 0.0
+        return self._queued_ms(inst, self._clock())
+
+    def pool_holds(self, wait: CoalesceWait) -> bool:
+        """Whether the store of the owner's node holds the blocks ``wait`` waited for."""
+        return self.index.node_holds(self.node_of(wait.instance_id), wait.run_keys)
 
     def hold(self, wait: CoalesceWait) -> None:
         """A request waits on ``wait``: later waits for its instance price its prefill behind."""

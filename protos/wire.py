@@ -555,6 +555,10 @@ class Registration(msgspec.Struct, frozen=True):
     warmup_prefills: tuple[MeasuredPrefill, ...] = ()
     """The prefills its warm-up timed (``engine.warmup``; empty with ``engine.warm_up`` off):
     the conductor's cost model fits from them when no profile was given."""
+    saves_prompts: bool = False
+    """Its engine saves the prompts it computes to its node's store (a prefill engine always, a
+    decode engine unless ``engine.decode_saves`` is ``none``): requests coalescing on one of its
+    prefills may then load the blocks on another instance of that node."""
 
 
 class PoolSizes(msgspec.Struct, frozen=True):

@@ -86,6 +86,9 @@ class EngineWorker:
             host = ray.util.get_node_ip_address()
             events = EventsWiring(conductor.events_endpoint, f"tcp://{host}:{free_port(host)}")
         args = build_engine_args(config, model, self.role, instance_id, store, events)
+        self.saves_prompts = self.role == "prefill" or (self.role == "decode"
+                                                        and config.decode_saves != "none")
+        """Its connector saves the prompts it computes to the store (``Registration``)."""
         if config.device == "cpu":  # vLLM binds only in its multiprocess executor
             cores = bind_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
             log.info("%s %s: engine threads on cores %s", self.role, instance_id, cores or "any")
@@ -118,6 +121,7 @@ class EngineWorker:
         ray.get(handle.register.remote(Registration(
             self.instance_id, self.role, store.node_id if store else "", self.model.name,
             kv_layout_tag(dtype, block_size), events.replay_endpoint, self.warmup_prefills,
+            saves_prompts=store is not None and self.saves_prompts,
         )))
 
     def key_extras(self, request: EngineRequest):

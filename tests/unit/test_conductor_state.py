@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from conductor.cost_model import CostProfile, DecodeCostModel, PrefillCostModel, TransferModel
 from conductor.policy import LoadArrays, Overloaded, PolicyConfig, PoolArrays, PrefixHit
 from conductor.state import CoalesceWait, ConductorState
+from kvstore.events import MEDIUM_HOST, BlockStored
 from kvstore.keys import KeyExtras, block_keys
 from protos.errors import NoWorkerReady
 from protos.wire import PlacementRequest
@@ -122,7 +123,7 @@ def test_waiting_to_coalesce_is_priced_against_placing_now():
     wait = state.coalesce_wait(follower, min_blocks=4)
     # now: behind a on p0 (128 + 144) beats behind z on p1 (256 + 144); waiting: a's 128 ms,
     # then only the new block (16 ms)
-    assert wait == CoalesceWait("a", "p0", 128.0, 0.0, 16.0, 272.0, "p0")
+    assert wait == CoalesceWait("a", "p0", 128.0, 0.0, 16.0, 272.0, "p0", follower.block_keys[:8])
     assert wait.wins and wait.total_ms == 144.0
     clock.now += 0.05  # p0 has worked 50 ms on a
     assert state.coalesce_wait(follower, min_blocks=4).wait_ms == pytest.approx(78.0)
@@ -136,9 +137,69 @@ def test_an_idle_instance_beats_waiting_behind_a_long_queue():
     owner = state.place(request("a", PROMPT))
     assert owner.prefill_instance == "p0"
     state.prefill_done("big2", 0)  # p1 is idle now
-    wait = state.coalesce_wait(request("b", PROMPT + list(range(3, 3 + BS))), min_blocks=4)
-    assert wait == CoalesceWait("a", "p0", 1128.0, 0.0, 16.0, 144.0, "p1")
+    follower = request("b", PROMPT + list(range(3, 3 + BS)))
+    wait = state.coalesce_wait(follower, min_blocks=4)
+    assert wait == CoalesceWait("a", "p0", 1128.0, 0.0, 16.0, 144.0, "p1", follower.block_keys[:8])
     assert not wait.wins
+
+
+def saving_pool(saves: bool = True) -> tuple[ConductorState, Clock]:
+    """Two co-located decode instances on one store node, their engines saving (or not) the
+    prompts they compute."""
+    clock = Clock()
+    state = ConductorState("baton", PolicyConfig(block_size_tokens=BS, prefill_cost=COST), clock=clock)
+    for instance_id in ("d0", "d1"):
+        state.register(instance_id, "decode", "n0", "m", "L", saves_prompts=saves)
+        state.set_ready(instance_id, True)
+    return state, clock
+
+
+def host_event(keys) -> list:
+    """What a store node publishes once it holds ``keys`` in host memory."""
+    return [BlockStored(block_hashes=list(keys), parent_block_hash=None, token_ids=[], block_size=BS,
+                        lora_id=None, medium=MEDIUM_HOST, lora_name=None)]
+
+
+def test_a_waiter_behind_another_waiter_waits_for_the_store_at_most_the_owners_queue():
+    state, clock = saving_pool()
+    owner = state.place(request("a", PROMPT))
+    waiters = [request(name, PROMPT + list(range(i, i + BS))) for i, name in ((3, "b"), (7, "c"))]
+    first, second = (state.coalesce_wait(w, min_blocks=4) for w in waiters)
+    assert first.run_keys == waiters[0].block_keys[:8] and first.instance_id == owner.prefill_instance
+    clock.now += 0.128
+    state.prefill_done("a", 0)
+    # the first waiter is placed at once: the owner's instance holds the blocks, no prompt queued
+    # (its queue is the owner's decode batch stepping beside its chunk)
+    assert state.pool_wait_ms(first) == 0.0
+    placed = state.place(waiters[0])
+    assert placed.prefill_instance == owner.prefill_instance
+    assert placed.queue_ms == placed.decode_batch_ms > 0.0
+    # the second would queue behind it there (16 ms): it may wait that long for the store
+    assert state.pool_wait_ms(second) == 16.0
+    assert not state.pool_holds(second)
+    state.index.apply_store_events("n0", host_event(first.run_keys))
+    assert state.pool_holds(second) and state.pool_wait_ms(second) == 0.0
+    # ... and once the store holds them, the other instance loads them rather than queue
+    moved = state.place(waiters[1])
+    assert moved.prefill_instance != owner.prefill_instance
+    assert moved.expected_cached_blocks == 8 and moved.queue_ms == 0.0
+
+
+def test_no_wait_for_the_store_where_it_cannot_get_the_blocks():
+    state, clock = saving_pool(saves=False)  # engines that only load (decode_saves: none)
+    state.place(request("a", PROMPT))
+    waiters = [request(name, PROMPT + list(range(i, i + BS))) for i, name in ((3, "b"), (7, "c"))]
+    second = state.coalesce_wait(waiters[1], min_blocks=4)
+    state.prefill_done("a", 0)
+    state.place(waiters[0])
+    assert state.pool_wait_ms(second) == 0.0
+    state, clock = saving_pool()
+    state.set_ready("d1", False)  # no other instance to load them on
+    state.place(request("a", PROMPT))
+    second = state.coalesce_wait(waiters[1], min_blocks=4)
+    state.prefill_done("a", 0)
+    state.place(waiters[0])
+    assert state.pool_wait_ms(second) == 0.0
 
 
 def test_requests_waiting_on_one_prefill_queue_behind_each_other():
