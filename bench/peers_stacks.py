@@ -94,6 +94,10 @@ ABLATION_STACKS = (
               settings=("engine.decode_saves=per_step",)),
     StackSpec("baton-0p2d-nosaves", "baton", num_prefill=0, num_decode=2,
               settings=("engine.decode_saves=none",)),
+    StackSpec("baton-0p2d-ownerqueue", "baton", num_prefill=0, num_decode=2,
+              settings=("conductor.coalesce_elsewhere=false",)),
+    StackSpec("baton-1p1d-noheadroom", "baton", num_prefill=1, num_decode=1,
+              settings=("engine.admission_headroom_tokens=0",)),
 )
 """Asked for by name only: ``baton-0p2d`` without its prefill gate (vLLM packs a burst of
 prompts into one step, as the SMG stacks' servers do), with its gate ordered shortest
@@ -101,7 +105,10 @@ priced prefill first instead of first come, first served, with its engines' step
 vLLM's 2,048 tokens instead of 512 (the CPU default before 512 won this ablation) or at 256 or
 384, with a Ray stream per request from the decode instances (an item per token) instead of one
 per instance (a batch per step), and with the decode engines saving each prompt's blocks step
-by step, or not at all, instead of once the prompt is computed (``engine.decode_saves``)."""
+by step, or not at all, instead of once the prompt is computed (``engine.decode_saves``); with
+requests that coalesced on one prefill all queueing on its instance
+(``conductor.coalesce_elsewhere`` off); and ``baton-1p1d`` with hand-offs waiting for a decode
+engine's prompt chunks (``engine.admission_headroom_tokens=0``)."""
 
 
 SMG_BALANCED = ("--cache-threshold", "0.3", "--balance-abs-threshold", "2",

@@ -290,7 +290,7 @@ class Conductor:
                     self.state.release(wait)
                 note = (f"{'coalesced' if waited else 'timed out'} after "
                         f"{(time.monotonic() - started) * 1000.0:.0f} ms ({wait.describe()}); ")
-                if waited:
+                if waited and self._config.coalesce_elsewhere:
                     note += await self._wait_for_pool(wait)
             elif wait is not None:
                 self.state.counters.coalesce_declined += 1

@@ -41,6 +41,14 @@ class ConductorConfig(BaseModel):
         4, ge=1, description="Wait only when at least this many of the request's blocks are being "
         "computed by one in-flight prefill (blocks)."
     )
+    coalesce_elsewhere: bool = Field(
+        True, description="When the prefill a request waited for ends and the instance that "
+        "computed it has other waiters queued already, wait (at most that queue) for its blocks "
+        "to reach the node's store, so the request may load them on another instance instead "
+        "of queueing there: without it a burst sharing a new prefix all lands on one instance. "
+        "Only for engines that save their prompts (prefill engines; decode engines unless "
+        "engine.decode_saves is none)."
+    )
     coalesce_max_wait_ms: float = Field(
         10_000.0, gt=0, description="Longest a request waits for that prefill before placing "
         "without it (ms)."

@@ -13,6 +13,11 @@ CPU_DECODE_STEP_TOKENS = 512
 """The step budget of an engine that decodes on a CPU, unless configured: what SMG's vLLM
 servers were tuned to before the peers race, and what won Baton's own ablation there."""
 
+DECODE_ADMISSION_HEADROOM_TOKENS = 64
+"""Tokens a decode engine's prompt chunk leaves free while a request waits behind it, unless
+configured (``EngineConfig.admission_headroom_tokens``): a hand-off needs its prompt's partial
+last block (under 16 tokens at vLLM's block size) and one token for each decoding sequence."""
+
 
 class EngineConfig(BaseModel):
     """How each prefill or decode instance builds its vLLM engine."""
@@ -96,6 +101,15 @@ class EngineConfig(BaseModel):
         "computed). Prefill engines always save per step: their result waits for the last "
         "commit. per_prompt won the live agent-fleet A/B narrowly (docs/benchmarks.md, 'The "
         "decode role's saves').")
+    admission_headroom_tokens: int | None = Field(
+        None, ge=0, description="Tokens of a step a prompt's chunk leaves free while another "
+        "request waits to be scheduled, so a decode whose prompt KV was computed elsewhere and "
+        "loaded (a hand-off: a few tokens of work) starts at the next step. vLLM schedules the "
+        "running prompt's chunk first, and at a full step budget the hand-off waited for every "
+        "chunk of that prompt (0.2-8.7 s measured on a 1 prefill + 1 decode cluster; "
+        "docs/benchmarks.md, 'Hand-offs that wait for a prompt'). Applied step by step, only "
+        "while a request waits behind a prompt mid-way (vLLM's long_prefill_token_threshold). "
+        "Unset: 64 on decode engines, 0 (off) on prefill engines.")
     enforce_eager: bool = Field(
         True, description="Skip torch.compile/CUDA graphs: ~3 s start instead of ~70 s on CPU."
     )
@@ -146,6 +160,12 @@ class EngineConfig(BaseModel):
         if self.device == "cpu" and role != "prefill":
             return CPU_DECODE_STEP_TOKENS
         return None
+
+    def admission_headroom(self, role: str) -> int:
+        """``admission_headroom_tokens`` as an engine of ``role`` runs it (its default resolved)."""
+        if self.admission_headroom_tokens is not None:
+            return self.admission_headroom_tokens
+        return DECODE_ADMISSION_HEADROOM_TOKENS if role == "decode" else 0
 
     @property
     def prefill_gate(self) -> int:

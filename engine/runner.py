@@ -131,7 +131,8 @@ class EngineRunner:
     its compute bound, packing is the better choice).
     """
 
-    def __init__(self, engine_args, max_prefills: int = 0, gate_order: str = "arrival") -> None:
+    def __init__(self, engine_args, max_prefills: int = 0, gate_order: str = "arrival",
+                 admission_headroom: int = 0) -> None:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         from engine import cpu_seeds
@@ -146,6 +147,7 @@ class EngineRunner:
         self._in_flight: set[str] = set()  # request ids between generate() start and end
         self.max_prefills = max_prefills
         self.shortest_first = gate_order == "shortest_first"  # ``engine.prefill_gate_order``
+        self.admission_headroom = admission_headroom  # ``engine.admission_headroom_tokens``
         self._held: list[_Add] = []  # gated requests waiting for the gate (engine thread only)
         self._prefilling: set[str] = set()  # gated requests in the engine before their first token
         self._dead: BaseException | None = None
@@ -246,6 +248,8 @@ class EngineRunner:
                 busy = self._busy()
                 self._drain_commands(block=not busy)
                 if busy or self.engine.has_unfinished_requests():
+                    if self.admission_headroom:
+                        self._leave_room()
                     decoding = self._decode_only()
                     schedules = self._tap.num_schedules if self._tap is not None else 0
                     started = time.perf_counter()
@@ -268,6 +272,25 @@ class EngineRunner:
             self._held.clear()
             return
         self._dead = EngineDead("engine shut down")
+
+    def _leave_room(self) -> None:
+        """Before a step: while a request waits to be scheduled behind a prompt computed in
+        chunks, cap the prompt's chunk (vLLM's ``long_prefill_token_threshold``) so that
+        ``admission_headroom`` tokens of the step are left. vLLM schedules running requests
+        first, and a prompt's chunk takes the whole budget, so a waiting hand-off (a decode
+        whose prompt KV was loaded: a few tokens of work) would wait for every chunk of it.
+        Lifted when nothing waits, so a prompt alone keeps whole-budget chunks."""
+        scheduler = self._scheduler()
+        config = getattr(scheduler, "scheduler_config", None)
+        budget = getattr(scheduler, "max_num_scheduled_tokens", None)
+        if config is None or not budget:
+            return
+        cap = 0
+        if scheduler.waiting and any(r.num_computed_tokens < r.num_prompt_tokens
+                                     for r in scheduler.running):
+            cap = max(1, budget - self.admission_headroom)
+        if config.long_prefill_token_threshold != cap:
+            config.long_prefill_token_threshold = cap
 
     def _decode_only(self) -> tuple[int, int, list[str]] | None:
         """(sequences, context tokens, their request ids) when the next step can only decode:

@@ -93,7 +93,8 @@ class EngineWorker:
             cores = bind_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
             log.info("%s %s: engine threads on cores %s", self.role, instance_id, cores or "any")
         self.runner = EngineRunner(args, max_prefills=config.prefill_gate,
-                                   gate_order=config.prefill_gate_order)
+                                   gate_order=config.prefill_gate_order,
+                                   admission_headroom=config.admission_headroom(self.role))
         self.warmup_prefills: tuple[MeasuredPrefill, ...] = ()
         if config.warm_up:
             from engine.warmup import warm_up

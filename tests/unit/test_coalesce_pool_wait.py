@@ -31,8 +31,10 @@ COST = PrefillCostModel(intercept_ms=0.0, per_token_ms=1.0, per_token_sq_ms=0.0,
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def cluster(tmp_path):
-    conductor = Conductor(ConductorConfig(stats_interval_s=3600), "t",  # no engines to poll
+async def cluster(tmp_path, request):
+    elsewhere = getattr(request, "param", True)
+    conductor = Conductor(ConductorConfig(stats_interval_s=3600,  # no engines to poll
+                                          coalesce_elsewhere=elsewhere), "t",
                           PolicyConfig(block_size_tokens=BS, prefill_cost=COST))
     events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     node = KVStoreNode("node0", "t", KVStoreConfig(host_capacity_bytes=2 * SHARED_BLOCKS * BLOCK_BYTES,
@@ -106,4 +108,14 @@ async def test_without_saves_every_waiter_queues_on_the_owners_instance(cluster)
     placed = [await asyncio.wait_for(task, 5) for task in (first, second)]
     assert [p.prefill_instance for p in placed] == [owner, owner]
     assert not [p for p in placed if "pooled" in p.reason]
+    assert (await conductor.status()).counters.pool_waits == 0
+
+
+@pytest.mark.parametrize("cluster", [False], indirect=True)
+async def test_with_coalesce_elsewhere_off_every_waiter_queues_on_the_owners_instance(cluster):
+    conductor, node = cluster
+    await join(conductor, saves_prompts=True)
+    owner, first, second = await coalesce_two(conductor)
+    placed = [await asyncio.wait_for(task, 5) for task in (first, second)]
+    assert [p.prefill_instance for p in placed] == [owner, owner]
     assert (await conductor.status()).counters.pool_waits == 0
