@@ -14,9 +14,9 @@ CPU_DECODE_STEP_TOKENS = 512
 servers were tuned to before the peers race, and what won Baton's own ablation there."""
 
 DECODE_ADMISSION_HEADROOM_TOKENS = 64
-"""Tokens a decode engine's prompt chunk leaves free while a request waits behind it, unless
-configured (``EngineConfig.admission_headroom_tokens``): a hand-off needs its prompt's partial
-last block (under 16 tokens at vLLM's block size) and one token for each decoding sequence."""
+"""The most tokens a decode engine's prompt chunk takes of a step while a hand-off waits for
+its first token, unless configured (``EngineConfig.admission_headroom_tokens``): the prompt
+keeps moving, and the step stays near a decode step's length."""
 
 
 class EngineConfig(BaseModel):
@@ -102,14 +102,14 @@ class EngineConfig(BaseModel):
         "commit. per_prompt won the live agent-fleet A/B narrowly (docs/benchmarks.md, 'The "
         "decode role's saves').")
     admission_headroom_tokens: int | None = Field(
-        None, ge=0, description="Tokens of a step a prompt's chunk leaves free while another "
-        "request waits to be scheduled, so a decode whose prompt KV was computed elsewhere and "
-        "loaded (a hand-off: a few tokens of work) starts at the next step. vLLM schedules the "
-        "running prompt's chunk first, and at a full step budget the hand-off waited for every "
-        "chunk of that prompt (0.2-8.7 s measured on a 1 prefill + 1 decode cluster; "
-        "docs/benchmarks.md, 'Hand-offs that wait for a prompt'). Applied step by step, only "
-        "while a request waits behind a prompt mid-way (vLLM's long_prefill_token_threshold). "
-        "Unset: 64 on decode engines, 0 (off) on prefill engines.")
+        None, ge=0, description="While a hand-off (a decode whose prompt KV was computed "
+        "elsewhere and is loaded: a few tokens of work) waits for its first token, a prompt's "
+        "chunk takes at most this many tokens of a step (vLLM's long_prefill_token_threshold, "
+        "set step by step) and no new prompt goes in, so the hand-off's steps are short. "
+        "vLLM schedules the running prompt's chunk first: at a full step budget a hand-off "
+        "waited for every chunk of that prompt, or joined the next prompt's step (0.2-8.7 s "
+        "measured on a 1 prefill + 1 decode cluster; docs/benchmarks.md, 'Hand-offs that wait "
+        "for a prompt'). 0: off. Unset: 64 on decode engines, 0 on prefill engines.")
     enforce_eager: bool = Field(
         True, description="Skip torch.compile/CUDA graphs: ~3 s start instead of ~70 s on CPU."
     )

@@ -148,6 +148,9 @@ class EngineRunner:
         self.max_prefills = max_prefills
         self.shortest_first = gate_order == "shortest_first"  # ``engine.prefill_gate_order``
         self.admission_headroom = admission_headroom  # ``engine.admission_headroom_tokens``
+        self._admitting: set[str] = set()
+        """Requests that skip the gate (their prompt KV is loaded: hand-offs) in the engine
+        before their first token, while ``admission_headroom`` is on (``_leave_room``)."""
         self._held: list[_Add] = []  # gated requests waiting for the gate (engine thread only)
         self._prefilling: set[str] = set()  # gated requests in the engine before their first token
         self._dead: BaseException | None = None
@@ -274,21 +277,19 @@ class EngineRunner:
         self._dead = EngineDead("engine shut down")
 
     def _leave_room(self) -> None:
-        """Before a step: while a request waits to be scheduled behind a prompt computed in
-        chunks, cap the prompt's chunk (vLLM's ``long_prefill_token_threshold``) so that
-        ``admission_headroom`` tokens of the step are left. vLLM schedules running requests
-        first, and a prompt's chunk takes the whole budget, so a waiting hand-off (a decode
-        whose prompt KV was loaded: a few tokens of work) would wait for every chunk of it.
-        Lifted when nothing waits, so a prompt alone keeps whole-budget chunks."""
+        """Before a step: while a hand-off (a decode whose prompt KV was computed elsewhere and
+        is loaded here: a few tokens of work) waits for its first token, the steps stay short.
+        A prompt's chunk is capped at ``admission_headroom`` tokens (vLLM's
+        ``long_prefill_token_threshold``) and the gate lets no new prompt in
+        (``_gate_full``). vLLM schedules running requests first: a chunk took the whole step
+        budget, so a hand-off waited for every chunk of the prompt, and where a whole prompt
+        fits one step it joined the next prompt's step (~2 s each on a float32 CPU, against a
+        ~0.15 s decode step). Lifted once it has its first token."""
         scheduler = self._scheduler()
         config = getattr(scheduler, "scheduler_config", None)
-        budget = getattr(scheduler, "max_num_scheduled_tokens", None)
-        if config is None or not budget:
+        if config is None:
             return
-        cap = 0
-        if scheduler.waiting and any(r.num_computed_tokens < r.num_prompt_tokens
-                                     for r in scheduler.running):
-            cap = max(1, budget - self.admission_headroom)
+        cap = self.admission_headroom if self._admitting else 0
         if config.long_prefill_token_threshold != cap:
             config.long_prefill_token_threshold = cap
 
@@ -399,6 +400,7 @@ class EngineRunner:
                 self._held.remove(held)
                 return
             self._prefilling.discard(command.request_id)
+            self._admitting.discard(command.request_id)
             self._pop_span(command.request_id)  # aborted: not judged
             if self._sinks.pop(command.request_id, None) is not None:
                 self.engine.abort_request([command.request_id])
@@ -410,7 +412,9 @@ class EngineRunner:
         self._add(command)
 
     def _gate_full(self) -> bool:
-        return 0 < self.max_prefills <= len(self._prefilling)
+        """No gated prompt goes in while the gate is full, or while a hand-off waits for its
+        first step (``_leave_room``)."""
+        return 0 < self.max_prefills <= len(self._prefilling) or bool(self._admitting)
 
     def _admit_held(self) -> None:
         """Add held requests while the gate has room, the lowest ``_Add.gate_key`` first (among
@@ -450,6 +454,8 @@ class EngineRunner:
             self.engine.add_request(req.request_id, prompt, params, priority=command.priority)
             if command.gated:
                 self._prefilling.add(req.request_id)
+            elif self.admission_headroom:
+                self._admitting.add(req.request_id)
         except Exception as exc:  # rejected by vLLM's own validation
             self._sinks.pop(req.request_id, None)
             rejected = EngineRejected(str(exc))
@@ -462,9 +468,10 @@ class EngineRunner:
         fleet, 8 streams)."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
-            if output.request_id in self._prefilling and (
+            if (output.request_id in self._prefilling or output.request_id in self._admitting) and (
                     output.finished or any(c.token_ids for c in output.outputs)):
                 self._prefilling.discard(output.request_id)  # its prompt is computed
+                self._admitting.discard(output.request_id)
             if output.finished:
                 entry = self._sinks.pop(output.request_id, None)
                 self.num_finished_reqs += 1

@@ -28,6 +28,7 @@ def test_a_steps_outputs_wake_each_loop_once_in_step_order():
     runner = EngineRunner.__new__(EngineRunner)  # no engine: only the delivery is exercised
     runner.num_finished_reqs = 0
     runner.max_prefills, runner._held, runner._prefilling = 0, [], set()
+    runner.admission_headroom, runner._admitting = 0, set()
     runner._spans, runner._decode_spans = {}, deque()
     first, second = _Loop(), _Loop()
     sinks = {name: _Sink() for name in "abc"}

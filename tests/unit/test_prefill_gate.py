@@ -42,10 +42,11 @@ class _Engine:
         self.aborted.extend(request_ids)
 
 
-def _runner(max_prefills: int, shortest_first: bool = False) -> EngineRunner:
+def _runner(max_prefills: int, shortest_first: bool = False, admission_headroom: int = 0) -> EngineRunner:
     runner = EngineRunner.__new__(EngineRunner)  # no vLLM engine: the gate's bookkeeping only
     runner.engine, runner.max_prefills = _Engine(), max_prefills
     runner.shortest_first = shortest_first
+    runner.admission_headroom, runner._admitting = admission_headroom, set()
     runner._sinks, runner._held, runner._prefilling = {}, [], set()
     runner.num_finished_reqs = 0
     runner._spans, runner._decode_spans, runner._tap = {}, deque(), None
@@ -164,3 +165,32 @@ def test_an_engine_crash_fails_the_held_requests_as_well_as_those_in_the_engine(
     runner._loop()
     assert [sink.items for sink in sinks] == [[boom], [boom]]
     assert runner._held == [] and runner._dead is boom
+
+
+def test_a_handoff_waiting_for_its_first_token_holds_the_next_prompt_with_headroom_on():
+    runner = _runner(1, admission_headroom=64)
+    _add(runner, "a")  # a prompt computing here
+    _add(runner, "h", gated=False)  # a hand-off: its prompt KV is loaded, it skips the gate
+    runner._deliver([_output("a")])  # a's first token: the gate has room again ...
+    _add(runner, "b")
+    assert runner.engine.added == ["a", "h"]  # ... but b waits while h has no token yet
+    runner._deliver([_output("h", tokens=())])
+    assert runner.engine.added == ["a", "h"]
+    runner._deliver([_output("h")])  # h's first token: b goes in
+    assert runner.engine.added == ["a", "h", "b"] and not runner._admitting
+
+
+def test_without_headroom_a_handoff_holds_nothing():
+    runner = _runner(1)
+    _add(runner, "h", gated=False)
+    _add(runner, "b")
+    assert runner.engine.added == ["h", "b"] and not runner._admitting
+
+
+def test_an_aborted_handoff_releases_the_prompts_it_held():
+    runner = _runner(1, admission_headroom=64)
+    _add(runner, "h", gated=False)
+    _add(runner, "b")
+    assert runner.engine.added == ["h"]
+    runner._apply(_Abort("h"))
+    assert runner.engine.added == ["h", "b"] and runner.engine.aborted == ["h"]
