@@ -89,8 +89,7 @@ def build_engine_args(
         kv_transfer = KVTransferConfig(
             kv_connector="BatonConnector",
             kv_connector_module_path="kvstore.connector",
-            kv_role=("kv_consumer" if role == "decode" and config.decode_saves == "none"
-                     else _KV_ROLE[role]),
+            kv_role=_KV_ROLE[role] if config.saves_prompts(role) else "kv_consumer",
             engine_id=engine_id,
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={

@@ -108,8 +108,8 @@ class EngineConfig(BaseModel):
         "set step by step) and no new prompt goes in, so the hand-off's steps are short. "
         "vLLM schedules the running prompt's chunk first: at a full step budget a hand-off "
         "waited for every chunk of that prompt, or joined the next prompt's step (0.2-8.7 s "
-        "measured on a 1 prefill + 1 decode cluster; docs/benchmarks.md, 'Hand-offs that wait "
-        "for a prompt'). 0: off. Unset: 64 on decode engines, 0 on prefill engines.")
+        "measured on a 1 prefill + 1 decode cluster; docs/benchmarks.md, 'A cold burst on one "
+        "engine, and hand-offs that wait for a prompt'). 0: off. Unset: 64 on decode engines, 0 on prefill engines.")
     enforce_eager: bool = Field(
         True, description="Skip torch.compile/CUDA graphs: ~3 s start instead of ~70 s on CPU."
     )
@@ -160,6 +160,11 @@ class EngineConfig(BaseModel):
         if self.device == "cpu" and role != "prefill":
             return CPU_DECODE_STEP_TOKENS
         return None
+
+    def saves_prompts(self, role: str) -> bool:
+        """Whether an engine of ``role`` saves the prompts it computes to the store: a prefill
+        engine always, a decode engine unless ``decode_saves`` is 'none' (it then only loads)."""
+        return role == "prefill" or (role == "decode" and self.decode_saves != "none")
 
     def admission_headroom(self, role: str) -> int:
         """``admission_headroom_tokens`` as an engine of ``role`` runs it (its default resolved)."""

@@ -413,7 +413,7 @@ class EngineRunner:
 
     def _gate_full(self) -> bool:
         """No gated prompt goes in while the gate is full, or while a hand-off waits for its
-        first step (``_leave_room``)."""
+        first token (``_leave_room``)."""
         return 0 < self.max_prefills <= len(self._prefilling) or bool(self._admitting)
 
     def _admit_held(self) -> None:

@@ -86,8 +86,7 @@ class EngineWorker:
             host = ray.util.get_node_ip_address()
             events = EventsWiring(conductor.events_endpoint, f"tcp://{host}:{free_port(host)}")
         args = build_engine_args(config, model, self.role, instance_id, store, events)
-        self.saves_prompts = self.role == "prefill" or (self.role == "decode"
-                                                        and config.decode_saves != "none")
+        self.saves_prompts = config.saves_prompts(self.role)
         """Its connector saves the prompts it computes to the store (``Registration``)."""
         if config.device == "cpu":  # vLLM binds only in its multiprocess executor
             cores = bind_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))

@@ -317,6 +317,22 @@ def test_the_connector_knobs_reach_the_connectors_extra_config(tiny_model):
             ] == [True, False, False]
 
 
+def test_an_engine_that_saves_no_prompts_only_loads(tiny_model):
+    """``EngineConfig.saves_prompts`` decides both the connector's role and what the worker
+    announces to the conductor (``Registration.saves_prompts``)."""
+    from engine.builder import build_engine_args
+    from engine.config import EngineConfig
+    from kvstore.attach import StoreWiring
+
+    wiring = StoreWiring("store", "ns", "node")
+    cases = [(EngineConfig(), "prefill"), (EngineConfig(), "decode"),
+             (EngineConfig(decode_saves="per_step"), "decode"),
+             (EngineConfig(decode_saves="none"), "decode"), (EngineConfig(decode_saves="none"), "prefill")]
+    assert [c.saves_prompts(role) for c, role in cases] == [True, True, True, False, True]
+    assert [build_engine_args(c, tiny_model, role, "e0", wiring).kv_transfer_config.kv_role
+            for c, role in cases] == ["kv_both", "kv_both", "kv_both", "kv_consumer", "kv_both"]
+
+
 def test_the_engines_step_budget_reaches_vllm(tiny_model):
     from engine.builder import build_engine_args
     from engine.config import EngineConfig
