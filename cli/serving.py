@@ -198,7 +198,6 @@ def profile(
 
     from bench.profile import profile as run_profile
     from cluster.config import load_config
-    from cluster.local import block_size_for
     from engine.builder import engine_env
     from engine.models import ModelPrepError, prepare_model
     from protos.errors import ConfigError
@@ -216,7 +215,7 @@ def profile(
             if not err.is_terminal:
                 err.print(message)
 
-        result = run_profile(cfg.engine, prepared, block_size_for(cfg.engine.device),
+        result = run_profile(cfg.engine, prepared, cfg.engine.kv_block_tokens,
                              progress=progress, with_transfer=transfer, max_tokens=max_prompt_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(result.model_dump_json(indent=2) + "\n")

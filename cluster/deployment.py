@@ -95,7 +95,7 @@ def up(cfg: ClusterConfig, progress: Callable[[str], None], timeout_s: float) ->
     (the fronts) and change nothing else."""
     from cluster.control import ClusterConductor as Conductor
     from cluster.gateway_host import GatewayHost
-    from cluster.local import block_size_for, kv_block_bytes, policy_config_for
+    from cluster.local import kv_block_bytes, policy_config_for
     from engine.builder import dtype_bytes, effective_dtype
     from engine.models import prepare_model
     from kvstore.attach import NodeStoreSpec
@@ -130,7 +130,7 @@ def up(cfg: ClusterConfig, progress: Callable[[str], None], timeout_s: float) ->
                      .remote(cfg.conductor, ns, policy_config_for(cfg, model), "auto"))
         events_endpoint = ray.get(conductor.events_endpoint.remote())
         dtype = effective_dtype(cfg.engine, model)
-        block_size = block_size_for(cfg.engine.device)
+        block_size = cfg.engine.kv_block_tokens
         spec = LaunchSpec(
             cfg.name, cfg.engine, model,
             NodeStoreSpec(cfg.name, ns, cfg.kvstore, kv_block_bytes(model, block_size, dtype_bytes(dtype)),

@@ -33,6 +33,7 @@ from conductor.cost_model import CostProfile, kv_bytes_per_token
 from conductor.policy import PolicyConfig
 from decode_worker.worker import DecodeWorker
 from engine.builder import dtype_bytes, effective_dtype, engine_env
+from engine.config import EngineConfig
 from engine.models import PreparedModel, prepare_model
 from kvstore.attach import StoreWiring
 from kvstore.config import KVStoreConfig
@@ -59,8 +60,10 @@ def kv_block_bytes(model: PreparedModel, block_size_tokens: int, dtype_size_byte
 
 
 def block_size_for(device: str) -> int:
-    """vLLM's default KV block size: 128 tokens on CPU, 16 on CUDA."""
-    return 128 if device == "cpu" else 16
+    """The KV block size (tokens) of an engine on ``device`` configured by default
+    (``EngineConfig.kv_block_tokens``: 32 on CPU, 16 on CUDA); a configured engine's is its
+    ``kv_block_tokens``."""
+    return EngineConfig(device=device).kv_block_tokens
 
 
 def load_profile(path: str) -> CostProfile:
@@ -85,7 +88,7 @@ def policy_config_for(config: ClusterConfig, model: PreparedModel) -> PolicyConf
     profile (when one is configured)."""
     dtype = effective_dtype(config.engine, model)
     updates: dict[str, object] = {
-        "block_size_tokens": block_size_for(config.engine.device),
+        "block_size_tokens": config.engine.kv_block_tokens,
         "kv_bytes_per_token": kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
                                                  dtype_bytes(dtype)),
     }
@@ -97,6 +100,11 @@ def policy_config_for(config: ClusterConfig, model: PreparedModel) -> PolicyConf
         if profile.model != model.name:
             log.warning("cost profile %s was measured with %s, serving %s",
                         config.conductor.profile_path, profile.model, model.name)
+        if profile.block_size_tokens != config.engine.kv_block_tokens:
+            log.warning("cost profile %s was measured with KV blocks of %d tokens, the engines run "
+                        "%d (engine.block_size_tokens): its decode-step fit counts blocks of the "
+                        "other size; run `baton profile` again", config.conductor.profile_path,
+                        profile.block_size_tokens, config.engine.kv_block_tokens)
         updates.update(prefill_cost=profile.prefill, decode_cost=profile.decode,
                        transfer=profile.transfer)
     return config.conductor.tuning.model_copy(update=updates)
@@ -260,7 +268,7 @@ class LocalCluster:
         assert self.model is not None
         dtype = effective_dtype(self.config.engine, self.model)
         block_bytes = kv_block_bytes(
-            self.model, block_size_for(self.config.engine.device), dtype_bytes(dtype)
+            self.model, self.config.engine.kv_block_tokens, dtype_bytes(dtype)
         )
         name = self.store_actor_name_of(node_id)
         if node_id == "node0":
@@ -276,7 +284,7 @@ class LocalCluster:
                      runtime_env={"env_vars": self._transfer_env} if self._transfer_env else None,
                      enable_task_events=False)
             .remote(node_id, self.config.name, kv, block_bytes, self.redis_url,
-                    block_size_for(self.config.engine.device),
+                    self.config.engine.kv_block_tokens,
                     holder_alive=functools.partial(ray_actor_alive, namespace=self.namespace))
         )
         ray.get(store.arena_info.remote())

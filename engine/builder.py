@@ -125,6 +125,7 @@ def build_engine_args(
         )
     if config.num_kv_blocks is not None:
         kwargs["num_gpu_blocks_override"] = config.num_kv_blocks
+    kwargs["block_size"] = config.kv_block_tokens
     step_tokens = config.step_token_budget(role)
     if step_tokens is not None:
         kwargs["max_num_batched_tokens"] = step_tokens

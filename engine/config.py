@@ -13,6 +13,18 @@ CPU_DECODE_STEP_TOKENS = 512
 """The step budget of an engine that decodes on a CPU, unless configured: what SMG's vLLM
 servers were tuned to before the peers race, and what won Baton's own ablation there."""
 
+CPU_KV_BLOCK_TOKENS = 32
+"""Tokens per KV block of an engine on a CPU, unless configured (vLLM-CPU's own default is
+128). Agent steps append ~100-300 tokens to a prompt the engine holds, and a prefix hit ends at
+the last whole block: at 128 a warm step recomputes on average 64 tokens it had. Measured with
+SmolLM2 in float32 on one core (docs/benchmarks.md, "KV blocks of 32 tokens"): a warm 1,714-token
+prompt 1.70 s against 2.09 s at 128, a repeated prompt 0.66 against 0.89 s, a decode step of 4
+sequences at ~1,700 tokens 152 against 173 ms; a cold 1,500-token prompt the same. vLLM-CPU
+prefers multiples of 32."""
+
+CUDA_KV_BLOCK_TOKENS = 16
+"""Tokens per KV block on CUDA, unless configured: vLLM's default for its attention backends."""
+
 DECODE_ADMISSION_HEADROOM_TOKENS = 64
 """The most tokens a decode engine's prompt chunk takes of a step while a hand-off waits for
 its first token, unless configured (``EngineConfig.admission_headroom_tokens``): the prompt
@@ -61,6 +73,12 @@ class EngineConfig(BaseModel):
         "soak completed fewer steps (a smaller cache recompiles kernels): docs/benchmarks.md, Soak."
     )
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine's batch.")
+    block_size_tokens: int | None = Field(
+        None, ge=1, description="Tokens per KV block (vLLM's block_size): the grain of prefix "
+        "hits, of KV events and of the store's blocks. Unset: 32 on a CPU (vLLM-CPU's 128 makes "
+        "a warm agent step recompute up to 127 tokens it holds; 32 measured faster for warm "
+        "prompts and decode steps, the same for cold ones: docs/benchmarks.md), 16 on CUDA "
+        "(vLLM's default there).")
     max_num_batched_tokens: int | None = Field(
         None, ge=16, description="Tokens one engine step may compute (vLLM's "
         "max_num_batched_tokens): a longer prompt is prefilled in chunks of this many, each "
@@ -160,6 +178,14 @@ class EngineConfig(BaseModel):
         if self.device == "cpu" and role != "prefill":
             return CPU_DECODE_STEP_TOKENS
         return None
+
+    @property
+    def kv_block_tokens(self) -> int:
+        """``block_size_tokens`` as the engine runs it (its default resolved): the block size
+        the engine is built with and the store, the KV events and the conductor count in."""
+        if self.block_size_tokens is not None:
+            return self.block_size_tokens
+        return CPU_KV_BLOCK_TOKENS if self.device == "cpu" else CUDA_KV_BLOCK_TOKENS
 
     def saves_prompts(self, role: str) -> bool:
         """Whether an engine of ``role`` saves the prompts it computes to the store: a prefill

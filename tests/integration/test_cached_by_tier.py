@@ -15,7 +15,7 @@ from tests.integration.engines import random_prompt, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
-BLOCK = 128  # vLLM's CPU block size
+BLOCK = 128  # the engines' KV block, configured (the CPU default is 32): DEVICE_BLOCKS hold 1,536 tokens
 DEVICE_BLOCKS = 12
 PROMPT_TOKENS = 3 * BLOCK + 20  # three full blocks and a partial tail
 LOADABLE = PROMPT_TOKENS - 1  # vLLM computes the last prompt token itself
@@ -24,7 +24,7 @@ LOADABLE = PROMPT_TOKENS - 1  # vLLM computes the last prompt token itself
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(tiny_model):
     async with running_server({"engine.model": "tiny", "kvstore.host_capacity_bytes": 256 << 20,
-                               "engine.num_kv_blocks": DEVICE_BLOCKS,
+                               "engine.num_kv_blocks": DEVICE_BLOCKS, "engine.block_size_tokens": BLOCK,
                                "engine.max_model_len_tokens": 1024,
                                "conductor.tuning.short_prefill_tokens": 0}) as srv:
         yield srv

@@ -20,6 +20,8 @@ from tests.integration.engines import random_prompt, running_server
 pytestmark = pytest.mark.engine
 
 BLOCK = 128
+"""The engines' KV block, configured: the placements below were sized in blocks of 128 tokens
+(the CPU default is 32)."""
 P0, P1, D0 = "condtest-prefill-0", "condtest-prefill-1", "condtest-decode-0"
 
 
@@ -27,6 +29,7 @@ P0, P1, D0 = "condtest-prefill-0", "condtest-prefill-1", "condtest-decode-0"
 async def server(tiny_model):
     async with running_server({
         "name": "condtest", "engine.model": "tiny", "http.enabled": False,
+        "engine.block_size_tokens": BLOCK,
         "prefill.num_instances": 2, "decode.num_instances": 1,
         "kvstore.host_capacity_bytes": 256 << 20, "conductor.tuning.short_prefill_tokens": 0,
         # no warm start: prices stay the placeholders' until the live refits, whose 0.45 ms a

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 import ray
 
-from cluster.local import block_size_for, kv_block_bytes
+from cluster.local import kv_block_bytes
 from decode_worker.worker import DecodeWorker
 from engine.builder import dtype_bytes, effective_dtype, engine_env
 from engine.config import EngineConfig
@@ -44,9 +44,10 @@ class Cluster:
     """Store nodes and workers as Ray actors of one local Ray instance."""
 
     def __init__(self, model, redis_url: str) -> None:
-        self.engine = EngineConfig(model="tiny")
-        device = self.engine.device
-        self.block_size = block_size_for(device)
+        # blocks of 128 tokens: at the CPU default of 32 the tiny model's blocks are so small
+        # that the host tiers below (a few dozen blocks) fall under the store's 1 MiB minimum
+        self.engine = EngineConfig(model="tiny", block_size_tokens=128)
+        self.block_size = self.engine.kv_block_tokens
         block_bytes = kv_block_bytes(model, self.block_size,
                                      dtype_bytes(effective_dtype(self.engine, model)))
         self.model, self.redis_url, self.block_bytes = model, redis_url, block_bytes

@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 import ray
 
+from cluster.local import block_size_for
 from cluster.serve import BatonServer
 from gateway import client
 from protos.wire import ConnectorCounters
@@ -19,7 +20,7 @@ from tests.integration.engines import plain_generate, plain_runner, random_promp
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
-BLOCK = 128  # vLLM's CPU block size
+BLOCK = block_size_for("cpu")  # the CPU engines' KV block as shipped (EngineConfig.kv_block_tokens)
 MAX_TOKENS = 24
 
 
@@ -49,7 +50,7 @@ def expected_loaded_tokens(num_prompt_tokens: int) -> int:
 
 @pytest.mark.parametrize(
     "num_tokens,seed",
-    [(50, 1), (BLOCK, 2), (5 * BLOCK + 17, 3), (8 * BLOCK, 4)],
+    [(BLOCK - 7, 1), (BLOCK, 2), (5 * BLOCK + 17, 3), (8 * BLOCK, 4)],
     ids=["shorter-than-a-block", "exactly-one-block", "many-blocks", "many-full-blocks"],
 )
 async def test_greedy_output_matches_plain_engine_and_decode_loads_kv(server, reference, num_tokens, seed):
@@ -365,7 +366,7 @@ async def test_the_next_agent_step_loads_the_replys_kv_the_decode_engine_saved(s
     cluster = server.cluster
     decode = cluster.actor(cluster.decode_ids[0])
     prefill = cluster.actor(cluster.prefill_ids[0])
-    prompt = random_prompt(BLOCK + 72, seed=71)  # one full block and a tail
+    prompt = random_prompt(BLOCK + BLOCK * 9 // 16, seed=71)  # one full block and a tail
     saved_before = (await decode.connector_counters.remote()).saved_blocks
     reply: list[int] = []
     step = EngineRequest("agent-step-1", tuple(prompt), SamplingOptions(max_tokens=2 * BLOCK,
@@ -374,8 +375,8 @@ async def test_the_next_agent_step_loads_the_replys_kv_the_decode_engine_saved(s
         reply.extend((await ref).token_ids)
     assert len(reply) == 2 * BLOCK
     tool_result = random_prompt(40, seed=72)
-    # prompt + reply = 456 tokens: the reply completed blocks 1 and 2 (tokens 128..384), and
-    # the KV of the last reply token was never computed
+    # prompt + reply = 3 9/16 blocks: the reply completed blocks 1 and 2, and the KV of the
+    # last reply token was never computed
     reply_blocks = (len(prompt) + len(reply) - 1) // BLOCK
     assert reply_blocks == 3
 

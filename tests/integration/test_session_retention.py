@@ -14,7 +14,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from cluster.local import block_size_for, kv_block_bytes
+from cluster.local import kv_block_bytes
 from engine.builder import dtype_bytes, effective_dtype
 from engine.config import EngineConfig
 from gateway.client import build_request
@@ -24,7 +24,9 @@ from tests.integration.engines import random_prompt, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
-BS = block_size_for("cpu")
+BS = 128
+"""Blocks of 128 tokens: at the CPU default of 32 the tiny model's host tier of HOST_BLOCKS
+would fall under the store's 1 MiB minimum."""
 PROMPT_BLOCKS = 4
 TAIL = 40
 HOST_BLOCKS = 24
@@ -39,6 +41,7 @@ async def server(tiny_model):
     async with running_server({
             "name": "retention", "engine.model": "tiny", "http.enabled": False,
             "engine.num_kv_blocks": DEVICE_BLOCKS, "engine.max_model_len_tokens": 1024,
+            "engine.block_size_tokens": BS,
             "kvstore.host_capacity_bytes": HOST_BLOCKS * block_bytes,
             "kvstore.lease_max_bytes": HOST_BLOCKS * block_bytes,
             "kvstore.lease_max_bytes_per_tenant": HOST_BLOCKS * block_bytes}) as srv:

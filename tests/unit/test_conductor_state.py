@@ -361,7 +361,8 @@ def test_the_cluster_prices_with_the_model_facts_and_the_configured_profile(tmp_
     model = PreparedModel(name="m", path=tmp_path, num_layers=30, num_kv_heads=3, head_dim=64,
                           max_model_len=8192, dtype_bytes=4)
     plain = policy_config_for(load_config(None, {"engine.dtype": "float32"}), model)
-    assert (plain.block_size_tokens, plain.kv_bytes_per_token) == (128, 46_080)
+    assert (plain.block_size_tokens, plain.kv_bytes_per_token) == (32, 46_080)  # a CPU engine's default
+    assert policy_config_for(load_config(None, {"engine.block_size_tokens": 64}), model).block_size_tokens == 64
     assert plain.prefill_cost == PrefillCostModel()  # no profile: the placeholders
 
     profile = CostProfile(model="m", device="cpu", block_size_tokens=128, kv_bytes_per_token=46_080,

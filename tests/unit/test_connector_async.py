@@ -333,6 +333,26 @@ def test_an_engine_that_saves_no_prompts_only_loads(tiny_model):
             for c, role in cases] == ["kv_both", "kv_both", "kv_both", "kv_consumer", "kv_both"]
 
 
+def test_the_engines_kv_block_size_reaches_vllm_and_the_peers_servers(tiny_model):
+    """One block size for Baton's engines, its store and conductor, and SMG's vLLM servers in
+    ``baton bench peers`` (the same engine arguments): 32 tokens on a CPU, 16 on CUDA, or
+    the configured size."""
+    from bench.peers_stacks import vllm_server_argv
+    from cluster.local import block_size_for
+    from engine.builder import build_engine_args
+    from engine.config import EngineConfig
+    from kvstore.attach import StoreWiring
+
+    wiring = StoreWiring("store", "ns", "node")
+    configs = [EngineConfig(), EngineConfig(device="cuda"), EngineConfig(block_size_tokens=64)]
+    assert [build_engine_args(c, tiny_model, "decode", "e0", wiring).block_size for c in configs] == [32, 16, 64]
+    assert (block_size_for("cpu"), block_size_for("cuda")) == (32, 16)
+    argvs = [vllm_server_argv(tiny_model, c, 9) for c in configs]
+    assert [argv[argv.index("--block-size") + 1] for argv in argvs] == ["32", "16", "64"]
+    with pytest.raises(ValueError):
+        EngineConfig(block_size_tokens=0)
+
+
 def test_the_engines_step_budget_reaches_vllm(tiny_model):
     from engine.builder import build_engine_args
     from engine.config import EngineConfig
