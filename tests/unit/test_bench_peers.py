@@ -201,6 +201,18 @@ def test_the_default_slice_is_the_shared_traces_first_requests_at_a_twelfth_of_i
     assert ceiling_hit_ratio(requests, words, block_tokens=128).reusable_tokens == 0
 
 
+def test_the_ceiling_counts_blocks_of_the_engines_as_they_run():
+    """The hit-ratio ceiling's grain is the engines' KV block (both stacks get the same), not
+    vLLM-CPU's 128: at 128 a cache that reuses every whole 32-token block would pass it."""
+    from engine.config import EngineConfig
+
+    assert PeersOptions().block_tokens == EngineConfig().kv_block_tokens == 32
+    first = req(0, 0, " ".join(f"w{i}" for i in range(100)))
+    second = req(0, 1, first.prompt + " tail", release_s=1.0)
+    assert ceiling_hit_ratio([first, second], words, PeersOptions().block_tokens).reusable_tokens == 96
+    assert ceiling_hit_ratio([first, second], words, 128).reusable_tokens == 0
+
+
 def test_peers_races_the_trace_slice_only_when_asked():
     assert PeersOptions().workloads == ("private_prefix", "agent_fleet")
     assert set(build_workloads(PeersOptions())) == {"private_prefix", "agent_fleet"}
