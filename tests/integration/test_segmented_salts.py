@@ -15,6 +15,7 @@ import time
 import pytest
 import pytest_asyncio
 
+from cluster.local import block_size_for
 from gateway import client
 from kvstore.connector import kv_layout_tag
 from kvstore.keys import KeyExtras, block_keys, first_salted_block
@@ -22,10 +23,10 @@ from tests.integration.engines import random_prompt, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
-BLOCK = 128  # vLLM's CPU block size
+BLOCK = block_size_for("cpu")  # the CPU engines' KV block as shipped (EngineConfig.kv_block_tokens)
 TRUNK_BLOCKS = 3
 TRUNK_TOKENS = TRUNK_BLOCKS * BLOCK
-SUFFIX_TOKENS = 2 * BLOCK + 40  # two full blocks and a tail
+SUFFIX_TOKENS = 2 * BLOCK + BLOCK * 5 // 16  # two full blocks and a tail
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
