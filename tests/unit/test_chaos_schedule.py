@@ -31,3 +31,36 @@ def test_a_run_of_s_seconds_gets_about_s_over_every_faults():
 def test_a_schedule_set_to_zero_injects_nothing():
     assert fault_times(random.Random(1), 0.0, 120.0) == []
     assert fault_times(random.Random(1), 10.0, 4.0) == []  # the first draw is at least 5 s
+
+
+async def test_a_victim_that_dies_before_its_arming_call_returns_died_as_told():
+    """A store node's block server may reach the armed moment on its other thread before the
+    call that armed it has answered: that call then fails with the actor's death, which is the
+    fault taking effect, not an error of the drill (its ping is never needed)."""
+    import ray
+
+    from bench.chaos import _died_when_told
+
+    async def arm_and_die():
+        raise ray.exceptions.RayActorError()
+
+    async def ping():
+        raise AssertionError("not pinged: the arming call already showed the death")
+
+    said: list[str] = []
+    assert await _died_when_told(arm_and_die, ping, "the KV store node n1", "mid-pull", said.append)
+    assert said[-1] == "the KV store node n1 died mid-pull, before the call that told it returned"
+
+    async def arm():
+        return None
+
+    pings = 0
+
+    async def ping_until_dead():
+        nonlocal pings
+        pings += 1
+        if pings == 2:
+            raise ray.exceptions.RayActorError()
+
+    assert await _died_when_told(arm, ping_until_dead, "w0", "mid-save", said.append, window_s=5)
+    assert (pings, said[-1]) == (2, "w0 died mid-save")
