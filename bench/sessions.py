@@ -47,8 +47,8 @@ import msgspec
 
 from bench.stats import percentile
 from cluster.config import ClusterConfig
-from cluster.local import block_size_for
 from cluster.serve import BatonServer
+from engine.config import CPU_KV_BLOCK_TOKENS
 from gateway.client import build_request
 from kvstore.keys import KeyExtras, block_keys
 from protos.baton.v1 import inference_pb2_grpc as pb_grpc
@@ -63,8 +63,9 @@ THINK_SIGMA = 0.8
 """Log-normal shape of the pauses: with median 8 s, p90 ≈ 22 s (cut at ``MAX_THINK_S``)."""
 VOCAB = (1000, 40000)
 """Token ids the prompts are drawn from (inside SmolLM2's and the tiny model's vocabularies)."""
-BLOCK_TOKENS = block_size_for("cpu")
-"""The CPU engines' KV block (``EngineConfig.kv_block_tokens``, configured by default)."""
+BLOCK_TOKENS = CPU_KV_BLOCK_TOKENS
+"""The CPU engines' KV block unless configured; a run counts in its config's
+(``EngineConfig.kv_block_tokens``)."""
 
 
 class Step(msgspec.Struct):
@@ -151,16 +152,16 @@ def working_set_tokens(workload: Workload) -> int:
 
 
 def ceiling_tokens(steps: list[Step], prompts: dict[tuple[int, int], list[int]],
-                   replies: dict[tuple[int, int], list[int]]) -> None:
+                   replies: dict[tuple[int, int], list[int]], block_tokens: int = BLOCK_TOKENS) -> None:
     """Fill each step's ``ceiling_cached_tokens``: the leading full blocks of its prompt that an
     infinite cache would hold for it, and at most all but the prompt's last token (vLLM computes
     it). A block exists once computed: an earlier step's prompt blocks once its prefill was
     done, before this step's own prefill was (a step that arrives while they are computed can
     wait for them, as the conductor's coalescing does), and its reply's blocks once it
-    finished, before this step began."""
+    finished, before this step began. ``block_tokens``: the engines' KV block."""
     extras = KeyExtras("bench")
-    prompt_keys = {key: block_keys(prompts[key], BLOCK_TOKENS, extras) for key in prompts}
-    reply_keys = {key: block_keys(prompts[key] + replies[key], BLOCK_TOKENS, extras)
+    prompt_keys = {key: block_keys(prompts[key], block_tokens, extras) for key in prompts}
+    reply_keys = {key: block_keys(prompts[key] + replies[key], block_tokens, extras)
                   for key in prompts}
     for step in steps:
         me = (step.session, step.index)
@@ -178,8 +179,8 @@ def ceiling_tokens(steps: list[Step], prompts: dict[tuple[int, int], list[int]],
             if k not in known:
                 break
             hit += 1
-        step.ceiling_cached_tokens = min(hit * BLOCK_TOKENS,
-                                         (step.prompt_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS)
+        step.ceiling_cached_tokens = min(hit * block_tokens,
+                                         (step.prompt_tokens - 1) // block_tokens * block_tokens)
 
 
 async def _one_step(stub, session: int, index: int, prompt: list[int], max_tokens: int,
@@ -285,7 +286,7 @@ async def measure(config: ClusterConfig, workload: Workload, noise_clients: int,
             sessions = await server.cluster.conductor.session_counters.remote()
     finally:
         await server.stop()
-    ceiling_tokens(steps, prompts, replies)
+    ceiling_tokens(steps, prompts, replies, config.engine.kv_block_tokens)
     prompt_total = sum(s.prompt_tokens for s in steps)
     cached = sum(s.cached_tokens for s in steps)
     ceiling = sum(s.ceiling_cached_tokens for s in steps) / prompt_total
@@ -334,9 +335,10 @@ def bench_config(config: ClusterConfig, workload: Workload, device_blocks: int,
     host = max(1 << 20, int(host_factor * working * per_token))
     longest = max(len(workload.trunk) + sum(len(t) for t in tools)
                   + workload.max_tokens * len(tools) for tools in workload.tools)
-    max_len = -(-(longest + workload.max_tokens + BLOCK_TOKENS) // BLOCK_TOKENS) * BLOCK_TOKENS
+    block = config.engine.kv_block_tokens
+    max_len = -(-(longest + workload.max_tokens + block) // block) * block
     engine = config.engine.model_copy(update={
-        "num_kv_blocks": max(device_blocks, max_len // BLOCK_TOKENS + 1),
+        "num_kv_blocks": max(device_blocks, max_len // block + 1),
         "max_model_len_tokens": max_len})
     kv = {"host_capacity_bytes": host, "lease_max_bytes": host, "lease_max_bytes_per_tenant": host}
     return config.model_copy(update={"engine": engine,

@@ -33,7 +33,6 @@ from conductor.cost_model import CostProfile, kv_bytes_per_token
 from conductor.policy import PolicyConfig
 from decode_worker.worker import DecodeWorker
 from engine.builder import dtype_bytes, effective_dtype, engine_env
-from engine.config import EngineConfig
 from engine.models import PreparedModel, prepare_model
 from kvstore.attach import StoreWiring
 from kvstore.config import KVStoreConfig
@@ -57,13 +56,6 @@ def kv_block_bytes(model: PreparedModel, block_size_tokens: int, dtype_size_byte
     dtype bytes x tokens per block."""
     return (2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_size_bytes
             * block_size_tokens)
-
-
-def block_size_for(device: str) -> int:
-    """The KV block size (tokens) of an engine on ``device`` configured by default
-    (``EngineConfig.kv_block_tokens``: 32 on CPU, 16 on CUDA); a configured engine's is its
-    ``kv_block_tokens``."""
-    return EngineConfig(device=device).kv_block_tokens
 
 
 def load_profile(path: str) -> CostProfile:

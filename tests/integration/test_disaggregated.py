@@ -12,15 +12,15 @@ import pytest
 import pytest_asyncio
 import ray
 
-from cluster.local import block_size_for
 from cluster.serve import BatonServer
+from engine.config import CPU_KV_BLOCK_TOKENS
 from gateway import client
 from protos.wire import ConnectorCounters
 from tests.integration.engines import plain_generate, plain_runner, random_prompt, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
-BLOCK = block_size_for("cpu")  # the CPU engines' KV block as shipped (EngineConfig.kv_block_tokens)
+BLOCK = CPU_KV_BLOCK_TOKENS  # the CPU engines' KV block as shipped (EngineConfig.kv_block_tokens)
 MAX_TOKENS = 24
 
 

@@ -15,7 +15,7 @@ import time
 import pytest
 import pytest_asyncio
 
-from cluster.local import block_size_for
+from engine.config import CPU_KV_BLOCK_TOKENS
 from gateway import client
 from kvstore.connector import kv_layout_tag
 from kvstore.keys import KeyExtras, block_keys, first_salted_block
@@ -23,7 +23,7 @@ from tests.integration.engines import random_prompt, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
-BLOCK = block_size_for("cpu")  # the CPU engines' KV block as shipped (EngineConfig.kv_block_tokens)
+BLOCK = CPU_KV_BLOCK_TOKENS  # the CPU engines' KV block as shipped (EngineConfig.kv_block_tokens)
 TRUNK_BLOCKS = 3
 TRUNK_TOKENS = TRUNK_BLOCKS * BLOCK
 SUFFIX_TOKENS = 2 * BLOCK + BLOCK * 5 // 16  # two full blocks and a tail

@@ -47,3 +47,14 @@ def test_the_ceiling_leaves_the_last_token_to_compute():
     steps = [step(0, 0, prompt, 0.0, 1.0), step(1, 0, prompt, 2.0, 3.0)]
     ceiling_tokens(steps, {(0, 0): prompt, (1, 0): prompt}, {(0, 0): [], (1, 0): []})
     assert steps[1].ceiling_cached_tokens == b  # a full hit still computes the last token
+
+
+def test_the_ceiling_counts_in_the_configured_block():
+    """A run on engines configured with another block size (``engine.block_size_tokens``) is
+    held to a ceiling in those blocks: 100 shared tokens are 3 blocks of 32, none of 128."""
+    prompt = list(range(100))
+    again = prompt + [7]
+    for block, expected in ((32, 96), (128, 0)):
+        steps = [step(0, 0, prompt, 0.0, 1.0), step(1, 0, again, 2.0, 3.0)]
+        ceiling_tokens(steps, {(0, 0): prompt, (1, 0): again}, {(0, 0): [], (1, 0): []}, block)
+        assert steps[1].ceiling_cached_tokens == expected

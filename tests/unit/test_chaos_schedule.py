@@ -1,5 +1,6 @@
 """``baton chaos``'s fault schedules: drawn up front from the seed, so the time a fault takes
-to inject never pushes the later ones back and a run of S seconds gets about S / every_s."""
+to inject never pushes the later ones back and a run of S seconds gets about S / every_s; and
+how the drill tells that a victim it armed has died."""
 
 from __future__ import annotations
 
