@@ -246,7 +246,8 @@ def status(
         out.print(f"[dim]{hidden} columns hidden to fit {out.width} columns; --wide shows them[/dim]")
     c = pools.counters
     out.print(f"placements: {c.placed} placed, {c.rejected} rejected early, {c.coalesced} coalesced "
-              f"({c.coalesce_declined} declined as slower, {c.pooled} of {c.pool_waits} then "
+              f"({c.queued_behind} queued at once behind the prefill, "
+              f"{c.coalesce_declined} declined as slower, {c.pooled} of {c.pool_waits} then "
               f"loadable from the store), "
               f"{c.colocated} colocated, {c.pulled} pulled, {c.index_corrections} index corrections")
     if pools.cost_model is not None:

@@ -81,6 +81,7 @@ def policy_config_for(config: ClusterConfig, model: PreparedModel) -> PolicyConf
     dtype = effective_dtype(config.engine, model)
     updates: dict[str, object] = {
         "block_size_tokens": config.engine.kv_block_tokens,
+        "prompts_at_once": config.engine.prefill_gate,
         "kv_bytes_per_token": kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
                                                  dtype_bytes(dtype)),
     }

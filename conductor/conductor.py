@@ -277,10 +277,18 @@ class Conductor:
 
         A request whose next blocks an in-flight prefill is computing waits for it (bounded by
         ``coalesce_max_wait_ms``) only when waiting and then prefilling the rest is predicted to
-        beat placing it now (``ConductorState.coalesce_wait``); the reason says which won."""
+        beat placing it now (``ConductorState.coalesce_wait``); the reason says which won. Where
+        the prefill's engine computes one prompt at a time (``coalesce_in_queue``), it waits
+        there instead: placed at once, queued right behind it (``ConductorState.place_behind``)."""
         note = ""
         if self._config.coalesce:
-            wait = self.state.coalesce_wait(request, self._config.coalesce_min_blocks)
+            wait = self.state.coalesce_wait(request, self._config.coalesce_min_blocks,
+                                            self._config.coalesce_duplicate_weight)
+            behind = (self.state.place_behind(request, wait, self._config.coalesce_elsewhere)
+                      if wait is not None and wait.wins and self._config.coalesce_in_queue else None)
+            if behind is not None:
+                self.state.counters.coalesced += 1
+                return behind
             if wait is not None and wait.wins:
                 started = time.monotonic()
                 self.state.hold(wait)

@@ -49,6 +49,21 @@ class ConductorConfig(BaseModel):
         "Only for engines that save their prompts (prefill engines; decode engines unless "
         "engine.decode_saves is none)."
     )
+    coalesce_in_queue: bool = Field(
+        True, description="A request that coalesces onto a prefill running on a decode engine "
+        "that computes one prompt at a time (engine.max_prefills_in_flight 1, the CPU default) "
+        "is placed on that engine at once, queued right behind the prefill: the engine's gate "
+        "starts it when the prefill's blocks are computed, and it keeps its place in the "
+        "queue. false: it waits in the conductor for the prefill to end and is placed then, "
+        "behind whatever was placed there meanwhile (on an agent fleet's fan-out a follower "
+        "priced at 2.1 s took 7.0 s that way)."
+    )
+    coalesce_duplicate_weight: float = Field(
+        0.0, ge=0, description="How much the work a request would compute twice counts against "
+        "placing it now rather than coalescing: placing now is priced its TTFT plus this times "
+        "(its prefill there less the rest it would prefill after coalescing), the time later "
+        "requests on that instance would wait for the duplicate. 0: each request's own TTFT only."
+    )
     coalesce_max_wait_ms: float = Field(
         10_000.0, gt=0, description="Longest a request waits for that prefill before placing "
         "without it (ms)."

@@ -92,6 +92,14 @@ class PolicyConfig(BaseModel):
         "to the decode's first token, less the priced transfer); 0 where nothing measures it "
         "(the simulator, or calibrate_cost_model false)."
     )
+    prompts_at_once: int = Field(
+        0, ge=0, description="Prompts each decode engine computes at once (its prefill gate, "
+        "engine.max_prefills_in_flight as the engines run it; 0: vLLM packs every waiting prompt "
+        "into its steps). With 1, a prompt queued on an engine behind a prefill of its blocks "
+        "starts once those blocks are computed there, so the conductor may queue a request that "
+        "coalesces right behind that prefill (ConductorConfig.coalesce_in_queue). Set by the "
+        "cluster from the engine config."
+    )
     short_prefill_tokens: int = Field(
         256, ge=0, description="Baton, baton_colocation 'short' only: an uncached suffix shorter "
         "than this prefills on the decode instance (tokens); 0 always disaggregates. Deprecated: "

@@ -14,6 +14,7 @@ been working on them. It reacts to a burst at once, where polled worker stats wo
 from __future__ import annotations
 
 import logging
+import math
 import time
 from array import array
 from collections import OrderedDict, deque
@@ -39,7 +40,8 @@ from conductor.policy import (
     admit,
     with_prices,
 )
-from conductor.pricing import predicted_ttft_ms
+from conductor.picking import decode_terms
+from conductor.pricing import predicted_ttft_ms, queue_ms
 from conductor.sessions import SessionTable
 from conductor.snapshot import GroupedHits
 from protos.wire import Placement, PlacementRequest
@@ -156,6 +158,11 @@ class CoalesceWait(msgspec.Struct, frozen=True):
     run_keys: tuple[bytes, ...] = ()
     """The blocks of the request the owner computes: once its node's store holds them, another
     instance there can load them instead of queueing behind the owner (``pool_wait_ms``)."""
+    cached_blocks: int = 0
+    """The request's leading blocks cached once the owner is done (held before, and the run)."""
+    duplicate_ms: float = 0.0
+    """What placing now computes twice, weighed (``coalesce_duplicate_weight`` times its priced
+    prefill now less ``rest_ms``): counted against placing now."""
 
     @property
     def total_ms(self) -> float:
@@ -163,20 +170,26 @@ class CoalesceWait(msgspec.Struct, frozen=True):
 
     @property
     def wins(self) -> bool:
-        """Waiting is predicted to reach the first token sooner than placing now."""
-        return self.total_ms < self.now_ms
+        """Waiting is predicted to reach the first token sooner than placing now (plus the
+        weighed duplicate work placing now would add)."""
+        return self.total_ms < self.now_ms + self.duplicate_ms
 
     def describe(self) -> str:
         verdict = "<" if self.wins else ">="
+        duplicate = f" + duplicate {self.duplicate_ms:.1f}" if self.duplicate_ms else ""
         return (f"coalesce on {self.owner} at {self.instance_id}: wait {self.wait_ms:.1f} + queue "
                 f"{self.behind_ms:.1f} + prefill {self.rest_ms:.1f} = {self.total_ms:.1f} ms "
-                f"{verdict} now {self.now_ms:.1f} ms at {self.now_instance or 'none (rejected)'}")
+                f"{verdict} now {self.now_ms:.1f}{duplicate} ms at "
+                f"{self.now_instance or 'none (rejected)'}")
 
 
 class PlacementCounters(msgspec.Struct):
     placed: int = 0
     rejected: int = 0
     coalesced: int = 0
+    queued_behind: int = 0
+    """Of ``coalesced``, the requests placed at once behind the prefill they coalesced on
+    (``ConductorState.place_behind``)."""
     coalesce_declined: int = 0
     """Requests that could have waited for an in-flight prefill of their blocks and were placed
     at once, because waiting was priced slower (``ConductorState.coalesce_wait``)."""
@@ -499,6 +512,11 @@ class ConductorState:
         except Overloaded:
             self.counters.rejected += 1
             raise
+        self._placed(request, placement)
+        return placement
+
+    def _placed(self, request: PlacementRequest, placement: Placement) -> None:
+        """Book an admitted placement and note it where it is followed (session, router)."""
         self._book(request, placement)
         if request.session_id:
             self.sessions.step(request.session_id, request.block_keys, request.session_ttl_s,
@@ -511,7 +529,6 @@ class ConductorState:
         log.debug("placed %s: prefill=%s decode=%s T=transfer %.1f + queue %.1f + prefill %.1f ms; %s",
                   request.request_id, placement.prefill_instance, placement.decode_instance,
                   placement.transfer_ms, placement.queue_ms, placement.prefill_ms, placement.reason)
-        return placement
 
     def _book(self, request: PlacementRequest, placement: Placement) -> None:
         if request.request_id in self._decodes or request.request_id in self._prefills:
@@ -550,7 +567,8 @@ class ConductorState:
         if placement.decode_instance != placement.prefill_instance:  # co-located: refreshed already
             self._refresh_view(placement.decode_instance)
 
-    def coalesce_wait(self, request: PlacementRequest, min_blocks: int) -> CoalesceWait | None:
+    def coalesce_wait(self, request: PlacementRequest, min_blocks: int,
+                      duplicate_weight: float = 0.0) -> CoalesceWait | None:
         """Waiting for the in-flight prefill computing at least ``min_blocks`` of this request's
         blocks right past what the index already holds, priced against placing now: None when
         there is no such prefill. Its ``wins`` says whether to wait.
@@ -560,7 +578,8 @@ class ConductorState:
         After it, the request prefills there behind what is booked after the owner and what
         other waiters will add (``hold``), with the owner's blocks cached. Placing now is the
         policy's own priced choice on this snapshot, with nothing booked (an ``Overloaded``
-        choice costs infinity: waiting is then the only way in)."""
+        choice costs infinity: waiting is then the only way in), plus ``duplicate_weight``
+        times the prefill it would compute beyond the rest (``CoalesceWait.duplicate_ms``)."""
         keys = request.block_keys
         if not keys or not self._inflight_keys:
             return None
@@ -599,10 +618,64 @@ class ConductorState:
             now_ms = predicted_ttft_ms(now_placement.transfer_ms, now_placement.queue_ms,
                                        now_placement.prefill_ms)
             now_instance = now_placement.prefill_instance
+            duplicate_ms = duplicate_weight * max(0.0, now_placement.prefill_ms - rest_ms)
         except Overloaded:
-            now_ms, now_instance = float("inf"), ""
+            now_ms, now_instance, duplicate_ms = float("inf"), "", 0.0
         return CoalesceWait(owner, prefill.instance_id, wait_ms, behind_ms, rest_ms, now_ms,
-                            now_instance, tuple(keys[start:start + run]))
+                            now_instance, tuple(keys[start:start + run]), start + run, duplicate_ms)
+
+    def place_behind(self, request: PlacementRequest, wait: CoalesceWait,
+                     elsewhere: bool = False) -> Placement | None:
+        """Place ``request``, which coalesces on ``wait`` (``wait.wins``), at once on the
+        owner's instance, queued right behind what is booked there: when that instance is a
+        ready decode instance whose engine computes one prompt at a time
+        (``PolicyConfig.prompts_at_once`` 1), its gate starts the request after the owner's
+        prompt, with the owner's blocks computed. Priced as the wait was (the owner's wait, the
+        queue behind it, the rest of the prompt) and booked like any placement. None where that
+        does not hold (the caller waits in the conductor instead), where admission refuses it,
+        or, with ``elsewhere`` (``ConductorConfig.coalesce_elsewhere``), where loading the
+        owner's blocks on another instance once they reach the store is priced faster
+        (``_elsewhere_ms``: the caller's wait then ends in ``pool_wait_ms``)."""
+        inst = self._instances.get(wait.instance_id)
+        owner = self._prefills.get(wait.owner)
+        if (self.config.prompts_at_once != 1 or inst is None or inst.role != "decode"
+                or not inst.ready or inst.draining or owner is None
+                or owner.instance_id != wait.instance_id):
+            return None
+        snapshot = self.snapshot(self._prefix_hits(request.block_keys), private=True)
+        view = next((v for v in snapshot.decode if v.instance_id == wait.instance_id), None)
+        if view is None or (elsewhere and self._elsewhere_ms(snapshot, inst, wait) < wait.total_ms):
+            return None
+        placement = Placement(
+            wait.instance_id, wait.instance_id, self._policy_name,
+            f"queued behind {wait.owner}: {wait.describe()}; {decode_terms(view)}",
+            queue_ms=wait.wait_ms + wait.behind_ms, prefill_ms=wait.rest_ms,
+            expected_cached_blocks=wait.cached_blocks, priority=-wait.cached_blocks)
+        try:
+            admit(snapshot, request, self.config, placement)
+        except Overloaded:
+            return None
+        self.counters.queued_behind += 1
+        self._placed(request, placement)
+        return placement
+
+    def _elsewhere_ms(self, snapshot: ClusterSnapshot, inst: _Instance, wait: CoalesceWait) -> float:
+        """The least predicted TTFT of waiting for ``wait``'s owner and then loading its blocks
+        from the node's store on another ready decode instance of that node (its queue now,
+        and not before the owner is done, then the load of what it lacks, then the rest of the
+        prompt); inf when the owner's engine does not save its prompts or there is none."""
+        if not inst.saves_prompts or not inst.node_id:
+            return math.inf
+        block_bytes = self.config.block_size_tokens * self.config.kv_bytes_per_token
+        best = math.inf
+        for view in snapshot.decode:
+            if view.instance_id == wait.instance_id or not view.ready or view.node_id != inst.node_id:
+                continue
+            moved = max(0, wait.cached_blocks - snapshot.hit(view.instance_id).num_blocks)
+            best = min(best, max(wait.wait_ms, queue_ms(view, self.config))
+                       + self.config.transfer.t_transfer_ms(moved * block_bytes, "same_node")
+                       + wait.rest_ms)
+        return best
 
     def pool_wait_ms(self, wait: CoalesceWait) -> float:
         """After the owner of ``wait`` finished: how long the waiter may wait for the owner's

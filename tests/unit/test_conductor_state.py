@@ -364,6 +364,9 @@ def test_the_cluster_prices_with_the_model_facts_and_the_configured_profile(tmp_
     assert (plain.block_size_tokens, plain.kv_bytes_per_token) == (32, 46_080)  # a CPU engine's default
     assert policy_config_for(load_config(None, {"engine.block_size_tokens": 64}), model).block_size_tokens == 64
     assert plain.prefill_cost == PrefillCostModel()  # no profile: the placeholders
+    # the engines' prefill gate: one prompt at a time on a CPU, as configured otherwise
+    assert plain.prompts_at_once == 1
+    assert policy_config_for(load_config(None, {"engine.max_prefills_in_flight": 0}), model).prompts_at_once == 0
 
     profile = CostProfile(model="m", device="cpu", block_size_tokens=128, kv_bytes_per_token=46_080,
                           prefill=COST, decode=DecodeCostModel(step_ms_base=9.0), transfer=TransferModel())
