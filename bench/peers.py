@@ -98,6 +98,9 @@ class PeersOptions(msgspec.Struct, frozen=True):
     value for all (e.g. 'nobind')."""
     tune: bool = True
     """Tune each SMG stack on the tuning set before the race (module docstring)."""
+    tuned_from: str | None = None
+    """A previous run's ``peers.json``: each SMG stack races with the setting its tuning chose
+    there, and this run does not tune (``reuse_tuning``)."""
 
 
 TUNE_SEED_OFFSET = 1000
@@ -231,7 +234,11 @@ def run_peers(options: PeersOptions, out_dir: Path,
              f"tokens, ceiling hit ratio {ceiling.hit_ratio:.3f}")
     out_dir.mkdir(parents=True, exist_ok=True)
     tuning: dict[str, Any] = {}
-    if options.tune and any(s.kind == "smg" for s in specs):
+    if options.tuned_from and any(s.kind == "smg" for s in specs):
+        specs, tuning = reuse_tuning(specs, Path(options.tuned_from))
+        echo(f"SMG settings from the tuning of {options.tuned_from}: " + ", ".join(
+            f"{s.name} races with {s.variant}" for s in specs if s.kind == "smg"))
+    elif options.tune and any(s.kind == "smg" for s in specs):
         specs, tuning = tune(specs, options, model, tokenizer, out_dir, echo)
     records_path = out_dir / "records.jsonl"
     records_path.write_text("")
@@ -292,6 +299,29 @@ def tune(specs: Sequence[StackSpec], options: PeersOptions, model, tokenizer, ou
         tuned.append(next(v for v in variants if v.variant == chosen))
         report[spec.name] = {"chosen": chosen, "scores": scores, "figures": figures}
     return tuned, report
+
+
+def reuse_tuning(specs: Sequence[StackSpec], path: Path) -> tuple[list[StackSpec], dict[str, Any]]:
+    """The stacks with the settings a previous run's tuning chose (its ``peers.json`` at
+    ``path``), and that tuning's report marked ``reused_from``. Raises ``PeersError`` when the
+    file is not a tuned run's report or lacks an SMG stack being raced."""
+    try:
+        tuning = json.loads(path.read_text())["tuning"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PeersError(f"--tuned-from {path}: not the peers.json of a tuned run ({exc})") from exc
+    tuned: list[StackSpec] = []
+    for spec in specs:
+        variants = tuning_variants(spec)
+        if len(variants) == 1:
+            tuned.append(spec)
+            continue
+        chosen = (tuning.get(spec.name) or {}).get("chosen") if isinstance(tuning, dict) else None
+        match = [v for v in variants if v.variant == chosen]
+        if not match:
+            raise PeersError(f"--tuned-from {path}: no tuning of {spec.name} there (tune it: "
+                             "run without --tuned-from)")
+        tuned.append(match[0])
+    return tuned, {**tuning, "reused_from": str(path)}
 
 
 def _run_stack(spec: StackSpec, run: int, model, workloads: dict[str, Workload], ceilings,
@@ -459,9 +489,13 @@ def markdown(report: dict[str, Any]) -> str:
             lines += [f"| {stack} | {_fmt(m['late_ms_max'])} | {_fmt(m['stalled_s'], 2)} |"
                       for stack, m in stalls.items()]
             lines.append("")
-    tuned = {k: v for k, v in (report.get("tuning") or {}).items() if k != "seed_offset"}
+    tuned = {k: v for k, v in (report.get("tuning") or {}).items()
+             if k not in ("seed_offset", "reused_from")}
     if tuned:
-        lines += [f"SMG tuned before the race on the tuning set (the same workloads, seed + "
+        reused = report["tuning"].get("reused_from")
+        where = (f"by an earlier run ({reused}), not in this one" if reused
+                 else "before the race")
+        lines += [f"SMG tuned {where} on the tuning set (the same workloads, seed + "
                   f"{report['tuning']['seed_offset']}), one run per setting; score = geometric "
                   "mean over workloads of the TTFT mean, ms:", "",
                   "| stack | setting | score | raced |", "| --- | --- | ---: | --- |"]

@@ -409,6 +409,10 @@ def bench_peers(
                               "+ 1000): cache_aware's balance thresholds (the guide's, or early "
                               "balance) x vLLM's --max-num-batched-tokens (2048, 512); each "
                               "races with its least TTFT mean. ~3 min per setting and workload."),
+    tuned_from: Optional[Path] = typer.Option(None, "--tuned-from", metavar="<peers.json>",
+                                               help="Skip tuning: each SMG stack races with the "
+                                               "setting an earlier run's tuning chose (that "
+                                               "run's peers.json; the report says so)."),
 ) -> None:
     """LIVE, several minutes of both cores: SMG (cache_aware, round_robin) over two co-located
     vLLM servers against `baton serve --prefill 1 --decode 1` and `--prefill 0 --decode 2`,
@@ -434,7 +438,8 @@ def bench_peers(
                                 num_requests=trace_requests,
                                 block_words=trace_block_words, time_scale=trace_time_scale,
                                 max_tokens=max_tokens, seed=seed),
-        model=model, vllm_omp_bind=vllm_omp_bind, tune=tune)
+        model=model, vllm_omp_bind=vllm_omp_bind, tune=tune,
+        tuned_from=str(tuned_from) if tuned_from else None)
     try:
         run_peers(options, out_dir, echo=lambda m: err.print(m, highlight=False))
     except BatonError as exc:

@@ -14,7 +14,9 @@ In-flight coalescing, for the policies in ``FleetConfig.coalesce_policies``, is 
 conductor's: a request whose next blocks an in-flight prefill is computing
 waits for that prefill to end, or for ``coalesce_max_wait_ms``, when waiting is priced faster
 than placing now (``ConductorState.coalesce_wait``), and is placed then; its TTFT counts the
-wait.
+wait. The live conductor's other form, queueing the request at once behind that prefill on an
+engine that computes one prompt at a time (``ConductorState.place_behind``), is not simulated:
+the simulated fleet's ``PolicyConfig.prompts_at_once`` stays 0.
 
 Prefill and transfer times are the ``price`` the policies predict with, evaluated on the caches
 as they are when the prefill starts (the queue in between may change them), times a seeded

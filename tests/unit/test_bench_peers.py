@@ -409,6 +409,40 @@ def test_tuning_reseeds_every_workload_and_picks_the_least_geometric_mean_ttft()
     assert best_variant({"a": 300.0, "b": 200.0, "c": 200.0}) == "b"
 
 
+def test_a_race_may_reuse_the_settings_an_earlier_runs_tuning_chose(tmp_path):
+    import json
+
+    from bench.peers import markdown, reuse_tuning
+    from bench.peers_stacks import DEFAULT_STACKS
+
+    tuning = {"seed_offset": 1000,
+              "smg-cache_aware": {"chosen": "early balance, 512 batched tokens",
+                                  "scores": {"guide's thresholds, vLLM defaults": 7000.0,
+                                             "early balance, 512 batched tokens": 5000.0}},
+              "smg-round_robin": {"chosen": "as shipped, vLLM defaults",
+                                  "scores": {"as shipped, vLLM defaults": 5500.0}}}
+    earlier = tmp_path / "peers.json"
+    earlier.write_text(json.dumps({"tuning": tuning}))
+    specs, reused = reuse_tuning(DEFAULT_STACKS, earlier)
+    by_name = {s.name: s for s in specs}
+    assert by_name["smg-cache_aware"].variant == "early balance, 512 batched tokens"
+    assert by_name["smg-cache_aware"].server_args == ("--max-num-batched-tokens", "512")
+    assert by_name["smg-round_robin"].variant == "as shipped, vLLM defaults"
+    assert by_name["baton-0p2d"] == next(s for s in DEFAULT_STACKS if s.name == "baton-0p2d")
+    assert reused["reused_from"] == str(earlier)
+    text = markdown({"options": {"runs": 1}, "summary": {}, "tuning": reused})
+    assert f"SMG tuned by an earlier run ({earlier}), not in this one" in text
+    assert "| smg-cache_aware | early balance, 512 batched tokens | 5,000 | yes |" in text
+
+    del tuning["smg-round_robin"]
+    earlier.write_text(json.dumps({"tuning": tuning}))
+    with pytest.raises(PeersError, match="no tuning of smg-round_robin there"):
+        reuse_tuning(DEFAULT_STACKS, earlier)
+    earlier.write_text("{}")
+    with pytest.raises(PeersError, match="not the peers.json of a tuned run"):
+        reuse_tuning(DEFAULT_STACKS, earlier)
+
+
 def test_a_stacks_process_runs_in_its_own_group_and_the_benchmarks_session(tmp_path):
     spec = StackSpec("smg-round_robin", "smg", smg_policy="round_robin")
     stack = Stack(spec, model=None, log_dir=tmp_path)
