@@ -241,10 +241,12 @@ done:
 
 enum { NUM_COLOCATED_TERMS = 4 };
 
-/* cheapest_colocated(q, tokens, prefill, run_of, ready, running, load, kv_usage, active, terms, step, slo)
+/* cheapest_colocated(q, tokens, prefill, run_of, ready, running, load, kv_usage, active, terms, step, slo,
+ *                    stall_weight)
  *     -> (i, T_i, queue_i, batch_i): the least co-located price over a decode pool, ties to the
  * least loaded (less_loaded), with its queue and, of that, its batch's decode steps; (-1, inf,
- * 0, 0) when no instance is left.
+ * 0, 0) when no instance is left. T_i is the priced TTFT plus stall_weight x load x the class's
+ * prefill (the sequences there waiting for its steps; conductor.pricing.colocated_cost).
  * q, tokens, prefill: each instance's queue, as in cheapest; run_of: int64[n], its run (-1: no
  * hit; class run + 1);
  * ready: bool[n] or None (all ready); running: int64[n], sequences it runs; load, kv_usage,
@@ -258,13 +260,13 @@ enum { NUM_COLOCATED_TERMS = 4 };
 static PyObject *cheapest_colocated(PyObject *self, PyObject *args) {
     PyObject *q_obj, *tokens_obj, *run_obj, *ready_obj, *running_obj, *load_obj, *kv_obj, *active_obj,
         *terms_obj, *slo_obj;
-    double base, per_seq, per_kv;
+    double base, per_seq, per_kv, stall_weight = 0.0;
     long long block_tokens;
     Queues qs;
-    if (!PyArg_ParseTuple(args, "OO(dddd)OOOOOOO(dddL)O", &q_obj, &tokens_obj, &qs.intercept,
+    if (!PyArg_ParseTuple(args, "OO(dddd)OOOOOOO(dddL)O|d", &q_obj, &tokens_obj, &qs.intercept,
                           &qs.per_token, &qs.per_token_sq, &qs.per_token_cached, &run_obj, &ready_obj,
                           &running_obj, &load_obj, &kv_obj, &active_obj, &terms_obj, &base, &per_seq,
-                          &per_kv, &block_tokens, &slo_obj))
+                          &per_kv, &block_tokens, &slo_obj, &stall_weight))
         return NULL;
     int have_slo = slo_obj != Py_None;
     double slo = have_slo ? PyFloat_AsDouble(slo_obj) : 0.0;
@@ -306,6 +308,7 @@ static PyObject *cheapest_colocated(PyObject *self, PyObject *args) {
         }
         double queue = queue_at(&qs, k) + batch;
         double t = (row[0] + queue) + row[1];
+        if (stall_weight > 0.0) t = t + (stall_weight * (double)l.load[k]) * row[1];
         if (best_i < 0 || t < best_t || (t == best_t && less_loaded(&l, k, best_i))) {
             best_i = k;
             best_t = t;

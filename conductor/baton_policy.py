@@ -19,13 +19,15 @@ from conductor.pricing import (
     best_hit_source,
     cheapest,
     cheapest_colocated,
+    colocated_cost,
     colocated_price,
+    decode_stall_ms,
     decode_step_ms,
     handoff_ms,
     num_prefill_chunks,
     price,
 )
-from conductor.snapshot import ClusterSnapshot, InstanceView
+from conductor.snapshot import ClusterSnapshot, InstanceView, load
 from protos.wire import Placement, PlacementRequest
 
 
@@ -71,6 +73,9 @@ def _colocated_terms(request: PlacementRequest, config: PolicyConfig, view: Inst
                      chosen: PrefillPrice) -> str:
     """The co-located price explained, its decode-batch term spelled out when it has one."""
     text = chosen.describe()
+    stall = decode_stall_ms(view, config, chosen)
+    if stall:
+        text += f"; decode stall {stall:.1f} ms ({load(view)} sequences x prefill, weighed)"
     if chosen.decode_batch_ms:
         chunks = num_prefill_chunks(request, config, chosen.num_cached_blocks)
         text += (f"; decode batch {chosen.decode_batch_ms:.1f} ms = {chunks} chunks x step "
@@ -90,8 +95,14 @@ def _runner_up(snapshot: ClusterSnapshot, request: PlacementRequest, config: Pol
     than ``RUNNER_UP_MAX_INSTANCES``."""
     if not 2 <= len(decode) <= RUNNER_UP_MAX_INSTANCES:
         return ""
-    others = [colocated_price(snapshot, request, config, v) for v in decode if v.instance_id != chosen]
-    return f"; runner-up {min(others, key=lambda p: p.total_ms).describe()}" if others else ""
+    others = [(colocated_cost(v, config, colocated_price(snapshot, request, config, v)), v)
+              for v in decode if v.instance_id != chosen]
+    if not others:
+        return ""
+    _, view = min(others, key=lambda o: o[0])
+    price = colocated_price(snapshot, request, config, view)
+    stall = decode_stall_ms(view, config, price)
+    return f"; runner-up {price.describe()}" + (f" + decode stall {stall:.1f} ms" if stall else "")
 
 
 def _short(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,

@@ -84,6 +84,13 @@ class PolicyConfig(BaseModel):
         "for engines built from EngineArgs, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS; a live "
         "cluster sets it to its decode engines' budget, engine.max_num_batched_tokens) (tokens)."
     )
+    baton_decode_stall_weight: float = Field(
+        0.0, ge=0, description="Baton, co-located: the sequences on a decode instance (running, "
+        "or queued before the prompt) each wait for a prompt's prefill steps there; a co-located "
+        "option is priced its TTFT plus this times their number times its prefill (ms), so a "
+        "prompt goes where it stalls fewer streams unless its own TTFT says otherwise. 0: TTFT "
+        "only."
+    )
     handoff_overhead_ms: float = Field(
         0.0, ge=0, description="Baton: what a disaggregated request's KV hand-off costs beyond "
         "moving its bytes (ms): the decode instance's store lookup and load, the step boundaries "

@@ -40,6 +40,7 @@ from conductor.snapshot import (
     PoolArrays,
     PrefixHit,
     has_unpriced_queue,
+    load,
 )
 from protos.wire import Placement, PlacementRequest
 
@@ -326,6 +327,24 @@ def colocated_price(snapshot: ClusterSnapshot, request: PlacementRequest, config
     return msgspec.structs.replace(own, queue_ms=own.queue_ms + batch_ms, decode_batch_ms=batch_ms)
 
 
+def decode_stall_ms(view: InstanceView, config: PolicyConfig, chosen: PrefillPrice) -> float:
+    """What a co-located prefill costs the sequences on ``view`` (running, or queued before it
+    and decoding by the time it runs): each waits for its prefill's steps, weighed by
+    ``baton_decode_stall_weight`` (0: not priced)."""
+    if config.baton_decode_stall_weight <= 0.0:
+        return 0.0
+    return (config.baton_decode_stall_weight * float(load(view))) * chosen.prefill_ms
+
+
+def colocated_cost(view: InstanceView, config: PolicyConfig, chosen: PrefillPrice) -> float:
+    """What the co-located choice minimises: ``chosen``'s priced TTFT plus its ``decode_stall_ms``
+    (the fast scan adds the same way)."""
+    t = chosen.total_ms
+    if config.baton_decode_stall_weight > 0.0:
+        t = t + decode_stall_ms(view, config, chosen)
+    return t
+
+
 def first_chunk_ms(request: PlacementRequest, config: PolicyConfig, num_cached_blocks: int) -> float:
     """The prefill of the prompt's first chunk past ``num_cached_blocks`` (ms)."""
     cached_tokens = min(num_cached_blocks * config.block_size_tokens, request.num_prompt_tokens)
@@ -405,7 +424,7 @@ def cheapest_colocated(pricer: Pricer, decode: Sequence[InstanceView], exclude_o
         groups.decode_run_of, ready, arrays.running, arrays.load,
         arrays.kv_usage_frac, arrays.active_blocks, terms,
         (cost.step_ms_base, cost.step_ms_per_seq, cost.step_ms_per_kv_token, config.block_size_tokens),
-        slo_ms)
+        slo_ms, config.baton_decode_stall_weight)
     if i < 0:
         return None, math.inf
     c = groups.decode_run_of[i] + 1

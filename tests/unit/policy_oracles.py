@@ -15,6 +15,7 @@ from conductor.policy_config import PolicyConfig
 from conductor.pricing import (
     PrefillPrice,
     best_source,
+    colocated_cost,
     colocated_price,
     handoff_ms,
     over_tbt_slo,
@@ -101,7 +102,9 @@ def baton_priced_choice(snapshot: ClusterSnapshot, request: PlacementRequest,
     co-located one wins unless the disaggregated total is strictly less."""
     has_pool = bool(snapshot.prefill)
     options = colocated_options(snapshot, request, config, exclude_over_tbt=has_pool)
-    colocated = min(options, key=lambda o: o.total_ms) if options else None
+    views = {v.instance_id: v for v in snapshot.decode}
+    cost = {o.instance_id: colocated_cost(views[o.instance_id], config, o) for o in options}
+    colocated = min(options, key=lambda o: cost[o.instance_id]) if options else None
     if not has_pool:
         return colocated, colocated.instance_id
     pooled = reference_choice("baton", snapshot, request, config)
@@ -109,6 +112,6 @@ def baton_priced_choice(snapshot: ClusterSnapshot, request: PlacementRequest,
                  key=lambda v: (load(v), v.kv_usage_frac, v.num_active_decode_blocks))
     prefill_view = next(v for v in snapshot.prefill if v.instance_id == pooled.instance_id)
     disaggregated_t = pooled.total_ms + handoff_ms(snapshot, request, config, prefill_view, decode)
-    if colocated is not None and colocated.total_ms <= disaggregated_t:
+    if colocated is not None and cost[colocated.instance_id] <= disaggregated_t:
         return colocated, colocated.instance_id
     return pooled, decode.instance_id

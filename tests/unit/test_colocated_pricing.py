@@ -246,10 +246,12 @@ def test_short_mode_reproduces_the_old_choices(tuning):
 # --- the decode-pool scan against the slow reference --------------------------------------------
 
 CONFIGS = [PolicyConfig(), PolicyConfig(tbt_slo_ms=60.0), PolicyConfig(baton_prefill_chunk_tokens=64, tbt_slo_ms=150.0),
-           PolicyConfig(decode_cost=UNIT_DECODE, tbt_slo_ms=40.0)]
+           PolicyConfig(decode_cost=UNIT_DECODE, tbt_slo_ms=40.0), PolicyConfig(baton_decode_stall_weight=1.0),
+           PolicyConfig(baton_decode_stall_weight=0.5, tbt_slo_ms=60.0)]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["defaults", "tbt", "small-chunks", "other-decode-model"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["defaults", "tbt", "small-chunks", "other-decode-model",
+                                                 "decode-stall", "decode-stall-tbt"])
 @pytest.mark.parametrize("arrays", ["bare", "kept"])
 @pytest.mark.parametrize("pool", ["prefill pool", "no prefill pool"])
 @settings(max_examples=100, deadline=None)
@@ -293,3 +295,16 @@ def test_a_colocated_option_that_cannot_win_is_bounded_not_scanned():
     assert placement.reason.startswith("disaggregated: 40.0 ms < colocated >= 640.0 ms; p0: T=transfer 0.0 + "
                                        "queue 0.0 + prefill 0.0 = 0.0 ms (local prefix 40 blocks) + hand-off "
                                        "40.0 ms to d0 = 40.0 ms")
+
+
+def test_the_decode_stall_weight_sends_a_prompt_where_fewer_streams_wait_for_it():
+    # d0: no queue, 3 sequences; d1: 100 ms queued, none running. The prompt's prefill is 640 ms.
+    # TTFT alone picks d0 (640 against 740); priced with the stall of d0's 3 streams (3 x 640 ms
+    # at weight 1) it goes to d1.
+    s = ClusterSnapshot((), (InstanceView("d0", 3, 0), InstanceView("d1", 0, 0, queued_prefill_ms=100.0)),
+                        0, {})
+    assert baton(s, COLD, unit_config()).prefill_instance == "d0"
+    placement = baton(s, COLD, unit_config(baton_decode_stall_weight=1.0))
+    assert placement.prefill_instance == "d1"
+    assert (placement.queue_ms, placement.prefill_ms) == (100.0, 640.0)  # the terms stay TTFT's
+    assert "runner-up d0: " in placement.reason and "+ decode stall 1920.0 ms" in placement.reason

@@ -149,12 +149,14 @@ def load_key(load, kv_usage, active, k):
     return (load[k], kv_usage[k], active[k])
 
 
-def colocated_reference(q, run_of, ready, running, load, kv_usage, active, terms, step, slo):
+def colocated_reference(q, run_of, ready, running, load, kv_usage, active, terms, step, slo,
+                        stall_weight=0.0):
     """What ``conductor.pricing.cheapest_colocated`` defines, over plain lists (``q`` as in
     ``reference``): an instance
     running sequences adds ``chunks × step`` to its queue (``colocated_price``) and is left out
-    when its step and the first chunk exceed ``slo``; the least T by ``predicted_ttft_ms``, ties
-    to the least (load, KV use, active blocks), then the first listed."""
+    when its step and the first chunk exceed ``slo``; the least T by ``predicted_ttft_ms`` plus
+    ``stall_weight`` × load × prefill (``colocated_cost``), ties to the least (load, KV use,
+    active blocks), then the first listed."""
     base, per_seq, per_kv, block_tokens = step
     options = []
     for k, qk in enumerate(q):
@@ -168,6 +170,8 @@ def colocated_reference(q, run_of, ready, running, load, kv_usage, active, terms
                 continue
             batch = chunks * step_ms
         t = predicted_ttft_ms(transfer, qk + batch, prefill)
+        if stall_weight > 0.0:
+            t = t + (stall_weight * float(load[k])) * prefill
         options.append(((t, *load_key(load, kv_usage, active, k), k), qk + batch, batch))
     if not options:
         return -1, math.inf, 0.0, 0.0
@@ -178,9 +182,10 @@ def colocated_reference(q, run_of, ready, running, load, kv_usage, active, terms
 @pytest.mark.parametrize("values", [SMALL, ANY], ids=["tie-prone", "any"])
 @settings(max_examples=400, deadline=None)
 @given(data=st.data(), n=st.integers(1, 12), num_runs=st.integers(0, 3), some_not_ready=st.booleans(),
-       with_slo=st.booleans(), config=st.sampled_from(MODELS))
+       with_slo=st.booleans(), config=st.sampled_from(MODELS),
+       stall_weight=st.sampled_from([0.0, 0.5, 1.0, 2.0]))
 def test_cheapest_colocated_equals_the_definition_to_the_bit_ties_to_the_least_loaded(
-        values, data, n, num_runs, some_not_ready, with_slo, config):
+        values, data, n, num_runs, some_not_ready, with_slo, config, stall_weight):
     small_ints = st.integers(0, 3)
     terms = data.draw(st.lists(values, min_size=4 * (num_runs + 1), max_size=4 * (num_runs + 1)))
     terms[2::4] = [float(c) for c in data.draw(st.lists(st.integers(1, 4), min_size=num_runs + 1,
@@ -200,9 +205,9 @@ def test_cheapest_colocated_equals_the_definition_to_the_bit_ties_to_the_least_l
                                    array("q", run_of), ready,
                                    np.asarray(running, dtype=np.int64), np.asarray(load, dtype=np.int64),
                                    np.asarray(kv_usage), np.asarray(active, dtype=np.int64),
-                                   array("d", terms), step, slo)
+                                   array("d", terms), step, slo, stall_weight)
     assert got == colocated_reference(queues(q, tokens, config), run_of, ready, running, load, kv_usage,
-                                      active, terms, step, slo)
+                                      active, terms, step, slo, stall_weight)
 
 
 @settings(max_examples=300, deadline=None)
