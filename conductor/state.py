@@ -512,6 +512,9 @@ class ConductorState:
         except Overloaded:
             self.counters.rejected += 1
             raise
+        if placement.prefill_instance == placement.decode_instance and not placement.pulled_from:
+            hit = snapshot.hit(placement.prefill_instance)
+            placement = msgspec.structs.replace(placement, device_blocks=hit.num_blocks_device)
         self._placed(request, placement)
         return placement
 
@@ -650,7 +653,8 @@ class ConductorState:
             wait.instance_id, wait.instance_id, self._policy_name,
             f"queued behind {wait.owner}: {wait.describe()}; {decode_terms(view)}",
             queue_ms=wait.wait_ms + wait.behind_ms, prefill_ms=wait.rest_ms,
-            expected_cached_blocks=wait.cached_blocks, priority=-wait.cached_blocks)
+            expected_cached_blocks=wait.cached_blocks, priority=-wait.cached_blocks,
+            device_blocks=wait.cached_blocks)
         try:
             admit(snapshot, request, self.config, placement)
         except Overloaded:

@@ -346,6 +346,8 @@ class LiveRouter:
                 request = msgspec.structs.replace(
                     request, kv_source_node=placement.pulled_from_node,
                     kv_source_blocks=placement.expected_cached_blocks)
+            elif not needs_store_lookup(placement):
+                request = msgspec.structs.replace(request, store_lookup=False)
         else:  # the prompt was computed on the prefill instance: loaded here, pulled first
             # from the prefill's node when that is another one
             request = msgspec.structs.replace(
@@ -411,6 +413,14 @@ class LiveRouter:
             if isinstance(lost.cause, RayTaskError):
                 raise _unwrap(lost.cause) from lost.cause
             raise WorkerFailed(f"decode instance {instance_id}: {lost.cause}") from lost.cause
+
+
+def needs_store_lookup(placement: Placement) -> bool:
+    """Whether a co-located prefill's engine should ask its node's store for the prompt's
+    blocks: not when the index says all the blocks it can reuse are in the engine's own cache
+    (``Placement.device_blocks``), where the answer adds nothing and, on an engine stepping
+    other sequences, a lookup not back within a few ms costs the request a step."""
+    return not 0 <= placement.expected_cached_blocks <= placement.device_blocks
 
 
 def _as_original(chunk: TokenChunk, num_prompt_tokens: int) -> TokenChunk:

@@ -164,6 +164,12 @@ class Placement(msgspec.Struct, frozen=True):
     """Of ``queue_ms``, the decode steps of the instance's running batch that the prompt's chunks
     share (a co-located prefill beside a batch; 0 otherwise): the prefill's own steps take that
     much longer, which the cost model's calibration takes out of the measured prefill."""
+    device_blocks: int = -1
+    """Of ``expected_cached_blocks``, those the index says the prefill instance holds in its own
+    device cache (or will, once the prefill it queues behind is done); -1: not known (not
+    co-located, or pulled). When they are all of them, the node's store holds no more of the
+    prompt and the engine skips its store lookup (a round trip that answered nothing, and on a
+    stepping engine cost the request a step)."""
 
 
 class CachedByTier(msgspec.Struct, frozen=True):

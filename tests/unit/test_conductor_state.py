@@ -517,3 +517,24 @@ def test_the_conductor_prices_prefill_chunks_of_the_engines_step_budget(tmp_path
     named = load_config(None, {"engine.max_num_batched_tokens": 256,
                                "conductor.tuning.baton_prefill_chunk_tokens": 1024})
     assert policy_config_for(named, model).baton_prefill_chunk_tokens == 1024
+
+
+def test_a_colocated_placement_says_how_much_of_its_run_is_on_the_engines_device():
+    from gateway.live_router import needs_store_lookup
+
+    state = decode_pool_only()
+    keys = request("x", PROMPT).block_keys
+    state.index.note_device_blocks("d0", keys[:5])
+    warm = state.place(request("warm", PROMPT))
+    assert (warm.prefill_instance, warm.expected_cached_blocks, warm.device_blocks) == ("d0", 5, 5)
+    assert not needs_store_lookup(warm)  # the store holds nothing past the device's 5 blocks
+    state.finished("warm")
+    state.index.apply_store_events("n0", host_event(keys[:7]))  # the node's store holds 7
+    longer = state.place(request("longer", PROMPT))
+    assert (longer.expected_cached_blocks, longer.device_blocks) == (7, 5)
+    assert needs_store_lookup(longer)
+    state.finished("longer")
+    cold = state.place(request("cold", list(range(7000, 7000 + 8 * BS))))
+    assert (cold.expected_cached_blocks, cold.device_blocks) == (0, 0) and not needs_store_lookup(cold)
+    # a disaggregated placement does not say: its decode side loads what the prefill computed
+    assert needs_store_lookup(msgspec.structs.replace(warm, device_blocks=-1))
