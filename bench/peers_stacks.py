@@ -105,6 +105,8 @@ ABLATION_STACKS = (
               settings=("conductor.coalesce_duplicate_weight=2",)),
     StackSpec("baton-0p2d-stall1", "baton", num_prefill=0, num_decode=2,
               settings=("conductor.tuning.baton_decode_stall_weight=1",)),
+    StackSpec("baton-0p2d-lookups", "baton", num_prefill=0, num_decode=2,
+              settings=("gateway.lookup_device_hits=true",)),
     StackSpec("baton-1p1d-noheadroom", "baton", num_prefill=1, num_decode=1,
               settings=("engine.admission_headroom_tokens=0",)),
     StackSpec("baton-0p2d-block128", "baton", num_prefill=0, num_decode=2,
@@ -127,7 +129,8 @@ for the prefill to end instead of queueing at once behind it on its engine
 (``conductor.coalesce_in_queue`` off); with the work placing now would compute twice counted
 once or twice against it (``conductor.coalesce_duplicate_weight``); with a co-located prompt
 priced its TTFT plus the streams it stalls there (``conductor.tuning.baton_decode_stall_weight``
-1); ``baton-1p1d`` with hand-offs waiting for a decode
+1); with co-located prefills asking the store even where the index places their whole
+prefix on the engine's device (``gateway.lookup_device_hits``); ``baton-1p1d`` with hand-offs waiting for a decode
 engine's prompt chunks (``engine.admission_headroom_tokens=0``); and Baton's engines and SMG's
 servers at vLLM-CPU's own KV block of 128 tokens instead of 32 (``engine.block_size_tokens``)."""
 

@@ -33,6 +33,13 @@ class GatewayConfig(BaseModel):
         "step as one item; 'per_request', one Ray stream per request, an item per token (the "
         "earlier path: on a CPU its crossings slowed decode steps ~1.25x, docs/benchmarks.md)."
     )
+    lookup_device_hits: bool = Field(
+        False, description="Whether a co-located prefill whose reusable prefix the conductor's "
+        "index places wholly in its engine's own device cache still asks the node's store for "
+        "the prompt's blocks. false: it does not (the answer adds nothing, and an engine "
+        "stepping other sequences waits a step for a lookup not back within "
+        "engine.kv_lookup_wait_max_ms); true: it asks, as before (an ablation)."
+    )
     admin_key_file: str | None = Field(
         None, description="File with one accepted admin key per line: the baton.v1.Admin service "
         "(status, scale, drain, pin, unpin) on the gateway's port accepts only these keys, never "

@@ -96,7 +96,8 @@ class Fronts:
         self._addresses = addresses
         self.tokenizer = tokenizer = await asyncio.to_thread(PromptTokenizer, model.path)
         max_len = min(cfg.max_model_len_tokens or model.max_model_len, model.max_model_len)
-        self.router = LiveRouter(conductor, cfg.namespace, decode_stream=cfg.gateway.decode_stream)
+        self.router = LiveRouter(conductor, cfg.namespace, decode_stream=cfg.gateway.decode_stream,
+                                 lookup_device_hits=cfg.gateway.lookup_device_hits)
         self.router.start()
         self.gauges = PoolGaugePoller(conductor)
         self.gauges.start()

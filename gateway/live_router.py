@@ -106,10 +106,11 @@ class LiveRouter:
     """Implements ``gateway.router.Router`` on a running Ray cluster."""
 
     def __init__(self, conductor, namespace: str, readiness_interval_s: float = 0.5,
-                 decode_stream: str = "multiplexed") -> None:
+                 decode_stream: str = "multiplexed", lookup_device_hits: bool = False) -> None:
         if decode_stream not in DECODE_STREAMS:
             raise ValueError(f"decode_stream must be one of {DECODE_STREAMS}, not {decode_stream!r}")
         self._decode_stream = decode_stream
+        self._lookup_device_hits = lookup_device_hits  # ``gateway.lookup_device_hits``
         self._subscriber = new_subscriber_id()
         self._streams: dict[str, DecodeStreams] = {}
         self._conductor = conductor
@@ -346,7 +347,7 @@ class LiveRouter:
                 request = msgspec.structs.replace(
                     request, kv_source_node=placement.pulled_from_node,
                     kv_source_blocks=placement.expected_cached_blocks)
-            elif not needs_store_lookup(placement):
+            elif not self._lookup_device_hits and not needs_store_lookup(placement):
                 request = msgspec.structs.replace(request, store_lookup=False)
         else:  # the prompt was computed on the prefill instance: loaded here, pulled first
             # from the prefill's node when that is another one

@@ -97,6 +97,21 @@ def test_a_decode_instance_prefilling_itself_gets_the_priced_prefill():
     assert [(r.predicted_prefill_ms, r.computes_prompt) for r in decode.seen] == [(640.0, True)]
 
 
+def test_a_decode_instance_whose_reusable_prefix_is_all_on_its_device_skips_the_store_lookup():
+    def sent(placement: Placement, **options) -> bool:
+        decode = _Decode()  # a router and an instance per event loop
+        router = LiveRouter(_Conductor(), "test", **options)
+        router._handles = {"d0": decode}
+        _served(router, placement)
+        return decode.seen[0].store_lookup
+
+    all_on_device = Placement("d0", "d0", "baton", expected_cached_blocks=5, device_blocks=5)
+    assert sent(all_on_device) is False
+    assert sent(Placement("d0", "d0", "baton", expected_cached_blocks=7, device_blocks=5)) is True
+    assert sent(Placement("d0", "d0", "baton", expected_cached_blocks=5)) is True  # device unknown
+    assert sent(all_on_device, lookup_device_hits=True) is True  # the ablation
+
+
 class _PlacingConductor:
     """Places every request where it is told and records what the router reports at the end."""
 
