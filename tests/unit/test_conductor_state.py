@@ -123,7 +123,7 @@ def test_waiting_to_coalesce_is_priced_against_placing_now():
     wait = state.coalesce_wait(follower, min_blocks=4)
     # now: behind a on p0 (128 + 144) beats behind z on p1 (256 + 144); waiting: a's 128 ms,
     # then only the new block (16 ms)
-    assert wait == CoalesceWait("a", "p0", 128.0, 0.0, 16.0, 272.0, "p0", follower.block_keys[:8])
+    assert wait == CoalesceWait("a", "p0", 128.0, 0.0, 16.0, 272.0, "p0", follower.block_keys[:8], 8)
     assert wait.wins and wait.total_ms == 144.0
     clock.now += 0.05  # p0 has worked 50 ms on a
     assert state.coalesce_wait(follower, min_blocks=4).wait_ms == pytest.approx(78.0)
@@ -139,7 +139,7 @@ def test_an_idle_instance_beats_waiting_behind_a_long_queue():
     state.prefill_done("big2", 0)  # p1 is idle now
     follower = request("b", PROMPT + list(range(3, 3 + BS)))
     wait = state.coalesce_wait(follower, min_blocks=4)
-    assert wait == CoalesceWait("a", "p0", 1128.0, 0.0, 16.0, 144.0, "p1", follower.block_keys[:8])
+    assert wait == CoalesceWait("a", "p0", 1128.0, 0.0, 16.0, 144.0, "p1", follower.block_keys[:8], 8)
     assert not wait.wins
 
 
