@@ -493,11 +493,12 @@ def markdown(report: dict[str, Any]) -> str:
              if k not in ("seed_offset", "reused_from")}
     if tuned:
         reused = report["tuning"].get("reused_from")
-        where = (f"by an earlier run ({reused}), not in this one" if reused
-                 else "before the race")
-        lines += [f"SMG tuned {where} on the tuning set (the same workloads, seed + "
-                  f"{report['tuning']['seed_offset']}), one run per setting; score = geometric "
-                  "mean over workloads of the TTFT mean, ms:", "",
+        offset = report["tuning"]["seed_offset"]
+        where = (f"by an earlier run ({reused}; its tuning set: its workloads at its seed + "
+                 f"{offset}), not in this one" if reused else
+                 f"before the race on the tuning set (the same workloads, seed + {offset})")
+        lines += [f"SMG tuned {where}, one run per setting; score = geometric mean over "
+                  "workloads of the TTFT mean, ms:", "",
                   "| stack | setting | score | raced |", "| --- | --- | ---: | --- |"]
         for stack, t in tuned.items():
             lines += [f"| {stack} | {variant} | {_fmt(score)} | "

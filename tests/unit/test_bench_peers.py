@@ -431,7 +431,8 @@ def test_a_race_may_reuse_the_settings_an_earlier_runs_tuning_chose(tmp_path):
     assert by_name["baton-0p2d"] == next(s for s in DEFAULT_STACKS if s.name == "baton-0p2d")
     assert reused["reused_from"] == str(earlier)
     text = markdown({"options": {"runs": 1}, "summary": {}, "tuning": reused})
-    assert f"SMG tuned by an earlier run ({earlier}), not in this one" in text
+    assert (f"SMG tuned by an earlier run ({earlier}; its tuning set: its workloads at its seed "
+            "+ 1000), not in this one, one run per setting" in text)
     assert "| smg-cache_aware | early balance, 512 batched tokens | 5,000 | yes |" in text
 
     del tuning["smg-round_robin"]
