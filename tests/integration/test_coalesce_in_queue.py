@@ -26,7 +26,11 @@ SHARED_BLOCKS = 40
 async def server(tiny_model):
     async with running_server({"name": "queuebehind", "engine.model": "tiny", "http.enabled": False,
                                "prefill.num_instances": 0, "decode.num_instances": 1,
-                               "engine.warm_up": False}) as srv:
+                               "engine.warm_up": False,
+                               # prompts in steps of 64 tokens: the blocker's and the owner's
+                               # prefills last dozens of steps, so the siblings are placed
+                               # while the owner is still in flight
+                               "engine.max_num_batched_tokens": 64}) as srv:
         yield srv
 
 
