@@ -95,12 +95,10 @@ def _runner_up(snapshot: ClusterSnapshot, request: PlacementRequest, config: Pol
     than ``RUNNER_UP_MAX_INSTANCES``."""
     if not 2 <= len(decode) <= RUNNER_UP_MAX_INSTANCES:
         return ""
-    others = [(colocated_cost(v, config, colocated_price(snapshot, request, config, v)), v)
-              for v in decode if v.instance_id != chosen]
+    others = [(v, colocated_price(snapshot, request, config, v)) for v in decode if v.instance_id != chosen]
     if not others:
         return ""
-    _, view = min(others, key=lambda o: o[0])
-    price = colocated_price(snapshot, request, config, view)
+    view, price = min(others, key=lambda o: colocated_cost(o[0], config, o[1]))
     stall = decode_stall_ms(view, config, price)
     return f"; runner-up {price.describe()}" + (f" + decode stall {stall:.1f} ms" if stall else "")
 

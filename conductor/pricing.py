@@ -339,10 +339,8 @@ def decode_stall_ms(view: InstanceView, config: PolicyConfig, chosen: PrefillPri
 def colocated_cost(view: InstanceView, config: PolicyConfig, chosen: PrefillPrice) -> float:
     """What the co-located choice minimises: ``chosen``'s priced TTFT plus its ``decode_stall_ms``
     (the fast scan adds the same way)."""
-    t = chosen.total_ms
-    if config.baton_decode_stall_weight > 0.0:
-        t = t + decode_stall_ms(view, config, chosen)
-    return t
+    stall = decode_stall_ms(view, config, chosen)
+    return chosen.total_ms + stall if stall else chosen.total_ms
 
 
 def first_chunk_ms(request: PlacementRequest, config: PolicyConfig, num_cached_blocks: int) -> float:

@@ -6,6 +6,7 @@ owner's blocks are computed. The real conductor; the engines' side is played by 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import pytest_asyncio
@@ -50,11 +51,15 @@ def request(request_id: str, private: int) -> PlacementRequest:
 
 
 async def test_a_follower_is_queued_at_once_behind_the_prefill_of_its_blocks(conductor):
+    placed_at = time.monotonic()
     owner = await conductor.place(request("owner", 1))
+    booked_by = time.monotonic()
     # waiting (~600 ms of the owner left + 200 of its own; the second ~600 + 200 + 200) now
     # beats recomputing the whole prompt on the idle instance (1,200)
     await asyncio.sleep(0.6)
+    asked_at = time.monotonic()
     first = await asyncio.wait_for(conductor.place(request("first", 2)), 0.5)
+    answered_at = time.monotonic()
     second = await asyncio.wait_for(conductor.place(request("second", 3)), 0.5)
     for placed in (first, second):
         assert (placed.prefill_instance, placed.decode_instance) == (owner.prefill_instance,) * 2
@@ -63,8 +68,10 @@ async def test_a_follower_is_queued_at_once_behind_the_prefill_of_its_blocks(con
         assert placed.expected_cached_blocks == SHARED_BLOCKS
         assert placed.prefill_ms == pytest.approx(OWN_TOKENS * 1.0)  # the rest, the shared part cached
         assert placed.transfer_ms == 0.0
-    # the owner's time left, then (for the second) the first's rest booked behind it
-    assert 400.0 < first.queue_ms < 650.0
+    # the owner's time left (its 1,200 ms less what it has worked since it was booked), then
+    # (for the second) the first's rest booked behind it
+    worked_ms = ((asked_at - booked_by) * 1000, (answered_at - placed_at) * 1000)  # least, most
+    assert owner.prefill_ms - worked_ms[1] <= first.queue_ms <= owner.prefill_ms - worked_ms[0]
     assert second.queue_ms - first.queue_ms == pytest.approx(OWN_TOKENS * 1.0, abs=20.0)
     status = await conductor.status()
     assert (status.counters.coalesced, status.counters.queued_behind) == (2, 2)
