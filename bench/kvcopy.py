@@ -7,7 +7,9 @@ memory <-> device memory on CUDA, the physical bound of the bus. Per layer the c
 as vLLM's GPU layout, ``[2, num_blocks, block_size=16, kv_heads, head_dim]`` and viewed
 block-first, with the request's blocks and slots scattered at random (as a long-running
 engine's free lists leave them). ``--layout cpu`` uses vLLM-CPU's layout instead
-(``[num_blocks, kv_heads, 128, 2 * head_dim]``).
+(``[num_blocks, kv_heads, block_size, 2 * head_dim]``). ``--block-size`` defaults to the block
+size Baton's engines run with on that layout's device (``engine.block_size_tokens`` unset: 16 on
+CUDA, 32 on a CPU; ``BLOCK_TOKENS`` here, checked against ``engine.config`` by the tests).
 
 Also timed: the connector's former copy (``layer[ids] = arena[slots, i].to(device)`` per
 layer, and the reverse), so the gain is visible side by side. On CUDA the copier runs twice:
@@ -41,6 +43,10 @@ MODELS = {  # name: (layers, kv heads, head dim)
     "smollm2-135m": (30, 3, 64),
     "llama3-8b": (32, 8, 128),
 }
+BLOCK_TOKENS = {"gpu": 16, "cpu": 32}
+"""Tokens per KV block by layout: what Baton's engines run unless ``engine.block_size_tokens``
+is set (``engine.config.CUDA_KV_BLOCK_TOKENS``, ``CPU_KV_BLOCK_TOKENS``; not imported: this
+module needs only torch)."""
 CPU_NOTE = ("CPU-only torch cannot pin memory: the raw copy is host to host and this run "
             "measures the code path only, not a bus")
 
@@ -59,12 +65,12 @@ class CopyRow:
 
 
 def _layers(layout: str, model: str, num_blocks: int, device: torch.device,
-            dtype: torch.dtype) -> list[torch.Tensor]:
+            dtype: torch.dtype, block_size: int) -> list[torch.Tensor]:
     num_layers, heads, head_dim = MODELS[model]
     if layout == "gpu":
-        return [torch.zeros(2, num_blocks, 16, heads, head_dim, dtype=dtype, device=device)
+        return [torch.zeros(2, num_blocks, block_size, heads, head_dim, dtype=dtype, device=device)
                 .transpose(0, 1) for _ in range(num_layers)]
-    return [torch.zeros(num_blocks, heads, 128, 2 * head_dim, dtype=dtype, device=device)
+    return [torch.zeros(num_blocks, heads, block_size, 2 * head_dim, dtype=dtype, device=device)
             for _ in range(num_layers)]
 
 
@@ -83,15 +89,17 @@ def _seconds(action: Callable[[], object], device: torch.device) -> float:
 
 def run(model: str = "smollm2-135m", layout: str = "gpu", blocks: int = 128,
         rounds: int = 9, staging_blocks: int = 64, device_name: str = "auto",
-        seed: int = 0) -> dict:
-    """Time every copy ``rounds`` times, interleaved round by round (after one warm-up)."""
+        seed: int = 0, block_size: int | None = None) -> dict:
+    """Time every copy ``rounds`` times, interleaved round by round (after one warm-up).
+    ``block_size``: tokens per block (None: ``BLOCK_TOKENS[layout]``)."""
+    block_size = block_size or BLOCK_TOKENS[layout]
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device_name)
     dtype = torch.bfloat16
     rng = random.Random(seed)
     num_gpu_blocks, num_slots = 4 * blocks, 4 * blocks
-    layers = _layers(layout, model, num_gpu_blocks, device, dtype)
+    layers = _layers(layout, model, num_gpu_blocks, device, dtype, block_size)
     block_shape = tuple(layers[0].shape[1:])
     block_bytes = layers[0][0].numel() * layers[0].element_size() * len(layers)
     num_bytes = block_bytes * blocks
@@ -147,7 +155,7 @@ def run(model: str = "smollm2-135m", layout: str = "gpu", blocks: int = 128,
     return {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__, "model": model, "layout": layout, "dtype": str(dtype),
-        "blocks": blocks, "block_bytes": block_bytes, "bytes_per_copy": num_bytes,
+        "block_size": block_size, "blocks": blocks, "block_bytes": block_bytes, "bytes_per_copy": num_bytes,
         "staging_blocks": staging_blocks, "arena_page_locked": bool(registered),
         "note": "" if cuda else CPU_NOTE,
         "rows": [asdict(r) for r in rows],
@@ -184,7 +192,7 @@ def _legacy_save(layers, arena_layers, block_ids, slots) -> None:
 
 def print_report(report: dict, out=sys.stdout) -> None:
     print(f"KV copy path on {report['device']} (torch {report['torch']}): {report['model']}, "
-          f"{report['layout']} layout, {report['blocks']} blocks x {report['block_bytes']:,} B "
+          f"{report['layout']} layout, {report['blocks']} blocks of {report['block_size']} tokens x {report['block_bytes']:,} B "
           f"= {report['bytes_per_copy'] / 1e6:.1f} MB per copy; GB/s = 10^9 B/s, median "
           f"[min-max] of {report['rows'][0]['rounds']} rounds", file=out)
     if report["note"]:
@@ -201,15 +209,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.kvcopy", description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
     parser.add_argument("--layout", choices=("gpu", "cpu"), default="gpu",
-                        help="vLLM's GPU layout (block size 16) or vLLM-CPU's (block size 128)")
+                        help="vLLM's GPU layout or vLLM-CPU's")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per block (default: what Baton's engines run on the "
+                        "layout's device: 16 gpu, 32 cpu)")
     parser.add_argument("--blocks", type=int, default=128, help="blocks per copy (one request)")
     parser.add_argument("--rounds", type=int, default=9, help="measured rounds")
     parser.add_argument("--staging-blocks", type=int, default=64)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json", dest="json_path", default=None, help="write the report here")
     args = parser.parse_args(argv)
+    if args.block_size is not None and args.block_size < 1:
+        parser.error(f"--block-size must be at least 1 (got {args.block_size})")
     report = run(args.model, args.layout, args.blocks, args.rounds, args.staging_blocks,
-                 args.device)
+                 args.device, block_size=args.block_size)
     print_report(report)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")

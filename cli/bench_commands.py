@@ -121,7 +121,10 @@ def bench_kvstore(
 def bench_kvcopy(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
     model: str = typer.Option("smollm2-135m", help="KV shape: smollm2-135m or llama3-8b."),
-    layout: str = typer.Option("gpu", help="vLLM's GPU layout (block size 16) or 'cpu' (128)."),
+    layout: str = typer.Option("gpu", help="vLLM's GPU layout ('gpu') or vLLM-CPU's ('cpu')."),
+    block_size: Optional[int] = typer.Option(
+        None, "--block-size", help="Tokens per block (default: what Baton's engines run on the "
+        "layout's device: 16 gpu, 32 cpu)."),
     blocks: int = typer.Option(128, help="Blocks per copy (one request's load or save)."),
     rounds: int = typer.Option(9, help="Measured rounds (after one warm-up)."),
     staging_blocks: int = typer.Option(64, help="Blocks per staging chunk of the copier."),
@@ -133,6 +136,8 @@ def bench_kvcopy(
 
     argv = ["--model", model, "--layout", layout, "--blocks", str(blocks), "--rounds",
             str(rounds), "--staging-blocks", str(staging_blocks), "--device", device]
+    if block_size is not None:
+        argv += ["--block-size", str(block_size)]
     run_kvcopy_bench(argv + (["--json", str(json_path)] if json_path else []))
 
 

@@ -44,3 +44,25 @@ def test_module_runs_with_torch_only_and_writes_json(tmp_path):
                           timeout=120, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]"
     assert [r["op"] for r in json.loads(out.read_text())["rows"]] == ["load", "save"]
+
+
+def test_default_block_sizes_are_the_engines_and_shape_the_blocks():
+    from engine.config import CPU_KV_BLOCK_TOKENS, CUDA_KV_BLOCK_TOKENS
+
+    assert kvcopy.BLOCK_TOKENS == {"gpu": CUDA_KV_BLOCK_TOKENS, "cpu": CPU_KV_BLOCK_TOKENS}
+    layers, heads, head_dim = kvcopy.MODELS["smollm2-135m"]
+    bf16 = 2
+    for layout, block_size in (("cpu", CPU_KV_BLOCK_TOKENS), ("gpu", CUDA_KV_BLOCK_TOKENS),
+                               ("cpu", 128)):
+        report = kvcopy.run(layout=layout, blocks=2, rounds=1, staging_blocks=2,
+                            block_size=None if block_size != 128 else 128)
+        assert report["block_size"] == block_size
+        # K and V of every layer, one block: 2 x heads x block_size x head_dim elements
+        assert report["block_bytes"] == layers * 2 * heads * block_size * head_dim * bf16
+
+
+def test_cli_rejects_a_block_size_below_one(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        kvcopy.main(["--block-size", "0", "--blocks", "2", "--rounds", "1"])
+    assert exit_info.value.code == 2
+    assert "--block-size must be at least 1" in capsys.readouterr().err
