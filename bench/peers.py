@@ -336,14 +336,18 @@ def _run_stack(spec: StackSpec, run: int, model, workloads: dict[str, Workload],
         for wname, workload in workloads.items():
             t0 = time.time()
             cpu_before = peers_cpu.snapshot(stack.pids())
+            threads_before = peers_cpu.engine_threads(stack.pids())
             with HostStallProbe() as probe:
                 records, duration_s = asyncio.run(run_workload(
                     stack.base_url, model.name, workload, options.request_timeout_s))
             cpu_s = peers_cpu.by_role(cpu_before, peers_cpu.snapshot(stack.pids()))
+            model_s = peers_cpu.model_thread_seconds(threads_before,
+                                                     peers_cpu.engine_threads(stack.pids()))
             report = summarise(records, duration_s, ceilings[wname].hit_ratio)
             report["host_stall"] = probe.result
             report["cpu_s_by_role"] = cpu_s
             report["cpu_share_by_role"] = peers_cpu.shares(cpu_s, duration_s, os.cpu_count() or 1)
+            report["cpu_s_model_threads"] = model_s
             if spec.kind == "baton":
                 report["cost_model_error_pct"] = cost_model_error(stack.base_url)
             reports.append({"run": run, "stack": spec.name, "workload": wname,
@@ -412,6 +416,9 @@ def aggregate(runs: Sequence[dict[str, Any]], options: PeersOptions, ceilings) -
             "cpu_s_by_role": {s: median_cpu([r for r in runs if r["stack"] == s
                                              and r["workload"] == wname])
                               for s in options.stacks},
+            "cpu_s_model_threads": {s: median_model_threads(
+                [r for r in runs if r["stack"] == s and r["workload"] == wname])
+                for s in options.stacks},
             "host_stall": {s: median_stall([r for r in runs if r["stack"] == s
                                             and r["workload"] == wname])
                            for s in options.stacks},
@@ -437,6 +444,17 @@ def median_cpu(reports: Sequence[dict[str, Any]]) -> dict[str, float]:
         for role, seconds in (r.get("cpu_s_by_role") or {}).items():
             per_role.setdefault(role, []).append(seconds)
     return {role: round(float(np.median(v)), 2) for role, v in per_role.items()}
+
+
+def median_model_threads(reports: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """Median over runs of the model threads' CPU seconds and of everything else the stack's
+    processes took, as ``{"model": s, "rest": s}``; None when no run measured them."""
+    pairs = [(r["cpu_s_model_threads"], sum((r.get("cpu_s_by_role") or {}).values()))
+             for r in reports if r.get("cpu_s_model_threads") is not None]
+    if not pairs:
+        return None
+    return {"model": round(float(np.median([m for m, _ in pairs])), 2),
+            "rest": round(float(np.median([max(0.0, total - m) for m, total in pairs])), 2)}
 
 
 def _fmt(value: float | None, digits: int = 0) -> str:
@@ -473,12 +491,17 @@ def markdown(report: dict[str, Any]) -> str:
                 _fmt(r.get("output_throughput"), 2)]) + " |")
         lines.append("")
         cpu = s.get("cpu_s_by_role") or {}
+        model = s.get("cpu_s_model_threads") or {}
         if any(cpu.values()):
-            lines += ["CPU seconds by role (median over runs):", "",
-                      "| stack | " + " | ".join(peers_cpu.ROLES) + " |",
-                      "| --- |" + " ---: |" * len(peers_cpu.ROLES)]
+            lines += ["CPU seconds by role (median over runs); model threads: each engine "
+                      "process's busiest thread (the forward pass), the rest: everything else "
+                      "the stack's processes took:", "",
+                      "| stack | " + " | ".join(peers_cpu.ROLES) + " | model threads | the rest |",
+                      "| --- |" + " ---: |" * (len(peers_cpu.ROLES) + 2)]
             lines += [f"| {stack} | " + " | ".join(_fmt(by.get(role), 1) for role in peers_cpu.ROLES)
-                      + " |" for stack, by in cpu.items()]
+                      + f" | {_fmt((model.get(stack) or {}).get('model'), 1)}"
+                      + f" | {_fmt((model.get(stack) or {}).get('rest'), 1)} |"
+                      for stack, by in cpu.items()]
             lines.append("")
         stalls = {stack: m for stack, m in (s.get("host_stall") or {}).items() if m}
         if stalls:

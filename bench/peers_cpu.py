@@ -7,6 +7,12 @@ vLLM's engine cores), ``frontend`` (vLLM's API servers, Baton's gateway, SMG), `
 ``store``, ``ray`` (GCS, raylet, agents, idle workers), ``redis``. Read from the kernel's
 per-process counters (psutil): a snapshot before and one after the workload, the difference per
 process, summed by role.
+
+Within the engine role, the thread that runs the model (each engine process's busiest thread:
+the forward pass is nearly all of an engine's work) is counted apart (``model_thread_seconds``):
+with both stacks' cores saturated, what the model threads got against what everything else took
+is the stack's own CPU tax on the engines (docs/benchmarks.md, "Where the private race's time
+goes").
 """
 
 from __future__ import annotations
@@ -62,6 +68,35 @@ def snapshot(root_pids: Iterable[int]) -> dict[int, tuple[str, float]]:
             continue
         out[p.pid] = (role, times.user + times.system)
     return out
+
+
+def engine_threads(root_pids: Iterable[int]) -> dict[tuple[int, int], float]:
+    """CPU seconds so far of every thread of the engine-role processes under ``root_pids``,
+    keyed by (process id, thread id)."""
+    out: dict[tuple[int, int], float] = {}
+    for p in _tree(root_pids):
+        try:
+            with p.oneshot():
+                if role_of(p.name(), " ".join(p.cmdline())) != "engine":
+                    continue
+                threads = p.threads()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        for thread in threads:
+            out[(p.pid, thread.id)] = thread.user_time + thread.system_time
+    return out
+
+
+def model_thread_seconds(before: dict[tuple[int, int], float],
+                         after: dict[tuple[int, int], float]) -> float:
+    """CPU seconds the model threads spent between two ``engine_threads`` snapshots: per engine
+    process, its busiest thread over the interval (a thread born in between counts from zero),
+    summed over processes."""
+    busiest: dict[int, float] = {}
+    for (pid, tid), cpu in after.items():
+        spent = max(0.0, cpu - before.get((pid, tid), 0.0))
+        busiest[pid] = max(busiest.get(pid, 0.0), spent)
+    return round(sum(busiest.values()), 2)
 
 
 def by_role(before: dict[int, tuple[str, float]],

@@ -349,6 +349,37 @@ def test_cpu_by_role_counts_a_busy_child_and_not_an_idle_one():
     assert shares({"other": 1.0}, 2.0, 2) == {"other": 0.25}
 
 
+def test_model_threads_are_each_engine_processes_busiest_thread():
+    import subprocess
+    import sys
+    import time
+
+    from bench.peers_cpu import by_role, engine_threads, model_thread_seconds, snapshot
+
+    # an "engine" (its command line names EngineCore): the main thread spins 0.8 s, a side
+    # thread 0.3 s (and stays alive), both after the first snapshot
+    code = ("import threading, time, sys\n"
+            "def spin(s, then=0.0):\n    t = time.thread_time()\n"
+            "    while time.thread_time() - t < s: pass\n    time.sleep(then)\n"
+            "sys.stdin.readline()\n"
+            "threading.Thread(target=spin, args=(0.3, 30), daemon=True).start()\n"
+            "spin(0.8); time.sleep(30)\n")
+    engine = subprocess.Popen([sys.executable, "-c", code, "EngineCore"], stdin=subprocess.PIPE)
+    try:
+        time.sleep(0.5)
+        before, threads_before = snapshot([engine.pid]), engine_threads([engine.pid])
+        engine.stdin.write(b"go\n")
+        engine.stdin.flush()
+        time.sleep(2.0)
+        after, threads_after = snapshot([engine.pid]), engine_threads([engine.pid])
+    finally:
+        engine.kill()
+    model = model_thread_seconds(threads_before, threads_after)
+    assert 0.75 <= model <= 1.0  # the main thread's 0.8 s, not the side thread's too
+    assert 1.05 <= by_role(before, after)["engine"] <= 1.4  # both threads
+    assert engine_threads([]) == {}
+
+
 def test_smg_stacks_are_tuned_over_router_and_server_settings_and_baton_is_not():
     from bench.peers_stacks import (
         SMG_BALANCED,
@@ -496,3 +527,12 @@ def test_the_decode_models_per_request_error_reaches_the_metrics_bench_peers_rea
     errors = parse_cost_model_error(generate_latest(REGISTRY).decode())
     assert (errors["decode"], errors["decode_per_request"]) == (
         {"median": 8.0, "p90": 31.0}, {"median": 3.5, "p90": 9.25})
+
+
+def test_model_threads_median_and_the_rest_of_the_stacks_cpu():
+    from bench.peers import median_model_threads
+
+    runs = [{"cpu_s_model_threads": m, "cpu_s_by_role": {"engine": e, "conductor": c}}
+            for m, e, c in ((60.0, 62.0, 1.0), (64.0, 66.5, 0.5), (58.0, 61.0, 2.0))]
+    assert median_model_threads(runs) == {"model": 60.0, "rest": 3.0}  # rests 3.0, 3.0, 5.0
+    assert median_model_threads([{"cpu_s_by_role": {"engine": 1.0}}]) is None
