@@ -85,6 +85,10 @@ class Conductor:
                        if config.calibrate_cost_model else None)
         self.state = ConductorState(config.policy, policy_config, calibration=calibration)
         self._last_stats: dict = {}
+        self._instance_handles: dict = {}
+        """Actor handles of the instances the load refresh asks, looked up once each (a lookup
+        is a GCS round trip; every 0.5 s per instance it was most of an idle conductor's
+        calls); dropped when a call fails, so a replaced actor is looked up again."""
         self._store_actors: dict[str, str] = {}
         self._soft_pins: dict[str, list[bytes]] = {}  # operator-pinned prefix name → block keys
         if events_host == "auto":  # on a Ray cluster: this node's address, reachable from others
@@ -601,16 +605,34 @@ class Conductor:
         self.state.sessions.counters.prefetches += 1
         self.state.sessions.counters.prefetched_blocks += len(slots)
 
+    async def _instance_stats(self, instance_id: str):
+        """One instance's ``stats``, through its cached handle; a call that failed other than by
+        timing out looks the actor up again and asks once more (a replaced actor under the same
+        name answers at once; a slow one is not given a second 5 s)."""
+        handle = self._instance_handles.get(instance_id)
+        if handle is not None:
+            try:
+                return await asyncio.wait_for(handle.stats.remote(), timeout=5)
+            except asyncio.TimeoutError:
+                raise
+            except Exception:  # noqa: BLE001 - gone or replaced: look it up again
+                self._instance_handles.pop(instance_id, None)
+        handle = ray.get_actor(instance_id, namespace=self._namespace)
+        stats = await asyncio.wait_for(handle.stats.remote(), timeout=5)
+        self._instance_handles[instance_id] = handle
+        return stats
+
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self._config.stats_interval_s)
             instance_ids = self.state.instance_ids()
             for gone in set(self._last_stats) - set(instance_ids):
                 del self._last_stats[gone]
+            for gone in set(self._instance_handles) - set(instance_ids):
+                del self._instance_handles[gone]
             for instance_id in instance_ids:
                 try:
-                    handle = ray.get_actor(instance_id, namespace=self._namespace)
-                    stats = await asyncio.wait_for(handle.stats.remote(), timeout=5)
+                    stats = await self._instance_stats(instance_id)
                 except Exception:
                     if self.state.role_of(instance_id) is None:
                         continue  # removed (drained) while we asked
