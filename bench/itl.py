@@ -35,9 +35,11 @@ configuration's ratio at most ``TARGET_RATIO``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import random
+import re
 import statistics
 import time
 from pathlib import Path
@@ -94,6 +96,14 @@ class ItlRun(msgspec.Struct):
     """Requests of the control phase whose decode loaded from the store (its first round)."""
     busy_decode_batch_size: float
     too_light: bool
+    loaded_counters: dict[str, int] = {}
+    """The decode engine's KV connector over the loaded phase (``ConnectorCounters`` deltas,
+    blocks): looked up in the store, hit, loaded, saved, failed to load (recomputed)."""
+    loaded_placements: dict[str, int] = {}
+    """The loaded phase's requests by where their prefill ran ('co-located' on the decode
+    instance, or 'prefill pool') and the kind of the conductor's reason (its first clause, numbers
+    as N): whether the decode engine loaded KV a prefill instance handed off, or took the
+    request itself."""
 
 
 class ItlReport(msgspec.Struct):
@@ -166,6 +176,16 @@ class _LoadOutcome(msgspec.Struct):
     ttft_ms: float
     loaded_tokens: int
     completion_tokens: int
+    placed: str = ""
+    """'co-located: <reason kind>' or 'prefill pool: <reason kind>' (``placement_kind``)."""
+
+
+def placement_kind(prefill: str, decode: str, reason: str) -> str:
+    """Where a request's prefill ran (on its decode instance or in the prefill pool) and the kind
+    of the conductor's reason (its first clause, numbers replaced by N)."""
+    kind = re.sub(r"\d+(\.\d+)?", "N", reason.split(";", 1)[0]).strip() or "?"
+    where = "co-located" if prefill and prefill == decode else "prefill pool"
+    return f"{where}: {kind}"
 
 
 async def _load_forever(stub, prompts: list[list[int]], turn: itertools.count,
@@ -180,8 +200,11 @@ async def _load_forever(stub, prompts: list[list[int]], turn: itertools.count,
                 final = response.final
         if final is not None:
             usage = final.usage
+            placement = final.placement
             outcomes.append(_LoadOutcome(sent_at, usage.ttft_ms, usage.loaded_tokens,
-                                         usage.completion_tokens))
+                                         usage.completion_tokens, placement_kind(
+                                             placement.prefill, placement.decode,
+                                             placement.reason)))
 
 
 async def _decode_counters(server: BatonServer):
@@ -279,7 +302,11 @@ async def measure(config: ClusterConfig, streams: int, prompts: list[list[int]],
         busy_requests_per_s=round(len(busy_outcomes) / loaded_s, 2),
         busy_loads=len(busy_loads),
         busy_decode_batch_size=round(statistics.fmean(busy_batch), 2) if busy_batch else 0.0,
-        too_light=len(loads) / loaded_s < MIN_LOADS_PER_S)
+        too_light=len(loads) / loaded_s < MIN_LOADS_PER_S,
+        loaded_counters={name: getattr(after, name) - getattr(before, name) for name in (
+            "lookups_blocks", "hits_blocks", "loaded_blocks", "saved_blocks",
+            "failed_load_blocks")},
+        loaded_placements=dict(collections.Counter(o.placed for o in in_window).most_common()))
     progress(f"[{label}] ITL p99 idle {run.idle_itl_p99_ms:.1f} ms, loaded "
              f"{run.loaded_itl_p99_ms:.1f} ms (x{run.ratio:.2f}; the same work without loads "
              f"{run.busy_itl_p99_ms:.1f} ms: x{run.ratio_vs_busy:.2f}); {run.loads} loads "
