@@ -155,7 +155,8 @@ def run(model: str = "smollm2-135m", layout: str = "gpu", blocks: int = 128,
     return {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__, "model": model, "layout": layout, "dtype": str(dtype),
-        "block_size": block_size, "blocks": blocks, "block_bytes": block_bytes, "bytes_per_copy": num_bytes,
+        "block_size": block_size, "blocks": blocks, "block_bytes": block_bytes,
+        "bytes_per_copy": num_bytes,
         "staging_blocks": staging_blocks, "arena_page_locked": bool(registered),
         "note": "" if cuda else CPU_NOTE,
         "rows": [asdict(r) for r in rows],
@@ -192,7 +193,8 @@ def _legacy_save(layers, arena_layers, block_ids, slots) -> None:
 
 def print_report(report: dict, out=sys.stdout) -> None:
     print(f"KV copy path on {report['device']} (torch {report['torch']}): {report['model']}, "
-          f"{report['layout']} layout, {report['blocks']} blocks of {report['block_size']} tokens x {report['block_bytes']:,} B "
+          f"{report['layout']} layout, {report['blocks']} blocks of {report['block_size']} "
+          f"tokens x {report['block_bytes']:,} B "
           f"= {report['bytes_per_copy'] / 1e6:.1f} MB per copy; GB/s = 10^9 B/s, median "
           f"[min-max] of {report['rows'][0]['rounds']} rounds", file=out)
     if report["note"]:

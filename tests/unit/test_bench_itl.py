@@ -52,7 +52,8 @@ def test_the_order_must_name_both_configurations():
 @pytest.mark.parametrize("prefill, decode, reason, kind", [
     ("d0", "d0", "colocated: priced 812.5 ms < prefill pool 1,020 ms; load 2,944 tokens",
      "co-located: colocated: priced N ms < prefill pool N,N ms"),
-    ("p0", "d0", "cost 1.2 ms = transfer 0.4 + queue 0 + prefill 0.8", "prefill pool: cost N ms = transfer N + queue N + prefill N"),
+    ("p0", "d0", "cost 1.2 ms = transfer 0.4 + queue 0 + prefill 0.8",
+     "prefill pool: cost N ms = transfer N + queue N + prefill N"),
     ("", "d0", "", "prefill pool: ?"),
 ])
 def test_a_loaded_requests_placement_says_where_its_prefill_ran_and_why(prefill, decode, reason,
