@@ -420,8 +420,10 @@ def needs_store_lookup(placement: Placement) -> bool:
     """Whether a co-located prefill's engine should ask its node's store for the prompt's
     blocks: not when the index says all the blocks it can reuse are in the engine's own cache
     (``Placement.device_blocks``), where the answer adds nothing and, on an engine stepping
-    other sequences, a lookup not back within a few ms costs the request a step."""
-    return not 0 <= placement.expected_cached_blocks <= placement.device_blocks
+    other sequences, a lookup not back within a few ms costs the request a step. Where the
+    index knows of no reusable block at all it asks: the store may hold what the index missed,
+    and without the lookup the engine computes the whole prompt."""
+    return not 0 < placement.expected_cached_blocks <= placement.device_blocks
 
 
 def _as_original(chunk: TokenChunk, num_prompt_tokens: int) -> TokenChunk:

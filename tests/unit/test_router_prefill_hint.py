@@ -110,6 +110,8 @@ def test_a_decode_instance_whose_reusable_prefix_is_all_on_its_device_skips_the_
     assert sent(Placement("d0", "d0", "baton", expected_cached_blocks=7, device_blocks=5)) is True
     assert sent(Placement("d0", "d0", "baton", expected_cached_blocks=5)) is True  # device unknown
     assert sent(all_on_device, lookup_device_hits=True) is True  # the ablation
+    # nothing reusable known: the store is asked (it may hold what the index missed)
+    assert sent(Placement("d0", "d0", "baton", expected_cached_blocks=0, device_blocks=0)) is True
 
 
 class _PlacingConductor:
