@@ -106,7 +106,7 @@ class LiveRouter:
     """Implements ``gateway.router.Router`` on a running Ray cluster."""
 
     def __init__(self, conductor, namespace: str, readiness_interval_s: float = 0.5,
-                 decode_stream: str = "multiplexed", lookup_device_hits: bool = False) -> None:
+                 decode_stream: str = "multiplexed", lookup_device_hits: bool = True) -> None:
         if decode_stream not in DECODE_STREAMS:
             raise ValueError(f"decode_stream must be one of {DECODE_STREAMS}, not {decode_stream!r}")
         self._decode_stream = decode_stream

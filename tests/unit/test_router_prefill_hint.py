@@ -97,7 +97,7 @@ def test_a_decode_instance_prefilling_itself_gets_the_priced_prefill():
     assert [(r.predicted_prefill_ms, r.computes_prompt) for r in decode.seen] == [(640.0, True)]
 
 
-def test_a_decode_instance_whose_reusable_prefix_is_all_on_its_device_skips_the_store_lookup():
+def test_a_decode_instance_whose_reusable_prefix_is_all_on_its_device_skips_the_lookup_if_set():
     def sent(placement: Placement, **options) -> bool:
         decode = _Decode()  # a router and an instance per event loop
         router = LiveRouter(_Conductor(), "test", **options)
@@ -106,12 +106,15 @@ def test_a_decode_instance_whose_reusable_prefix_is_all_on_its_device_skips_the_
         return decode.seen[0].store_lookup
 
     all_on_device = Placement("d0", "d0", "baton", expected_cached_blocks=5, device_blocks=5)
-    assert sent(all_on_device) is False
-    assert sent(Placement("d0", "d0", "baton", expected_cached_blocks=7, device_blocks=5)) is True
-    assert sent(Placement("d0", "d0", "baton", expected_cached_blocks=5)) is True  # device unknown
-    assert sent(all_on_device, lookup_device_hits=True) is True  # the ablation
+    assert sent(all_on_device) is True  # the default asks anyway (gateway.lookup_device_hits)
+    skip = {"lookup_device_hits": False}
+    assert sent(all_on_device, **skip) is False
+    assert sent(Placement("d0", "d0", "baton", expected_cached_blocks=7, device_blocks=5),
+                **skip) is True
+    assert sent(Placement("d0", "d0", "baton", expected_cached_blocks=5), **skip) is True  # unknown
     # nothing reusable known: the store is asked (it may hold what the index missed)
-    assert sent(Placement("d0", "d0", "baton", expected_cached_blocks=0, device_blocks=0)) is True
+    assert sent(Placement("d0", "d0", "baton", expected_cached_blocks=0, device_blocks=0),
+                **skip) is True
 
 
 class _PlacingConductor:
