@@ -39,7 +39,6 @@ import collections
 import itertools
 import json
 import random
-import re
 import statistics
 import time
 from pathlib import Path
@@ -48,6 +47,7 @@ from typing import Callable
 import grpc
 import msgspec
 
+from bench.peers_client import reason_kind
 from bench.stats import percentile
 from cluster.config import ClusterConfig
 from cluster.serve import BatonServer
@@ -183,9 +183,8 @@ class _LoadOutcome(msgspec.Struct):
 def placement_kind(prefill: str, decode: str, reason: str) -> str:
     """Where a request's prefill ran (on its decode instance or in the prefill pool) and the kind
     of the conductor's reason (its first clause, numbers replaced by N)."""
-    kind = re.sub(r"\d+(\.\d+)?", "N", reason.split(";", 1)[0]).strip() or "?"
     where = "co-located" if prefill and prefill == decode else "prefill pool"
-    return f"{where}: {kind}"
+    return f"{where}: {reason_kind(reason)}"
 
 
 async def _load_forever(stub, prompts: list[list[int]], turn: itertools.count,

@@ -52,10 +52,9 @@ def test_default_block_sizes_are_the_engines_and_shape_the_blocks():
     assert kvcopy.BLOCK_TOKENS == {"gpu": CUDA_KV_BLOCK_TOKENS, "cpu": CPU_KV_BLOCK_TOKENS}
     layers, heads, head_dim = kvcopy.MODELS["smollm2-135m"]
     bf16 = 2
-    for layout, block_size in (("cpu", CPU_KV_BLOCK_TOKENS), ("gpu", CUDA_KV_BLOCK_TOKENS),
-                               ("cpu", 128)):
-        report = kvcopy.run(layout=layout, blocks=2, rounds=1, staging_blocks=2,
-                            block_size=None if block_size != 128 else 128)
+    for layout, asked, block_size in (("cpu", None, CPU_KV_BLOCK_TOKENS),
+                                      ("gpu", None, CUDA_KV_BLOCK_TOKENS), ("cpu", 128, 128)):
+        report = kvcopy.run(layout=layout, blocks=2, rounds=1, staging_blocks=2, block_size=asked)
         assert report["block_size"] == block_size
         # K and V of every layer, one block: 2 x heads x block_size x head_dim elements
         assert report["block_bytes"] == layers * 2 * heads * block_size * head_dim * bf16
