@@ -116,6 +116,16 @@ def _put_all(items) -> None:
         sink.put_nowait(output)
 
 
+def _step_gate_of(engine_args):
+    """The ``StepGate`` of the Baton KV connector ``engine_args`` configure, else None."""
+    transfer = getattr(engine_args, "kv_transfer_config", None)
+    if transfer is None or transfer.kv_connector != "BatonConnector":
+        return None
+    from kvstore.connector_meta import step_gate
+
+    return step_gate(str((transfer.kv_connector_extra_config or {}).get("engine_id", "")))
+
+
 class EngineRunner:
     """Owns one ``LLMEngine`` and its stepping thread.
 
@@ -142,6 +152,9 @@ class EngineRunner:
         started = time.perf_counter()
         self.engine = LLMEngine.from_engine_args(engine_args)
         self.start_seconds = time.perf_counter() - started
+        self._step_gate = _step_gate_of(engine_args)
+        """Opened once a step's outputs are handed out: the KV saves the step handed off start
+        then (``kvstore.connector_meta.StepGate``); None without a Baton connector."""
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._in_flight: set[str] = set()  # request ids between generate() start and end
@@ -263,6 +276,8 @@ class EngineRunner:
                     elif outputs and self._tap is not None and self._tap.num_schedules == schedules + 1:
                         self._timed_mixed_step(step_ms)
                     self._deliver(outputs)
+                    if self._step_gate is not None:
+                        self._step_gate.open()
                     if not outputs and self._only_transfers():
                         time.sleep(_TRANSFER_POLL_S)  # nothing to step: let the copies run
         except BaseException as exc:  # the engine is unusable: fail every waiting request

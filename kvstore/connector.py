@@ -70,6 +70,7 @@ from kvstore.connector_meta import (
     request_transfer,
     request_transfer_params,
     save_ledger,
+    step_gate,
 )
 from kvstore.connector_scheduler import (
     LOOKUP_WAIT_FRACTION,
@@ -99,6 +100,7 @@ __all__ = [
     "request_transfer",
     "request_transfer_params",
     "save_ledger",
+    "step_gate",
     "_RequestState",
 ]
 
@@ -147,6 +149,7 @@ class BatonConnector(ConnectorSchedulerHalf, ConnectorWorkerHalf, KVConnectorBas
         self._load_errors: set[int] = set()
         self._step = BatonWorkerMetadata()  # this step's news for the scheduler half
         self._ledger = save_ledger(self._engine_id)
+        self._step_gate = step_gate(self._engine_id)
         self._transfers = _Transfers()
         self._arena_lock = threading.Lock()
         self._threads = {}

@@ -124,6 +124,46 @@ def save_ledger(engine_id: str) -> SaveLedger:
     return _LEDGERS.setdefault(engine_id, SaveLedger())
 
 
+class StepGate:
+    """Holds an engine's background KV saves until the step that handed them off has delivered
+    its outputs. A save handed off in ``wait_for_save`` (after the forward pass) used to start
+    at once on the saving thread, which shares the engine's core on a CPU engine: it took the
+    core from the rest of the step (sampling, the scheduler's update, the outputs), and a warm
+    prompt's first token came out ~10-20 ms later (per-hop timings of a co-located decode
+    engine, docs/benchmarks.md). ``close`` when a save is handed off; the engine's runner
+    ``open``s it once the step's outputs are on their way; a save waits for that at most
+    ``SAVE_HOLD_MAX_S`` (an engine driven without the runner loses no more)."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """True when opened within ``timeout_s`` (at once when open)."""
+        return self._open.wait(timeout_s)
+
+
+SAVE_HOLD_MAX_S = 0.05
+"""The longest a handed-off save waits for its step's outputs (``StepGate``)."""
+
+_STEP_GATES: dict[str, StepGate] = {}
+
+
+def step_gate(engine_id: str) -> StepGate:
+    """The ``StepGate`` of the engine ``engine_id`` in this process (its connector closes it,
+    its runner opens it)."""
+    return _STEP_GATES.setdefault(engine_id, StepGate())
+
+
 PARAMS_KEY = "baton"
 """Baton's entry in a request's vLLM ``kv_transfer_params`` (``SamplingParams.extra_args``)."""
 

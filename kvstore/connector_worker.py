@@ -42,10 +42,12 @@ from kvstore.client import StoreClient, StoreSlots
 from kvstore.connector_meta import (
     BatonConnectorMetadata,
     BatonWorkerMetadata,
+    SAVE_HOLD_MAX_S,
     ConnectorStats,
     LoadSpec,
     SaveLedger,
     SaveSpec,
+    StepGate,
     record_kv_cache,
 )
 from kvstore.keys import BlockKey
@@ -109,6 +111,7 @@ class ConnectorWorkerHalf:
     _step: BatonWorkerMetadata
     _async: bool
     _ledger: SaveLedger
+    _step_gate: StepGate
     _transfers: _Transfers
     _arena_lock: threading.Lock
     _threads: dict[str, ThreadPoolExecutor]
@@ -266,13 +269,21 @@ class ConnectorWorkerHalf:
             self._apply(self._write(meta.saves))
             self._transfers.saving |= requests  # written: reported finished when vLLM is done
             return
-        job = self._thread("save").submit(_inference(self._write), meta.saves)
+        self._step_gate.close()  # the runner opens it once this step's outputs are out
+        job = self._thread("save").submit(_inference(self._write_after_step), meta.saves)
         self._ledger.started(job)
         t = self._transfers
         t.saves.append((job, requests))
         t.saving |= requests
         for request_id in requests:
             t.open_saves[request_id] = t.open_saves.get(request_id, 0) + 1
+
+    def _write_after_step(self, saves: list[SaveSpec]) -> _SaveOutcome:
+        """``_write`` on the saving thread, once the step that handed ``saves`` off has
+        delivered its outputs (``StepGate``: on a CPU engine the copy shares the engine's core,
+        and the step's first tokens go first), or after ``SAVE_HOLD_MAX_S``."""
+        self._step_gate.wait(SAVE_HOLD_MAX_S)
+        return self._write(saves)
 
     def _write(self, saves: list[SaveSpec]) -> _SaveOutcome:
         """Reserve slots for ``saves`` (one store call for all; the synchronous baseline asked

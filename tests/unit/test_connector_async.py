@@ -25,7 +25,7 @@ from kvstore.connector import (  # noqa: E402
     LoadSpec,
     SaveSpec,
 )
-from kvstore.connector_meta import SaveLedger  # noqa: E402
+from kvstore.connector_meta import SaveLedger, StepGate  # noqa: E402
 from kvstore.connector_worker import _Transfers  # noqa: E402
 from kvstore.kv_copy import BlockCopier  # noqa: E402
 
@@ -96,20 +96,24 @@ def worker_half(gate: threading.Event) -> tuple[BatonConnector, _Store]:
     connector._load_errors, connector._step = set(), BatonWorkerMetadata()
     connector.stats, connector._async = ConnectorStats(), True
     connector._ledger, connector._transfers = SaveLedger(), _Transfers()
+    connector._step_gate = StepGate()
     connector._arena_lock, connector._threads = threading.Lock(), {}
     connector._copiers = {"load": _GatedCopier(layers, gate), "save": _GatedCopier(layers, gate)}
     return connector, store
 
 
 def step(connector: BatonConnector, meta: BatonConnectorMetadata,
-         finished: set[str] = frozenset()) -> tuple[set | None, set | None]:
+         finished: set[str] = frozenset(), delivered: bool = True) -> tuple[set | None, set | None]:
     """One engine step as vLLM drives the worker half: metadata bound, loads started, saves
-    handed off, then what finished."""
+    handed off, then what finished; then, ``delivered``, the runner hands the step's outputs
+    out and opens the step gate."""
     connector._connector_metadata = meta
     connector.start_load_kv(None)
     connector.wait_for_save()
     done = connector.get_finished(set(finished))
     connector._connector_metadata = None
+    if delivered:
+        connector._step_gate.open()
     return done
 
 
@@ -188,6 +192,50 @@ def test_a_finished_requests_blocks_are_held_until_its_saves_are_written_and_com
         assert torch.equal(store.arena.view()[3, index], connector._layers[index][6])
     assert connector._ledger.pending() == [] and connector._ledger.take_stored("r") == 1
     assert connector.stats.saved_blocks == 1
+
+
+def _one_block_save(connector, store) -> SaveSpec:
+    for index, layer in enumerate(connector._layers):
+        layer[2] = torch.full(BLOCK_SHAPE, float(index + 1))
+    store.grants = [1]
+    return SaveSpec("r", block_ids=[2], keys=[b"s"], parents=[None])
+
+
+def test_a_save_starts_writing_only_once_its_steps_outputs_are_handed_out(monkeypatch):
+    """On a CPU engine the saving thread shares the engine's core: a save handed off after the
+    forward pass waits until the runner has handed the step's outputs out (the step gate)."""
+    monkeypatch.setattr("kvstore.connector_worker.SAVE_HOLD_MAX_S", 30.0)
+    gate = threading.Event()
+    gate.set()  # copies run at once: only the step gate holds the save
+    connector, store = worker_half(gate)
+    save = _one_block_save(connector, store)
+
+    step(connector, BatonConnectorMetadata(saves=[save]), finished={"r"}, delivered=False)
+    assert not connector._step_gate.is_open()
+    time.sleep(0.1)
+    assert store.committed == [] and not store.arena.slots.any()  # held: outputs not out yet
+
+    connector._step_gate.open()  # the runner delivered the step's outputs
+    assert until(connector) == ({"r"}, None)
+    assert store.committed == [[b"s"]]
+    for index in range(NUM_LAYERS):
+        assert torch.equal(store.arena.view()[1, index], connector._layers[index][2])
+
+
+def test_a_save_whose_step_gate_is_never_opened_starts_after_the_hold_bound():
+    """An engine driven without Baton's runner (nobody opens the gate) still saves: each save
+    at most ``SAVE_HOLD_MAX_S`` late."""
+    gate = threading.Event()
+    gate.set()
+    connector, store = worker_half(gate)
+    save = _one_block_save(connector, store)
+
+    step(connector, BatonConnectorMetadata(saves=[save]), finished={"r"}, delivered=False)
+    deadline = time.monotonic() + 30.0
+    while not store.committed and time.monotonic() < deadline:
+        time.sleep(0.005)  # no step runs meanwhile: nothing opens the gate
+    assert store.committed == [[b"s"]]
+    assert not connector._step_gate.is_open()
 
 
 def test_a_commit_carries_each_saved_blocks_checksum_as_written():
