@@ -102,6 +102,9 @@ def build_engine_args(
                 "lookup_wait_step_fraction": config.kv_lookup_wait_step_fraction,
                 "lookup_wait_max_s": config.kv_lookup_wait_max_ms / 1000.0,
                 "save_whole_prompts": role == "decode" and config.decode_saves == "per_prompt",
+                # a decode engine's outputs are its clients' tokens: its saves start after
+                # them; a prefill engine's saves are its hand-off and start at once
+                "saves_after_outputs": role == "decode",
             },
         )
     max_len = min(config.max_model_len_tokens or model.max_model_len, model.max_model_len)

@@ -150,6 +150,7 @@ class BatonConnector(ConnectorSchedulerHalf, ConnectorWorkerHalf, KVConnectorBas
         self._step = BatonWorkerMetadata()  # this step's news for the scheduler half
         self._ledger = save_ledger(self._engine_id)
         self._step_gate = step_gate(self._engine_id)
+        self._saves_after_outputs = bool(extra.get("saves_after_outputs", False))
         self._transfers = _Transfers()
         self._arena_lock = threading.Lock()
         self._threads = {}

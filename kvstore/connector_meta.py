@@ -130,7 +130,9 @@ class StepGate:
     at once on the saving thread, which shares the engine's core on a CPU engine: it took the
     core from the rest of the step (sampling, the scheduler's update, the outputs), and a warm
     prompt's first token came out ~10-20 ms later (per-hop timings of a co-located decode
-    engine, docs/benchmarks.md). ``close`` when a save is handed off; the engine's runner
+    engine, docs/benchmarks.md). Only on a decode engine, whose outputs are its clients'
+    tokens (``saves_after_outputs``); a prefill engine's save is its hand-off and starts at
+    once. ``close`` when a save is handed off; the engine's runner
     ``open``s it once the step's outputs are on their way; a save waits for that at most
     ``SAVE_HOLD_MAX_S`` (an engine driven without the runner loses no more)."""
 

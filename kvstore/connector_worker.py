@@ -112,6 +112,7 @@ class ConnectorWorkerHalf:
     _async: bool
     _ledger: SaveLedger
     _step_gate: StepGate
+    _saves_after_outputs: bool
     _transfers: _Transfers
     _arena_lock: threading.Lock
     _threads: dict[str, ThreadPoolExecutor]
@@ -269,8 +270,11 @@ class ConnectorWorkerHalf:
             self._apply(self._write(meta.saves))
             self._transfers.saving |= requests  # written: reported finished when vLLM is done
             return
-        self._step_gate.close()  # the runner opens it once this step's outputs are out
-        job = self._thread("save").submit(_inference(self._write_after_step), meta.saves)
+        if self._saves_after_outputs:  # the runner opens it once this step's outputs are out
+            self._step_gate.close()
+            job = self._thread("save").submit(_inference(self._write_after_step), meta.saves)
+        else:  # a prefill engine: the save is its hand-off, the critical path
+            job = self._thread("save").submit(_inference(self._write), meta.saves)
         self._ledger.started(job)
         t = self._transfers
         t.saves.append((job, requests))

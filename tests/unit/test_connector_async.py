@@ -96,7 +96,7 @@ def worker_half(gate: threading.Event) -> tuple[BatonConnector, _Store]:
     connector._load_errors, connector._step = set(), BatonWorkerMetadata()
     connector.stats, connector._async = ConnectorStats(), True
     connector._ledger, connector._transfers = SaveLedger(), _Transfers()
-    connector._step_gate = StepGate()
+    connector._step_gate, connector._saves_after_outputs = StepGate(), True
     connector._arena_lock, connector._threads = threading.Lock(), {}
     connector._copiers = {"load": _GatedCopier(layers, gate), "save": _GatedCopier(layers, gate)}
     return connector, store
@@ -238,6 +238,23 @@ def test_a_save_whose_step_gate_is_never_opened_starts_after_the_hold_bound():
     assert not connector._step_gate.is_open()
 
 
+def test_a_prefill_engines_save_starts_at_once(monkeypatch):
+    """A prefill engine's save is its hand-off: it is not held for the step's outputs."""
+    monkeypatch.setattr("kvstore.connector_worker.SAVE_HOLD_MAX_S", 30.0)
+    gate = threading.Event()
+    gate.set()
+    connector, store = worker_half(gate)
+    connector._saves_after_outputs = False
+    save = _one_block_save(connector, store)
+
+    step(connector, BatonConnectorMetadata(saves=[save]), finished={"r"}, delivered=False)
+    assert connector._step_gate.is_open()  # never closed
+    deadline = time.monotonic() + 10.0
+    while not store.committed and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert store.committed == [[b"s"]]
+
+
 def test_a_commit_carries_each_saved_blocks_checksum_as_written():
     """Hashed once, by the writer: the store keeps them for its serves and demotions."""
     from kvstore.transfer_wire import block_checksum
@@ -363,6 +380,10 @@ def test_the_connector_knobs_reach_the_connectors_extra_config(tiny_model):
             .kv_connector_extra_config["save_whole_prompts"]
             for c, role in ((whole, "decode"), (whole, "prefill"), (steps, "decode"))
             ] == [True, False, False]
+    # a decode engine's saves wait for its step's outputs; a prefill engine's are its hand-off
+    assert [build_engine_args(EngineConfig(), model, role, "e0", wiring).kv_transfer_config
+            .kv_connector_extra_config["saves_after_outputs"] for role in ("decode", "prefill")
+            ] == [True, False]
 
 
 def test_an_engine_that_saves_no_prompts_only_loads(tiny_model):
