@@ -40,9 +40,9 @@ import torch
 
 from kvstore.client import StoreClient, StoreSlots
 from kvstore.connector_meta import (
+    SAVE_HOLD_MAX_S,
     BatonConnectorMetadata,
     BatonWorkerMetadata,
-    SAVE_HOLD_MAX_S,
     ConnectorStats,
     LoadSpec,
     SaveLedger,
