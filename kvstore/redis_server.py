@@ -8,10 +8,12 @@ files, and dies with the process that started it.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -40,17 +42,28 @@ def find_redis_server() -> str:
         ) from exc
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: have Linux send SIGTERM when the parent dies, so a crashed
-    ``baton serve`` never leaves an orphaned redis-server behind."""
-    try:
-        import ctypes
-        import signal
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+parent = int(sys.argv[1])
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except OSError:
+    pass
+if os.getppid() != parent:  # the parent died before the signal was set
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+"""Run as ``python -c``, then exec'd into redis-server: Linux sends it SIGTERM when the
+process that started it dies, so a crashed ``baton serve`` never leaves an orphaned
+redis-server behind. A fresh interpreter does this, not a ``preexec_fn``: the process that
+starts Redis runs Ray's threads, and Python code between ``fork`` and ``exec`` there (this
+``ctypes.CDLL`` is a ``dlopen``) can crash the child (a chaos drill's Redis restart died with
+SIGSEGV before it ran)."""
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+
+def _with_parent_death(argv: list[str]) -> list[str]:
+    """``argv`` started through ``_DIE_WITH_PARENT``."""
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 LISTEN_PORTS = (20_000, 32_767)
@@ -154,11 +167,11 @@ def start_local_redis(port: int = 0, timeout_s: float = 10.0,
     if password:
         conf.write_text(f'requirepass "{password}"\n')
     process = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
-        [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(workdir), "--protected-mode", "yes"],
+        _with_parent_death(
+            [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(workdir), "--protected-mode", "yes"]),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        preexec_fn=_die_with_parent,
     )
     deadline = time.monotonic() + timeout_s
     client = redis.Redis(host="127.0.0.1", port=port, password=password)
