@@ -446,7 +446,7 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
         rng = random.Random(seed)
         store_faults = asyncio.Lock()
         store_rng = random.Random(seed + 2)  # the store schedule's times and victims
-        await asyncio.gather(
+        await _all_or_none(
             _chaos_loop(server, started, deadline, kill_every_s, kill_store_every_s > 0,
                         random.Random(seed + 1), report, progress, store_faults),
             _fault_loop("store_node", lambda: _store_fault(cluster, started, store_rng, report,
@@ -465,6 +465,20 @@ async def run_chaos(config: ClusterConfig, duration_s: float, concurrency: int =
     finally:
         await server.stop()
     return report
+
+
+async def _all_or_none(*coroutines) -> None:
+    """Run ``coroutines`` together; when one raises, cancel the others and wait for them before
+    raising it. (``asyncio.gather`` leaves them running: the cluster stopped under them, and a
+    client loop's next Ray call then started a new, bare Ray in the process.)"""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def main(config: ClusterConfig, duration_s: float, concurrency: int, kill_every_s: float,

@@ -65,3 +65,28 @@ async def test_a_victim_that_dies_before_its_arming_call_returns_died_as_told():
 
     assert await _died_when_told(arm, ping_until_dead, "w0", "mid-save", said.append, window_s=5)
     assert (pings, said[-1]) == (2, "w0 died mid-save")
+
+
+async def test_when_one_of_the_drills_loops_fails_the_others_are_stopped_before_it_raises():
+    """A failed fault (a Redis that would not restart) must not leave the client loops running
+    while the cluster is stopped under them: their next Ray call would start a new Ray."""
+    import asyncio
+
+    from bench.chaos import _all_or_none
+
+    stopped: list[str] = []
+
+    async def client(name: str) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            stopped.append(name)
+            raise
+
+    async def failing_fault() -> None:
+        await asyncio.sleep(0.01)
+        raise RuntimeError("redis-server exited with -11")
+
+    with pytest.raises(RuntimeError, match="exited with -11"):
+        await _all_or_none(client("a"), failing_fault(), client("b"))
+    assert sorted(stopped) == ["a", "b"]  # both cancelled, and done, before the error came out
