@@ -116,16 +116,6 @@ def _put_all(items) -> None:
         sink.put_nowait(output)
 
 
-def _step_gate_of(engine_args):
-    """The ``StepGate`` of the Baton KV connector ``engine_args`` configure, else None."""
-    transfer = getattr(engine_args, "kv_transfer_config", None)
-    if transfer is None or transfer.kv_connector != "BatonConnector":
-        return None
-    from kvstore.connector_meta import step_gate
-
-    return step_gate(str((transfer.kv_connector_extra_config or {}).get("engine_id", "")))
-
-
 class EngineRunner:
     """Owns one ``LLMEngine`` and its stepping thread.
 
@@ -152,7 +142,9 @@ class EngineRunner:
         started = time.perf_counter()
         self.engine = LLMEngine.from_engine_args(engine_args)
         self.start_seconds = time.perf_counter() - started
-        self._step_gate = _step_gate_of(engine_args)
+        from kvstore.connector_meta import engine_step_gate
+
+        self._step_gate = engine_step_gate(engine_args)
         """Opened once a step's outputs are handed out: the KV saves the step handed off start
         then (``kvstore.connector_meta.StepGate``); None without a Baton connector."""
         self._commands: queue.Queue = queue.Queue()

