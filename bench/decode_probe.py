@@ -96,12 +96,12 @@ async def _stream(client, url: str, prompt: str, model: str) -> list[float]:
     return times
 
 
-async def probe_set(url: str, model: str, seed: int) -> list[float]:
-    """One set of ``STREAMS`` streams at once; the decode gaps (ms)."""
+async def probe_set(url: str, model: str, seed: int, streams: int = STREAMS) -> list[float]:
+    """One set of ``streams`` streams at once; the decode gaps (ms)."""
     import httpx
 
     rng = random.Random(seed)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(PROMPT_WORDS)) for _ in range(STREAMS)]
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(PROMPT_WORDS)) for _ in range(streams)]
     async with httpx.AsyncClient() as client:
         streams = await asyncio.gather(*(_stream(client, url, p, model) for p in prompts))
     return decode_gaps_ms(list(streams))
@@ -115,16 +115,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("stack", choices=sorted(stacks))
     parser.add_argument("--sets", type=int, default=3, help="measured sets (after one warm-up)")
+    parser.add_argument("--streams", type=int, default=STREAMS,
+                        help="streams at once (the stack spreads them over its engines)")
     parser.add_argument("--cpu", action="store_true",
                         help="also print each process's share of a core over the measured sets")
     parser.add_argument("--logs", type=Path, default=Path("bench-out/decode-probe-logs"))
     args = parser.parse_args(argv)
     model = prepare_model("smollm2")
     with Stack(stacks[args.stack], model, args.logs) as stack:
-        asyncio.run(probe_set(stack.base_url, model.name, 1000))  # warm-up
+        asyncio.run(probe_set(stack.base_url, model.name, 1000, args.streams))  # warm-up
         before, started = cpu_seconds(), time.perf_counter()
         for seed in range(args.sets):
-            gaps = asyncio.run(probe_set(stack.base_url, model.name, seed))
+            gaps = asyncio.run(probe_set(stack.base_url, model.name, seed, args.streams))
             print(f"{args.stack} set {seed}: ITL mean {statistics.fmean(gaps):.1f} ms, "
                   f"p50 {gaps[len(gaps) // 2]:.1f}, p90 {gaps[int(len(gaps) * 0.9)]:.1f} "
                   f"({len(gaps)} gaps)", flush=True)

@@ -120,7 +120,8 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, description="Sampling temperature; unset: 1.0.")
     top_p: float | None = Field(None, description="Nucleus mass in (0, 1]; unset: 1.0.")
-    top_k: int | None = Field(None, description="Not served: only null is accepted.")
+    top_k: int | None = Field(None, description="Sample among the k most likely tokens; unset "
+                              "or 0: all.")
     stream: bool = Field(False, description="Answer with server-sent events.")
     metadata: Metadata | None = None
     session_id: str | None = Field(None, description="Baton: the agent session this request is "

@@ -14,8 +14,7 @@ Mapping onto the front-neutral conversation (``gateway.tool_calls``):
 Contract: ``prepare_message`` returns a ``Prepared`` the router may place, or raises
 ``OpenAIError`` naming the offending field (``gateway.anthropic_errors`` re-spells it). A field
 Baton does not serve is refused by name, never ignored: any undeclared top-level field (with a
-hint for Anthropic's own: ``thinking``, ``mcp_servers``, ...), a non-null ``top_k``, and a last
-message from the assistant (Anthropic continues such a prefill; Baton's chat template would
+hint for Anthropic's own: ``thinking``, ``mcp_servers``, ...) and a last message from the assistant (Anthropic continues such a prefill; Baton's chat template would
 close it and start a new answer instead).
 """
 
@@ -44,6 +43,8 @@ from gateway.openai_requests import (
     with_salt_offset,
 )
 from gateway.salts import message_salt_offset
+from gateway.sampling_knobs import checked_knobs
+from gateway.sessions import InvalidField
 from gateway.tokenization import PromptTokenizer
 from gateway.tool_calls import (
     ChoiceMode,
@@ -200,9 +201,6 @@ def prepare_message(body: MessagesRequest, tokenizer: PromptTokenizer, served: S
     (``any``, ``tool``) becomes the output's grammar (``forced_constraint``: refused at the front
     when the structured-output backend cannot enforce it)."""
     plan = _checked_body(body, served)
-    if body.top_k is not None:
-        raise error_for(InvalidRequest(f"top_k={body.top_k} is not served; only null is "
-                                       "accepted (sample with temperature and top_p)"), "top_k")
     options = checked_options(body.temperature, body.top_p, "stop_sequences",
                               body.stop_sequences or [], body.cache_salt, body.tenant, request_id)
     prompt_token_ids = _prompt(body, tokenizer, plan)
@@ -211,6 +209,11 @@ def prepare_message(body: MessagesRequest, tokenizer: PromptTokenizer, served: S
     options = with_salt_offset(options, body.cache_salt_offset, body.cache_salt_from_message,
                                prompt_token_ids, len(body.messages),
                                _message_salt_offset(body, plan, tokenizer, prompt_token_ids))
+    try:
+        knobs = checked_knobs(max_tokens=max_tokens, vocab_size=served.vocab_size,
+                              top_k=body.top_k)
+    except InvalidField as e:
+        raise error_for(e, e.field) from e
     json_schema = forced_constraint(plan, served, "tools[].input_schema")
     return Prepared(options.engine_request(prompt_token_ids, max_tokens,
-                                           json_schema=json_schema), plan)
+                                           json_schema=json_schema, knobs=knobs), plan)

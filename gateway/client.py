@@ -6,7 +6,7 @@ result as a JSON-ready dict for the CLI to print.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
@@ -50,13 +50,17 @@ def build_request(
     json_schema: str = "",
     json_object: bool = False,
     cache_salt_offset: int | None = None,
+    knobs: Mapping[str, Any] | None = None,
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` for exactly one of ``text`` and ``token_ids``.
 
     With ``chat``, ``text`` is sent as a single user chat message. ``logprobs``, ``json_schema``
     (JSON text) and ``json_object`` are ``SamplingParams``' fields of those names.
     ``cache_salt_offset``: the token offset from which ``cache_salt`` applies (unset: the whole
-    prompt). Values are sent as given; the gateway validates them.
+    prompt). ``knobs``: more ``SamplingParams`` fields by name (``top_k``, ``min_p``,
+    ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``min_tokens``, and
+    ``logit_bias`` as a token id -> bias mapping). Values are sent as given; the gateway
+    validates them.
     """
     if (text is None) == (token_ids is None):
         raise ValueError("pass exactly one of text and token_ids")
@@ -84,6 +88,11 @@ def build_request(
         sampling.logprobs = logprobs
     sampling.json_schema = json_schema
     sampling.json_object = json_object
+    for name, value in (knobs or {}).items():
+        if name == "logit_bias":
+            sampling.logit_bias.update({int(k): v for k, v in value.items()})
+        else:
+            setattr(sampling, name, value)
     return request
 
 
@@ -118,6 +127,7 @@ async def generate(
     tls_ca_file: str | None = None,
     cache_salt_offset: int | None = None,
     session_id: str = "",
+    knobs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run one Generate RPC against ``target`` (``host:port``) and return its result.
 
@@ -149,6 +159,7 @@ async def generate(
         json_schema=json_schema,
         json_object=json_object,
         cache_salt_offset=cache_salt_offset,
+        knobs=knobs,
     )
     request.session_id = session_id
     text_parts: list[str] = []

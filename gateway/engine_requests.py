@@ -108,6 +108,18 @@ def baton_generate_request(request: vpb.GenerateRequest) -> pb.GenerateRequest:
         sampling.seed = params.seed
     if params.HasField("logprobs"):
         sampling.logprobs = params.logprobs
+    # the knobs (``gateway.sampling_knobs``): the contract's 0 is unset, and so is a
+    # repetition_penalty of 1.0 (vLLM's servicer reads both as no penalty)
+    if params.top_k:
+        sampling.top_k = min(params.top_k, 2**31 - 1)
+    for name in ("min_p", "frequency_penalty", "presence_penalty"):
+        if getattr(params, name):
+            setattr(sampling, name, getattr(params, name))
+    if params.repetition_penalty not in (0.0, 1.0):
+        sampling.repetition_penalty = params.repetition_penalty
+    if params.min_tokens:
+        sampling.min_tokens = min(params.min_tokens, 2**31 - 1)
+    sampling.logit_bias.update(params.logit_bias)
     constraint = params.WhichOneof("constraint")
     if constraint == "json_schema":
         sampling.json_schema = params.json_schema
@@ -132,14 +144,7 @@ def check_unsupported(request: vpb.GenerateRequest, limits: ModelLimits) -> None
         raise InvalidRequest("multimodal inputs (mm_inputs, extra_mm_inputs, media_refs): the "
                              f"served model '{limits.served_model_name}' takes text only")
     neutral = {
-        "top_k": params.top_k == 0,
-        "min_p": params.min_p == 0.0,
-        "frequency_penalty": params.frequency_penalty == 0.0,
-        "presence_penalty": params.presence_penalty == 0.0,
-        "repetition_penalty": params.repetition_penalty in (0.0, 1.0),
-        "min_tokens": params.min_tokens == 0,
         "n": params.n in (0, 1),
-        "logit_bias": not params.logit_bias,
         "prompt_logprobs": not params.HasField("prompt_logprobs"),
         "truncate_prompt_tokens": not params.HasField("truncate_prompt_tokens"),
         "include_stop_str_in_output": not params.include_stop_str_in_output,
@@ -148,9 +153,10 @@ def check_unsupported(request: vpb.GenerateRequest, limits: ModelLimits) -> None
     if refused:
         raise InvalidRequest(
             f"sampling_params.{', sampling_params.'.join(refused)}: not supported by Baton's "
-            "engines; leave them unset (Baton serves temperature, top_p, max_tokens, seed, "
-            "stop, stop_token_ids of the model's end-of-sequence tokens, ignore_eos, logprobs, "
-            "json_schema and json_object)")
+            "engines; leave them unset (Baton serves temperature, top_p, top_k, min_p, the "
+            "frequency, presence and repetition penalties, min_tokens, logit_bias, max_tokens, "
+            "seed, stop, stop_token_ids of the model's end-of-sequence tokens, ignore_eos, "
+            "logprobs, json_schema and json_object)")
     constraint = params.WhichOneof("constraint")
     if constraint in UNSUPPORTED_CONSTRAINTS:
         raise InvalidRequest(f"sampling_params.{constraint}: not supported; Baton enforces "

@@ -67,9 +67,12 @@ def continuation(request: EngineRequest, generated: list[int]) -> EngineRequest:
     """The rest of ``request`` after ``generated`` tokens reached the client: those tokens join
     the prompt (their KV is recomputed; the prompt's own KV is in the store) and the budget
     shrinks by as many. Under greedy decoding the continuation is the tokens the lost instance
-    would have produced; a sampled one is a fresh draw from the same distribution."""
-    sampling = msgspec.structs.replace(request.sampling,
-                                       max_tokens=request.sampling.max_tokens - len(generated))
+    would have produced; a sampled one is a fresh draw from the same distribution.
+    ``min_tokens`` shrinks by as many too; the output penalties (presence, frequency) count the
+    continuation's own tokens only, as the generated ones are now prompt."""
+    sampling = msgspec.structs.replace(
+        request.sampling, max_tokens=request.sampling.max_tokens - len(generated),
+        min_tokens=max(0, request.sampling.min_tokens - len(generated)))
     prompt = request.prompt_token_ids + tuple(generated)
     blocks = request.blocks
     if blocks is not None:  # the prompt's full blocks keep their keys; the reply's are hashed here

@@ -4,12 +4,11 @@ Contract: a body field is either
 
 - served: declared on the request model (``gateway.openai_models``) and acted on;
 - accepted only at the value that asks for nothing (``NEUTRAL``): ``functions: []``,
-  ``presence_penalty: 0``, the ``repetition_penalty: 1.0`` that vLLM's own benchmark sends,
-  ...;
+  ``echo: false``, ``best_of: 1``, ...;
 - or refused with 400 naming it (``param``), saying whether Baton does not serve it yet or does
   not know it at all.
 
-So nothing a client asks for is silently ignored: a client that sends ``logit_bias`` learns at
+So nothing a client asks for is silently ignored: a client that sends ``best_of: 4`` learns at
 once that this server will not apply it, instead of trusting output it never shaped. The table is also the documented list of supported fields (docs/operating.md).
 """
 
@@ -29,10 +28,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None, True, False),
     "functions": (None, ()),
     "function_call": (None, "none"),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -54,10 +49,6 @@ NOT_SERVED_HINT: dict[str, str] = {
     "parallel_tool_calls": "tool calling is served on /v1/chat/completions, not here",
     "functions": "the deprecated functions field is not served; send the functions as tools",
     "function_call": "the deprecated function_call is not served; use tool_choice",
-    "presence_penalty": "penalties are not served yet; only 0 is accepted",
-    "frequency_penalty": "penalties are not served yet; only 0 is accepted",
-    "repetition_penalty": "penalties are not served yet; only 1.0 is accepted",
-    "logit_bias": "logit_bias is not served; only an empty object is accepted",
     "echo": "echoing the prompt is not served; only false is accepted",
     "best_of": "best_of is not served; only 1 is accepted",
     "suffix": "suffix (insertion) is not served; only an empty suffix is accepted",

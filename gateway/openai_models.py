@@ -35,6 +35,20 @@ class _Body(BaseModel):
     top_p: float | None = Field(None, description="Nucleus mass in (0, 1]; unset: 1.0.")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="Sampling seed.")
     stop: str | list[str] | None = Field(None, description="Stop string(s).")
+    presence_penalty: float | None = Field(None, description="In [-2, 2], per token already "
+                                           "in the output; unset: 0.")
+    frequency_penalty: float | None = Field(None, description="In [-2, 2], per occurrence in "
+                                            "the output; unset: 0.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in "
+                                                "[-100, 100], added to its logit.")
+    top_k: int | None = Field(None, description="vLLM extension: sample among the k most likely "
+                              "tokens; unset, 0 or -1: all.")
+    min_p: float | None = Field(None, description="vLLM extension: drop tokens under min_p times "
+                                "the most likely one's probability; unset: 0.")
+    repetition_penalty: float | None = Field(None, description="vLLM extension: > 0, above 1 "
+                                             "penalizes tokens of the prompt and output; unset: 1.")
+    min_tokens: int | None = Field(None, description="vLLM extension: no end of sequence or stop "
+                                   "before this many tokens; unset: 0.")
     n: int = Field(1, description="Choices per request; only 1 is served.")
     stream: bool = Field(False, description="Answer with server-sent events.")
     stream_options: StreamOptions | None = None

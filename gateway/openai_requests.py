@@ -19,6 +19,8 @@ from gateway.openai_errors import error_for, lone_surrogate
 from gateway.openai_fields import refused_field
 from gateway.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.salts import http_salt_offset, message_salt_offset
+from gateway.sampling_knobs import checked_knobs
+from gateway.sessions import InvalidField
 from gateway.tokenization import CHAT_ROLES, PromptTokenizer
 from gateway.tool_calls import (
     ChoiceMode,
@@ -105,14 +107,15 @@ class Options:
     def engine_request(self, prompt_token_ids: list[int], max_tokens: int, *,
                        seed: int | None = None, ignore_eos: bool = False,
                        num_logprobs: int | None = None, json_schema: str = "",
-                       json_object: bool = False) -> EngineRequest:
+                       json_object: bool = False, knobs: dict | None = None) -> EngineRequest:
+        """``knobs``: ``gateway.sampling_knobs.checked_knobs``'s fields (top_k, penalties, ...)."""
         return EngineRequest(
             request_id=self.request_id,
             prompt_token_ids=tuple(prompt_token_ids),
             sampling=SamplingOptions(
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, seed=seed,
                 stop=self.stop, ignore_eos=ignore_eos, num_logprobs=num_logprobs,
-                json_schema=json_schema, json_object=json_object,
+                json_schema=json_schema, json_object=json_object, **(knobs or {}),
             ),
             cache_salt=self.cache_salt,
             cache_salt_offset=self.cache_salt_offset,
@@ -387,11 +390,19 @@ def prepare(
     )
     max_tokens = checked_length(prompt_token_ids, prompt_param, max_tokens, max_tokens_param,
                                 served)
+    try:
+        knobs = checked_knobs(
+            max_tokens=max_tokens, vocab_size=served.vocab_size, top_k=body.top_k,
+            min_p=body.min_p, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+            min_tokens=body.min_tokens, logit_bias=body.logit_bias)
+    except InvalidField as e:
+        raise error_for(e, e.field) from e
     options = with_salt_offset(options, body.cache_salt_offset,
                                getattr(body, "cache_salt_from_message", None), prompt_token_ids,
                                len(getattr(body, "messages", ())),
                                _chat_salt_offset(body, plan, tokenizer, prompt_token_ids))
     return Prepared(options.engine_request(
         prompt_token_ids, max_tokens, seed=body.seed, ignore_eos=body.ignore_eos,
-        num_logprobs=logprobs, json_schema=json_schema, json_object=json_object,
+        num_logprobs=logprobs, json_schema=json_schema, json_object=json_object, knobs=knobs,
     ), plan, prepared_turns)

@@ -18,6 +18,7 @@ from typing import Union
 
 from gateway.json_schemas import backend_refusal
 from gateway.salts import check_salt_offset
+from gateway.sampling_knobs import GRPC_NAMES, checked_knobs
 from gateway.tokenization import CHAT_ROLES, PromptTokenizer
 from protos.baton.v1 import inference_pb2 as pb
 from protos.errors import InvalidRequest, UnknownModel
@@ -34,6 +35,10 @@ MAX_TEMPERATURE = 2.0
 """vLLM's sampler refuses a higher temperature (``SamplingParams``), as OpenAI's API does."""
 
 PromptRequest = Union[pb.GenerateRequest, pb.TokenizeRequest]
+
+_OPTIONAL_KNOBS = ("top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "min_tokens")
+"""``SamplingParams``' optional knob fields (``gateway.sampling_knobs``); ``logit_bias`` is a map."""
 
 
 def validate_and_build(
@@ -80,6 +85,10 @@ def validate_and_build(
     cache_salt_offset = check_salt_offset(
         request.cache_salt_offset if request.HasField("cache_salt_offset") else None,
         request.cache_salt, len(prompt_token_ids))
+    knobs = checked_knobs(
+        max_tokens=max_tokens, vocab_size=vocab_size, names=GRPC_NAMES,
+        **{name: getattr(sampling, name) for name in _OPTIONAL_KNOBS if sampling.HasField(name)},
+        logit_bias=dict(sampling.logit_bias) if sampling.logit_bias else None)
     return EngineRequest(
         request_id=request_id,
         prompt_token_ids=tuple(prompt_token_ids),
@@ -92,6 +101,7 @@ def validate_and_build(
             num_logprobs=num_logprobs,
             json_schema=json_schema,
             json_object=json_object,
+            **knobs,
         ),
         cache_salt=request.cache_salt,
         cache_salt_offset=cache_salt_offset,

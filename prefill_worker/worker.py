@@ -36,9 +36,10 @@ class PrefillWorker(EngineWorker):
         num_pulled = await self._pull_remote_kv(request)
         num_cached_tokens = 0
         last = None
-        # The one token is thrown away: no logprobs for it, and no grammar to compile first.
+        # The one token is thrown away: no logprobs for it, no grammar to compile first, no
+        # bias to apply (the decode engine samples every token the client sees).
         sampling = msgspec.structs.replace(request.sampling, num_logprobs=None, json_schema="",
-                                           json_object=False)
+                                           json_object=False, logit_bias=())
         prefill = msgspec.structs.replace(request, sampling=sampling)
         async for output in self.runner.generate(prefill, max_tokens=1, priority=priority):
             if output.num_cached_tokens is not None:

@@ -28,6 +28,20 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     structured-output backend; '' for none."""
     json_object: bool = False
     """The output must be one JSON object (any keys); exclusive with ``json_schema``."""
+    top_k: int = 0
+    """Sample among the ``top_k`` most likely tokens; 0: all of them."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely one; 0: none."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already in the output (OpenAI's, in [-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it is already in the output ([-2, 2])."""
+    repetition_penalty: float = 1.0
+    """vLLM's multiplicative penalty on tokens in the prompt or output (> 0; 1: none)."""
+    min_tokens: int = 0
+    """End-of-sequence and stop tokens are held back until this many tokens are out."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to those tokens' logits before sampling."""
 
     def constrained(self) -> bool:
         """The output is held to a grammar (structured outputs)."""

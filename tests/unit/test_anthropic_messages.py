@@ -361,7 +361,7 @@ async def test_errors_are_anthropic_shaped_and_land_on_the_clients_classes(
     fields = {
         "unknown field": {"extra_body": {"frobnicate": 1}},
         "thinking": {"thinking": {"type": "enabled", "budget_tokens": 2048}},
-        "top_k": {"extra_body": {"top_k": 5}},
+        "top_k": {"extra_body": {"top_k": -5}},
         "assistant last": {"messages": HI + [{"role": "assistant", "content": "Hel"}]},
         "unknown tool": {"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
         "unenforceable tool": {"tools": [{"name": "bad", "input_schema": UNENFORCEABLE}],
@@ -382,7 +382,7 @@ async def test_errors_are_anthropic_shaped_and_land_on_the_clients_classes(
     message = error.body["error"]["message"]
     expected_start = {"unknown field": "frobnicate: unknown field",
                       "thinking": "thinking: extended thinking is not served",
-                      "top_k": "top_k=5 is not served",
+                      "top_k": "top_k must be an integer: a count of tokens >= 1",
                       "assistant last": "messages: the last message is the assistant's",
                       "unknown tool": "tool_choice names the function 'nope'",
                       "unenforceable tool": "tools: the forced call's schema (from "

@@ -101,9 +101,27 @@ def test_a_json_schema_is_enforced(tokenizer, limits):
         == schema
 
 
+def test_the_sampling_knobs_reach_the_engine_request(tokenizer, limits):
+    sampling = engine_request(tokenized(
+        max_tokens=8, top_k=5, min_p=0.25, frequency_penalty=0.5, presence_penalty=-0.5,
+        repetition_penalty=1.25, min_tokens=3, logit_bias={7: 2.5, 3: -100.0}),
+        tokenizer, limits).sampling
+    assert (sampling.top_k, sampling.min_p, sampling.frequency_penalty,
+            sampling.presence_penalty, sampling.repetition_penalty, sampling.min_tokens,
+            sampling.logit_bias) == (5, 0.25, 0.5, -0.5, 1.25, 3, ((3, -100.0), (7, 2.5)))
+
+
+def test_the_contracts_unset_knobs_are_the_neutral_values(tokenizer, limits):
+    sampling = engine_request(tokenized(max_tokens=8, repetition_penalty=0.0), tokenizer,
+                              limits).sampling
+    assert (sampling.top_k, sampling.min_p, sampling.frequency_penalty,
+            sampling.presence_penalty, sampling.repetition_penalty, sampling.min_tokens,
+            sampling.logit_bias) == (0, 0.0, 0.0, 0.0, 1.0, 0, ())
+
+
 @pytest.mark.parametrize("sampling, field", [
-    ({"top_k": 5}, "top_k"), ({"n": 2}, "n"), ({"min_p": 0.1}, "min_p"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"min_tokens": 3}, "min_tokens"),
+    ({"n": 2}, "n"), ({"min_p": 1.5}, "min_p"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"logit_bias": {10**6: 1.0}}, "logit_bias"),
     ({"regex": "a+"}, "regex"), ({"stop_token_ids": [77]}, r"stop_token_ids \[77\]"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 500}, "context window"), ({"temperature": 3.0}, "temperature"),
@@ -329,10 +347,10 @@ async def test_router_errors_answer_with_the_fronts_statuses(stub, contract, err
 
 async def test_bad_input_is_invalid_argument_before_the_router(stub, router):
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        async for _ in stub.Generate(tokenized(top_k=3)):
+        async for _ in stub.Generate(tokenized(min_p=3.0)):
             pass
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "top_k" in raised.value.details()
+    assert "min_p" in raised.value.details()
     assert router.requests == []
 
 

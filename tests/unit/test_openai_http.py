@@ -254,6 +254,23 @@ BAD_REQUESTS = {
         "completion", {"prompt": "x", "max_tokens": 100}, "max_tokens", "at most 99 new tokens fit",
     ),
     "empty stop string": ("completion", {"prompt": "x", "stop": [""]}, "stop", "is empty"),
+    "presence_penalty over 2": ("chat", {"messages": HI, "presence_penalty": 2.5},
+                                "presence_penalty", "must be in [-2, 2]"),
+    "frequency_penalty under -2": ("completion", {"prompt": "x", "frequency_penalty": -2.5},
+                                   "frequency_penalty", "must be in [-2, 2]"),
+    "logit_bias key not a token id": ("chat", {"messages": HI, "logit_bias": {"hi": 1}},
+                                      "logit_bias", "is not a token id"),
+    "logit_bias bias over 100": ("chat", {"messages": HI, "logit_bias": {"5": 101}},
+                                 "logit_bias", "must be in [-100, 100]"),
+    "top_k under -1": ("chat", {"messages": HI, "extra_body": {"top_k": -2}}, "top_k",
+                       "must be an integer"),
+    "min_p over 1": ("completion", {"prompt": "x", "extra_body": {"min_p": 1.5}}, "min_p",
+                     "must be in [0, 1]"),
+    "repetition_penalty 0": ("completion", {"prompt": "x", "extra_body": {"repetition_penalty": 0}},
+                             "repetition_penalty", "must be greater than 0"),
+    "min_tokens over max_tokens": ("completion", {"prompt": "x", "max_tokens": 4,
+                                                  "extra_body": {"min_tokens": 5}},
+                                   "min_tokens", "from 0 to the request's max_tokens (4)"),
 }  # fmt: skip
 
 
@@ -271,6 +288,22 @@ async def test_bad_input_is_bad_request(client, router, endpoint, fields, param,
     assert info.value.body["param"] == param
     assert fragment in info.value.body["message"]
     assert router.requests == []
+
+
+async def test_the_sampling_knobs_reach_the_engine_request(client, router):
+    """top_k, min_p, the penalties, min_tokens and logit_bias (ids as OpenAI's JSON spells them:
+    strings) arrive in the request the router places, as given; unset they are neutral."""
+    await client.chat.completions.create(
+        model=SERVED, messages=HI, max_tokens=6, presence_penalty=0.5, frequency_penalty=-1.0,
+        logit_bias={"17": 2.5, "3": -100},
+        extra_body={"top_k": 4, "min_p": 0.25, "repetition_penalty": 1.5, "min_tokens": 2})
+    await client.completions.create(model=SERVED, prompt="x", max_tokens=6)
+
+    knobs, neutral = [(r.sampling.top_k, r.sampling.min_p, r.sampling.presence_penalty,
+                       r.sampling.frequency_penalty, r.sampling.repetition_penalty,
+                       r.sampling.min_tokens, r.sampling.logit_bias) for r in router.requests]
+    assert knobs == (4, 0.25, 0.5, -1.0, 1.5, 2, ((3, -100.0), (17, 2.5)))
+    assert neutral == (0, 0.0, 0.0, 0.0, 1.0, 0, ())
 
 
 async def test_unknown_model_is_not_found(client):
@@ -319,7 +352,7 @@ IGNORED_OTHERWISE = {
     "completion top_logprobs": ("completion", {"top_logprobs": 2},
                                 "top_logprobs is the chat endpoint's; on /v1/completions send "
                                 "logprobs: k"),
-    "presence_penalty": ("completion", {"presence_penalty": 0.5}, "only 0 is accepted"),
+    "best_of": ("completion", {"best_of": 2}, "only 1 is accepted"),
     "echo": ("completion", {"echo": True}, "echoing the prompt is not served"),
     "unknown field": ("completion", {"frobnicate": 1}, "unknown field 'frobnicate'"),
 }  # fmt: skip

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/v1/inference.proto\x12\x08\x62\x61ton.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\xe3\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x07 \x01(\t\x12\x13\n\x0bjson_object\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xde\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12\x1e\n\x11\x63\x61\x63he_salt_offset\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x14\x65xpected_next_step_s\x18\n \x01(\x01\x12\x15\n\rsession_ttl_s\x18\x0b \x01(\x01\x42\x08\n\x06promptB\x14\n\x12_cache_salt_offset\"c\n\x10GenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.baton.v1.TokenDeltaH\x00\x12 \n\x05\x66inal\x18\x02 \x01(\x0b\x32\x0f.baton.v1.FinalH\x00\x42\x06\n\x04kind\"[\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.baton.v1.PositionLogprobs\"N\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"_\n\x10PositionLogprobs\x12&\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x16.baton.v1.TokenLogprob\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"~\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.baton.v1.Usage\x12*\n\tplacement\x18\x03 \x01(\x0b\x32\x17.baton.v1.PlacementInfo\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\xaa\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x05 \x01(\x01\x12\x15\n\rloaded_tokens\x18\x06 \x01(\x05\x12#\n\x1b\x63\x61\x63he_creation_input_tokens\x18\x07 \x01(\x05\x12\x1f\n\x17\x63\x61\x63he_read_input_tokens\x18\x08 \x01(\x05\x12@\n\x15\x63\x61\x63hed_tokens_by_tier\x18\t \x01(\x0b\x32\x1c.baton.v1.CachedTokensByTierH\x00\x88\x01\x01\x42\x18\n\x16_cached_tokens_by_tier\"P\n\x12\x43\x61\x63hedTokensByTier\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\x05\x12\x0c\n\x04\x64isk\x18\x03 \x01(\x05\x12\x0e\n\x06pulled\x18\x04 \x01(\x05\"\xc0\x01\n\rPlacementInfo\x12\x0f\n\x07prefill\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12\x1e\n\x16\x65xpected_cached_blocks\x18\x08 \x01(\r\x12\x13\n\x0bpulled_from\x18\t \x01(\t\"\x8b\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x32\x93\x01\n\tInference\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62\x61ton/v1/inference.proto\x12\x08\x62\x61ton.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\xd8\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x07 \x01(\t\x12\x13\n\x0bjson_object\x18\x08 \x01(\x08\x12\x12\n\x05top_k\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\t\x88\x01\x01\x12;\n\nlogit_bias\x18\x0f \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\xde\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12\x1e\n\x11\x63\x61\x63he_salt_offset\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x14\x65xpected_next_step_s\x18\n \x01(\x01\x12\x15\n\rsession_ttl_s\x18\x0b \x01(\x01\x42\x08\n\x06promptB\x14\n\x12_cache_salt_offset\"c\n\x10GenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.baton.v1.TokenDeltaH\x00\x12 \n\x05\x66inal\x18\x02 \x01(\x0b\x32\x0f.baton.v1.FinalH\x00\x42\x06\n\x04kind\"[\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.baton.v1.PositionLogprobs\"N\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"_\n\x10PositionLogprobs\x12&\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x16.baton.v1.TokenLogprob\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"~\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.baton.v1.Usage\x12*\n\tplacement\x18\x03 \x01(\x0b\x32\x17.baton.v1.PlacementInfo\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\xaa\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x05 \x01(\x01\x12\x15\n\rloaded_tokens\x18\x06 \x01(\x05\x12#\n\x1b\x63\x61\x63he_creation_input_tokens\x18\x07 \x01(\x05\x12\x1f\n\x17\x63\x61\x63he_read_input_tokens\x18\x08 \x01(\x05\x12@\n\x15\x63\x61\x63hed_tokens_by_tier\x18\t \x01(\x0b\x32\x1c.baton.v1.CachedTokensByTierH\x00\x88\x01\x01\x42\x18\n\x16_cached_tokens_by_tier\"P\n\x12\x43\x61\x63hedTokensByTier\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\x05\x12\x0c\n\x04\x64isk\x18\x03 \x01(\x05\x12\x0e\n\x06pulled\x18\x04 \x01(\x05\"\xc0\x01\n\rPlacementInfo\x12\x0f\n\x07prefill\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12\x1e\n\x16\x65xpected_cached_blocks\x18\x08 \x01(\r\x12\x13\n\x0bpulled_from\x18\t \x01(\t\"\x8b\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x32\x93\x01\n\tInference\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=38
   _globals['_TOKENIDS']._serialized_end=61
   _globals['_CHATMESSAGE']._serialized_start=63
@@ -38,29 +40,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=109
   _globals['_CHATMESSAGES']._serialized_end=164
   _globals['_SAMPLINGPARAMS']._serialized_start=167
-  _globals['_SAMPLINGPARAMS']._serialized_end=394
-  _globals['_GENERATEREQUEST']._serialized_start=397
-  _globals['_GENERATEREQUEST']._serialized_end=747
-  _globals['_GENERATERESPONSE']._serialized_start=749
-  _globals['_GENERATERESPONSE']._serialized_end=848
-  _globals['_TOKENDELTA']._serialized_start=850
-  _globals['_TOKENDELTA']._serialized_end=941
-  _globals['_TOKENLOGPROB']._serialized_start=943
-  _globals['_TOKENLOGPROB']._serialized_end=1021
-  _globals['_POSITIONLOGPROBS']._serialized_start=1023
-  _globals['_POSITIONLOGPROBS']._serialized_end=1118
-  _globals['_FINAL']._serialized_start=1120
-  _globals['_FINAL']._serialized_end=1246
-  _globals['_USAGE']._serialized_start=1249
-  _globals['_USAGE']._serialized_end=1547
-  _globals['_CACHEDTOKENSBYTIER']._serialized_start=1549
-  _globals['_CACHEDTOKENSBYTIER']._serialized_end=1629
-  _globals['_PLACEMENTINFO']._serialized_start=1632
-  _globals['_PLACEMENTINFO']._serialized_end=1824
-  _globals['_TOKENIZEREQUEST']._serialized_start=1827
-  _globals['_TOKENIZEREQUEST']._serialized_end=1966
-  _globals['_TOKENIZERESPONSE']._serialized_start=1968
-  _globals['_TOKENIZERESPONSE']._serialized_end=2025
-  _globals['_INFERENCE']._serialized_start=2028
-  _globals['_INFERENCE']._serialized_end=2175
+  _globals['_SAMPLINGPARAMS']._serialized_end=767
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=571
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=619
+  _globals['_GENERATEREQUEST']._serialized_start=770
+  _globals['_GENERATEREQUEST']._serialized_end=1120
+  _globals['_GENERATERESPONSE']._serialized_start=1122
+  _globals['_GENERATERESPONSE']._serialized_end=1221
+  _globals['_TOKENDELTA']._serialized_start=1223
+  _globals['_TOKENDELTA']._serialized_end=1314
+  _globals['_TOKENLOGPROB']._serialized_start=1316
+  _globals['_TOKENLOGPROB']._serialized_end=1394
+  _globals['_POSITIONLOGPROBS']._serialized_start=1396
+  _globals['_POSITIONLOGPROBS']._serialized_end=1491
+  _globals['_FINAL']._serialized_start=1493
+  _globals['_FINAL']._serialized_end=1619
+  _globals['_USAGE']._serialized_start=1622
+  _globals['_USAGE']._serialized_end=1920
+  _globals['_CACHEDTOKENSBYTIER']._serialized_start=1922
+  _globals['_CACHEDTOKENSBYTIER']._serialized_end=2002
+  _globals['_PLACEMENTINFO']._serialized_start=2005
+  _globals['_PLACEMENTINFO']._serialized_end=2197
+  _globals['_TOKENIZEREQUEST']._serialized_start=2200
+  _globals['_TOKENIZEREQUEST']._serialized_end=2339
+  _globals['_TOKENIZERESPONSE']._serialized_start=2341
+  _globals['_TOKENIZERESPONSE']._serialized_end=2398
+  _globals['_INFERENCE']._serialized_start=2401
+  _globals['_INFERENCE']._serialized_end=2548
 # @@protoc_insertion_point(module_scope)
