@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from protos.errors import InvalidRequest, WorkerFailed
+from engine.sampling import sampling_params
 from engine.step_shapes import ScheduleTap
-from protos.wire import DecodeSpan, DecodeStep, EngineRequest, MixedStep, SamplingOptions
+from protos.wire import DecodeSpan, DecodeStep, EngineRequest, MixedStep
 
 log = logging.getLogger(__name__)
 
@@ -87,18 +88,6 @@ def engine_prefill_ms(output) -> float | None:
     if not scheduled or not first or first < scheduled:
         return None
     return (first - scheduled) * 1000.0
-
-
-def _structured_outputs(sampling: SamplingOptions):
-    """vLLM's structured-output constraint for ``sampling`` (None: unconstrained). The grammar
-    acts on sampling only: the prompt, its KV and its reuse are the same as without it."""
-    from vllm.sampling_params import StructuredOutputsParams
-
-    if sampling.json_schema:
-        return StructuredOutputsParams(json=sampling.json_schema)
-    if sampling.json_object:
-        return StructuredOutputsParams(json_object=True)
-    return None
 
 
 def _drained(queue_: deque) -> list:
@@ -432,9 +421,7 @@ class EngineRunner:
             self._add(command)
 
     def _add(self, command: _Add) -> None:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         from kvstore.connector import request_transfer_params
 
@@ -446,25 +433,7 @@ class EngineRunner:
             prompt["cache_salt"] = req.cache_salt
         self._sinks[req.request_id] = (command.sink, command.loop)
         try:  # vLLM's own checks (SamplingParams and add_request) reject, never kill the engine
-            params = SamplingParams(
-                max_tokens=command.max_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                seed=s.seed,
-                stop=list(s.stop) or None,
-                ignore_eos=s.ignore_eos,
-                logprobs=s.num_logprobs,
-                top_k=s.top_k,
-                min_p=s.min_p,
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                repetition_penalty=s.repetition_penalty,
-                min_tokens=min(s.min_tokens, command.max_tokens),
-                logit_bias=dict(s.logit_bias) or None,
-                structured_outputs=_structured_outputs(s),
-                output_kind=RequestOutputKind.DELTA,
-                extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
-            )
+            params = sampling_params(s, command.max_tokens, transfer)
             self.engine.add_request(req.request_id, prompt, params, priority=command.priority)
             if command.gated:
                 self._prefilling.add(req.request_id)

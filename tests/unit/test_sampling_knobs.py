@@ -107,3 +107,19 @@ def test_a_continuation_owes_only_the_min_tokens_left():
     assert continuation(request, [7, 8]).sampling.min_tokens == 2
     assert continuation(request, [7, 8, 9, 10, 11]).sampling == SamplingOptions(
         max_tokens=5, min_tokens=0)
+
+
+@pytest.mark.vllm
+def test_the_engine_gets_the_knobs_as_vllm_sampling_params():
+    from engine.sampling import sampling_params
+
+    options = SamplingOptions(max_tokens=8, temperature=0.5, top_k=3, min_p=0.2,
+                              presence_penalty=1.0, frequency_penalty=-1.0,
+                              repetition_penalty=1.5, min_tokens=4, logit_bias=((9, -5.0),))
+    params = sampling_params(options, 8, None)
+    assert (params.top_k, params.min_p, params.presence_penalty, params.frequency_penalty,
+            params.repetition_penalty, params.min_tokens, params.logit_bias) == (
+        3, 0.2, 1.0, -1.0, 1.5, 4, {9: -5.0})
+    hand_off = sampling_params(options, 1, {"k": "v"})  # a prefill's one throw-away token
+    assert (hand_off.max_tokens, hand_off.min_tokens) == (1, 1)
+    assert sampling_params(SamplingOptions(max_tokens=8), 8, None).logit_bias is None
