@@ -44,10 +44,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.anthropic_http import messages_router
 from gateway.auth import KeySet
 from gateway.inference import NOT_READY_MESSAGE
+from gateway.openai_choices import (
+    all_or_none,
+    choice_requests,
+    combined_baton,
+    combined_usage,
+    sse_choices,
+)
 from gateway.openai_errors import OpenAIError, error_for, validation_message
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.openai_requests import (
     REQUEST_ID_HEADER,
+    Prepared,
     ServedModel,
     build_engine_request,
     checked,
@@ -70,6 +78,7 @@ from gateway.tokenization import PromptTokenizer
 from gateway.tool_parsers import ToolOutput, finish_reason
 from gateway.validation import check_model
 from protos.errors import NoWorkerReady
+from protos.wire import EngineRequest
 
 __all__ = [
     "OpenAIError", "RunningHttp", "build_app", "build_engine_request", "error_for", "start_http",
@@ -103,6 +112,9 @@ class _Front:
         )
         engine_request = await asyncio.to_thread(self.sessions.openai, prepared, body,
                                                  http_request.headers)
+        if body.n > 1:
+            return await self._complete_choices(body, http_request, shape, prepared,
+                                                engine_request, received_at)
         plan = prepared.tools
         tools = ToolOutput(plan) if plan is not None and plan.mode != "none" else None
         placed_events = await opened(self.router, engine_request, http_request)
@@ -129,18 +141,77 @@ class _Front:
         if output is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         text, positions = output
-        logprobs = shape.logprobs(positions)[0] if with_logprobs else None
-        if tools is None:
-            choice = shape.full_choice(text, progress.finish_reason, logprobs)
-        else:
-            tools.feed(text)
-            tools.close()
-            choice = shape.full_choice(tools.content(), finish_reason(
-                progress.finish_reason, tools.calls), logprobs, tools.calls)
+        choice = self._choice(shape, text, positions, progress, tools, with_logprobs)
         return JSONResponse(
             {**header, "choices": [choice], "usage": progress.usage(), "baton": progress.baton()},
             headers=response_headers,
         )
+
+    async def _complete_choices(
+        self, body: ChatCompletionRequest | CompletionRequest, http_request: Request,
+        shape: Shape, prepared: Prepared, engine_request: EngineRequest, received_at: float,
+    ) -> Response:
+        """``complete`` for ``n`` > 1 (``gateway.openai_choices``): the choices' engine requests
+        placed one after the other, then answered together, in full or streamed."""
+        requests = choice_requests(engine_request, body.n)
+        streams: list = []
+        try:
+            for request in requests:
+                placed_events = await opened(self.router, request, http_request)
+                if placed_events is None:
+                    break
+                streams.append(placed_events)
+        except BaseException:
+            for _placed, events in streams:
+                await events.aclose()
+            raise
+        if len(streams) < len(requests):  # the client went away while they were placed
+            for _placed, events in streams:
+                await events.aclose()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        num_prompt_tokens = len(engine_request.prompt_token_ids)
+        progresses = [Progress(placed, received_at, num_prompt_tokens, leases=request.leases)
+                      for (placed, _events), request in zip(streams, requests)]
+        plan = prepared.tools
+        tools = [ToolOutput(plan) if plan is not None and plan.mode != "none" else None
+                 for _ in requests]
+        events = [events for _placed, events in streams]
+        request_ids = [request.request_id for request in requests]
+        header = shape.header(engine_request.request_id, int(time.time()), self.served.name,
+                              chunk=body.stream)
+        response_headers = {"X-Request-Id": engine_request.request_id}
+        with_logprobs = engine_request.sampling.num_logprobs is not None
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            sse = sse_choices(events, progresses, tools, shape, header, include_usage,
+                              request_ids, with_logprobs)
+            return event_stream(sse, events, response_headers)
+        outputs = await unless_disconnected(http_request, all_or_none([
+            collect_output(stream, progress, request_id)
+            for stream, progress, request_id in zip(events, progresses, request_ids)]))
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        choices = [self._choice(shape, text, positions, progress, parser, with_logprobs, index)
+                   for index, ((text, positions), progress, parser)
+                   in enumerate(zip(outputs, progresses, tools))]
+        return JSONResponse(
+            {**header, "choices": choices, "usage": combined_usage(progresses),
+             "baton": combined_baton(progresses)},
+            headers=response_headers,
+        )
+
+    @staticmethod
+    def _choice(shape: Shape, text: str, positions: list, progress: Progress,
+                tools: ToolOutput | None, with_logprobs: bool, index: int = 0) -> dict:
+        """One choice of a whole answer: its text (or content and tool calls), finish reason
+        and logprobs."""
+        logprobs = shape.logprobs(positions)[0] if with_logprobs else None
+        if tools is None:
+            return shape.full_choice(text, progress.finish_reason, logprobs, index=index)
+        tools.feed(text)
+        tools.close()
+        return shape.full_choice(tools.content(), finish_reason(progress.finish_reason,
+                                 tools.calls), logprobs, tools.calls, index=index)
 
     def model_card(self) -> dict:
         return {

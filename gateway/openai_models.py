@@ -49,7 +49,7 @@ class _Body(BaseModel):
                                              "penalizes tokens of the prompt and output; unset: 1.")
     min_tokens: int | None = Field(None, description="vLLM extension: no end of sequence or stop "
                                    "before this many tokens; unset: 0.")
-    n: int = Field(1, description="Choices per request; only 1 is served.")
+    n: int = Field(1, description="Choices per request, 1 to 16 (gateway.openai_choices).")
     stream: bool = Field(False, description="Answer with server-sent events.")
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="End-user id; accepted and ignored.")

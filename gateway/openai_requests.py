@@ -18,6 +18,7 @@ from typing import Any, Callable, TypeVar
 from gateway.openai_errors import error_for, lone_surrogate
 from gateway.openai_fields import refused_field
 from gateway.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.openai_choices import MAX_CHOICES
 from gateway.salts import http_salt_offset, message_salt_offset
 from gateway.sampling_knobs import checked_knobs
 from gateway.sessions import InvalidField
@@ -350,14 +351,10 @@ def prepare(
     refused = refused_field(body.model_extra)
     if refused is not None:
         raise refused
-    if body.n != 1:
-        raise error_for(
-            InvalidRequest(
-                f"n must be 1 (one choice per request), got {body.n}; "
-                "send several requests for several completions"
-            ),
-            "n",
-        )
+    if isinstance(body.n, bool) or not 1 <= body.n <= MAX_CHOICES:
+        raise error_for(InvalidRequest(
+            f"n must be from 1 to {MAX_CHOICES} (choices per request), got {body.n!r}; send "
+            "several requests for more"), "n")
     logprobs = num_logprobs(body)
     json_schema, json_object = checked("response_format", structured_output, body.response_format,
                                        served.structured_backend)

@@ -119,7 +119,8 @@ class Shape:
         }
 
     def full_choice(self, text: str | None, finish_reason: str | None,
-                    logprobs: dict | None = None, tool_calls: Sequence[ToolCall] = ()) -> dict:
+                    logprobs: dict | None = None, tool_calls: Sequence[ToolCall] = (),
+                    index: int = 0) -> dict:
         if self.chat:
             message = {"role": "assistant", "content": text}
             if tool_calls:
@@ -127,21 +128,22 @@ class Shape:
             content = {"message": message}
         else:
             content = {"text": text}
-        return {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def delta_choice(self, delta: dict, finish_reason: str | None = None,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, index: int = 0) -> dict:
         """A chat chunk's choice with ``delta`` (``piece_delta``)."""
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish_reason}
 
     def chunk_choice(self, text: str | None, finish_reason: str | None, role: bool = False,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, index: int = 0) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else {}
             content = {"delta": delta | ({"content": text} if text is not None else {})}
         else:
             content = {"text": text or ""}
-        return {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def logprobs(self, positions: Sequence[PositionLogprobs], text_offset: int = 0
                  ) -> tuple[dict, int]:

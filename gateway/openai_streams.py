@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, Sequence, TypeVar
 
 import msgspec
 from fastapi import Request
@@ -37,6 +37,48 @@ def sse(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+async def choice_chunks(
+    events: AsyncIterator,
+    progress: Progress,
+    shape: Shape,
+    request_id: str,
+    with_logprobs: bool = False,
+    tools: ToolOutput | None = None,
+    index: int = 0,
+) -> AsyncIterator[tuple[dict, dict]]:
+    """One choice's chunks, each as (its ``choices`` entry, the chunk's other fields): an
+    opening (chat), text deltas (with their tokens' ``logprobs`` when ``with_logprobs``), a
+    finish with ``baton``. With ``tools`` (chat) the text goes through the tool-call parser
+    first: content deltas and ``tool_calls`` deltas. Closes ``events`` however it ends; errors
+    come out as ``OpenAIError``."""
+    text_offset = 0
+    with translated(request_id):
+        async with contextlib.aclosing(events):
+            if shape.chat:
+                yield shape.chunk_choice(None, None, role=True, index=index), {}
+            async for event in events:
+                progress.add(event)
+                if not (event.text or (with_logprobs and event.logprobs)):
+                    continue
+                logprobs = None
+                if with_logprobs:
+                    logprobs, text_offset = shape.logprobs(event.logprobs, text_offset)
+                if tools is None:
+                    yield shape.chunk_choice(event.text, None, logprobs=logprobs, index=index), {}
+                    continue
+                deltas = [piece_delta(piece) for piece in tools.feed(event.text)]
+                for number, delta in enumerate(deltas or ([{}] if logprobs else [])):
+                    yield shape.delta_choice(delta, None, logprobs if number == 0 else None,
+                                             index=index), {}
+            assert progress.finish_reason, "router ended the stream without a finish_reason"
+    reason = progress.finish_reason
+    if tools is not None:
+        for piece in tools.close():
+            yield shape.delta_choice(piece_delta(piece), index=index), {}
+        reason = finish_reason(reason, tools.calls)
+    yield shape.chunk_choice(None, reason, index=index), {"baton": progress.baton()}
+
+
 async def sse_events(
     events: AsyncIterator,
     progress: Progress,
@@ -47,43 +89,13 @@ async def sse_events(
     with_logprobs: bool = False,
     tools: ToolOutput | None = None,
 ) -> AsyncIterator[bytes]:
-    """The SSE body: an opening chunk (chat), text deltas (with their tokens' ``logprobs`` when
-    ``with_logprobs``), a finish chunk with ``baton``, an optional usage chunk, ``[DONE]``. An
-    error after the first byte becomes an ``error`` event. With ``tools`` (chat) the text goes
-    through the tool-call parser first: content deltas and ``tool_calls`` deltas.
-    """
+    """The SSE body of one choice (``choice_chunks``), an optional usage chunk, ``[DONE]``. An
+    error after the first byte becomes an ``error`` event."""
     usage_field = {"usage": None} if include_usage else {}
-    text_offset = 0
     try:
-        with translated(request_id):
-            async with contextlib.aclosing(events):
-                if shape.chat:
-                    opening = shape.chunk_choice(None, None, role=True)
-                    yield sse({**header, "choices": [opening], **usage_field})
-                async for event in events:
-                    progress.add(event)
-                    if not (event.text or (with_logprobs and event.logprobs)):
-                        continue
-                    logprobs = None
-                    if with_logprobs:
-                        logprobs, text_offset = shape.logprobs(event.logprobs, text_offset)
-                    if tools is None:
-                        choice = shape.chunk_choice(event.text, None, logprobs=logprobs)
-                        yield sse({**header, "choices": [choice], **usage_field})
-                        continue
-                    deltas = [piece_delta(piece) for piece in tools.feed(event.text)]
-                    for number, delta in enumerate(deltas or ([{}] if logprobs else [])):
-                        choice = shape.delta_choice(delta, None, logprobs if number == 0 else None)
-                        yield sse({**header, "choices": [choice], **usage_field})
-                assert progress.finish_reason, "router ended the stream without a finish_reason"
-        reason = progress.finish_reason
-        if tools is not None:
-            for piece in tools.close():
-                choice = shape.delta_choice(piece_delta(piece))
-                yield sse({**header, "choices": [choice], **usage_field})
-            reason = finish_reason(reason, tools.calls)
-        finish = shape.chunk_choice(None, reason)
-        yield sse({**header, "choices": [finish], **usage_field, "baton": progress.baton()})
+        async for choice, fields in choice_chunks(events, progress, shape, request_id,
+                                                  with_logprobs, tools):
+            yield sse({**header, "choices": [choice], **usage_field, **fields})
         if include_usage:
             yield sse({**header, "choices": [], "usage": progress.usage()})
     except OpenAIError as e:
@@ -116,16 +128,18 @@ async def opened(router: Router, request: EngineRequest, http_request: Request
     return await unless_disconnected(http_request, open_stream(router, request))
 
 
-def event_stream(body: AsyncIterator[bytes], events: AsyncIterator, headers: dict[str, str]
-                 ) -> StreamingResponse:
-    """``body`` (built over the router stream ``events``) as a ``text/event-stream`` answer that
-    closes both however the answer ends."""
+def event_stream(body: AsyncIterator[bytes], events: AsyncIterator | Sequence[AsyncIterator],
+                 headers: dict[str, str]) -> StreamingResponse:
+    """``body`` (built over the router stream ``events``, or several) as a ``text/event-stream``
+    answer that closes them all however the answer ends."""
+    streams = [events] if not isinstance(events, Sequence) else list(events)
 
     async def close_streams() -> None:
         # Starlette abandons the body iterator, or never starts it, when the client
-        # disconnects; this closes the router stream without waiting for the GC.
+        # disconnects; this closes the router streams without waiting for the GC.
         await body.aclose()
-        await events.aclose()
+        for stream in streams:
+            await stream.aclose()
 
     return StreamingResponse(body, media_type="text/event-stream",
                              headers=headers | {"Cache-Control": "no-cache"},

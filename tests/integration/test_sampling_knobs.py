@@ -141,3 +141,27 @@ async def test_openai_chat_sends_the_knobs_to_the_engine(server, reference_engin
     assert chat.usage.completion_tokens == MAX_TOKENS
     assert chat.choices[0].message.content == tokenizer.decode([FORCED] * MAX_TOKENS,
                                                                     skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("num_prompt_tokens", [SHORT, LONG], ids=["colocated", "disaggregated"])
+async def test_n_choices_are_the_answers_of_single_requests_seeded_one_apart(
+        server, num_prompt_tokens):
+    """``n`` 3 with seed 11 answers what three single requests with seeds 11, 12 and 13 do
+    (vLLM's rule for n > 1), and greedy ``n`` 2 answers the greedy text twice."""
+    oai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
+                             api_key="unused", max_retries=0, timeout=60)
+    prompt = random_prompt(num_prompt_tokens, seed=500 + num_prompt_tokens)
+    sampled = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 1.0,
+               "extra_body": {"ignore_eos": True}}
+
+    several = await oai.completions.create(n=3, seed=11, **sampled)
+    singles = [await oai.completions.create(seed=11 + i, **sampled) for i in range(3)]
+    greedy = await oai.completions.create(**sampled | {"temperature": 0.0}, n=2)
+    single_greedy = await oai.completions.create(**sampled | {"temperature": 0.0})
+
+    assert [choice.index for choice in several.choices] == [0, 1, 2]
+    assert [choice.text for choice in several.choices] == [s.choices[0].text for s in singles]
+    assert len({choice.text for choice in several.choices}) == 3  # three draws, not one
+    assert several.usage.completion_tokens == 3 * MAX_TOKENS
+    assert several.usage.prompt_tokens == num_prompt_tokens
+    assert [choice.text for choice in greedy.choices] == [single_greedy.choices[0].text] * 2

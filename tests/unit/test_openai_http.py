@@ -235,7 +235,8 @@ BAD_REQUESTS = {
         "sampling.temperature must be a finite number >= 0",
     ),
     "empty prompt": ("completion", {"prompt": ""}, "prompt", "prompt is empty"),
-    "n=2": ("completion", {"prompt": "x", "n": 2}, "n", "n must be 1"),
+    "n=17": ("completion", {"prompt": "x", "n": 17}, "n", "n must be from 1 to 16"),
+    "n=0": ("chat", {"messages": HI, "n": 0}, "n", "n must be from 1 to 16"),
     "two prompts": (
         "completion", {"prompt": ["a", "b"]}, "prompt", "only one prompt per request",
     ),
@@ -657,3 +658,84 @@ def test_http_tls_needs_both_files_and_a_loadable_pair(tmp_path):
         HttpConfig(tls_cert_file=str(cert), tls_key_file=str(other_key)).tls_files()  # not its key
     assert HttpConfig().tls_files() is None
     assert HttpConfig(tls_cert_file=str(cert), tls_key_file=str(key)).tls_files() == (str(cert), str(key))
+
+
+# ---------------------------------------------------------------- n > 1
+
+
+class FailingChoice(FakeRouter):
+    """A ``FakeRouter`` whose stream for one choice's request (``fails``) fails after its first
+    chunk, and whose other streams hang after theirs (so only closing ends them)."""
+
+    def __init__(self, fails: str):
+        super().__init__(chunks=SCRIPTED_CHUNKS[:1], hang=True)
+        self.fails = fails
+
+    async def stream(self, request):
+        if request.request_id.endswith(self.fails):
+            self.error, self.hang = WorkerFailed("decode-1 died"), False
+        try:
+            async for event in super().stream(request):
+                yield event
+        finally:
+            self.error, self.hang = None, True
+
+
+async def test_n_choices_are_one_engine_request_each_answered_together(http, router, tokenizer):
+    response = await http.post("/v1/chat/completions", headers=AUTH | {"X-Request-Id": "req9"},
+                               json={"model": SERVED, "messages": HI, "n": 3, "seed": 7,
+                                     "session_id": "agent-1"})
+
+    assert response.status_code == 200
+    assert response.headers["X-Request-Id"] == "req9"
+    answer = response.json()
+    assert answer["id"] == "chatcmpl-req9"
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in answer["choices"]] \
+        == [(0, "abcd", "stop"), (1, "abcd", "stop"), (2, "abcd", "stop")]
+    assert [(r.request_id, r.sampling.seed) for r in router.requests] == [
+        ("req9", 7), ("req9-n1", 8), ("req9-n2", 9)]
+    assert router.requests[0].prompt_token_ids == router.requests[2].prompt_token_ids
+    assert router.requests[0].session_id and [r.session_id for r in router.requests[1:]] == [
+        "", ""]  # the session's step is the first choice
+    num_prompt_tokens = len(tokenizer.encode_chat([("user", "hi")]))
+    assert (answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"],
+            answer["usage"]["total_tokens"]) == (num_prompt_tokens, 12, num_prompt_tokens + 12)
+    assert [without_ttft(b) for b in answer["baton"]["choices"]] == [EXPECTED_BATON] * 3
+    assert router.num_closed_streams == 3
+
+
+async def test_n_choices_stream_interleaved_each_with_its_own_finish(client, router):
+    stream = await client.completions.create(model=SERVED, prompt="Hello world", n=2,
+                                             stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+
+    *choice_chunks, last = chunks
+    texts, finishes = {0: "", 1: ""}, {}
+    for chunk in choice_chunks:
+        [choice] = chunk.choices
+        texts[choice.index] += choice.text
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+            assert without_ttft(chunk.model_extra["baton"]) == EXPECTED_BATON
+    assert texts == {0: "abcd", 1: "abcd"}
+    assert finishes == {0: "stop", 1: "stop"}
+    assert (last.choices, last.usage.completion_tokens) == ([], 8)
+    assert [r.sampling.seed for r in router.requests] == [None, None]
+    assert router.num_closed_streams == 2
+
+
+async def test_one_failing_choice_fails_the_answer_and_closes_every_stream(client, slot):
+    slot.current = router = FailingChoice(fails="-n1")
+    with pytest.raises(openai.InternalServerError) as info:
+        await client.completions.create(model=SERVED, prompt="x", n=3)
+    assert info.value.body["message"] == "decode-1 died"
+    assert router.num_closed_streams == 3
+
+    slot.current = router = FailingChoice(fails="-n2")
+    stream = await client.completions.create(model=SERVED, prompt="x", n=3, stream=True)
+    with pytest.raises(openai.APIError) as stream_info:
+        async for _chunk in stream:
+            pass
+    assert stream_info.value.message == "decode-1 died"
+    await asyncio.sleep(0.1)  # the answer's background task closes the router's streams
+    assert router.num_closed_streams == 3
