@@ -132,6 +132,9 @@ class ChatCompletionRequest(_Body):
     logprobs: bool | None = Field(None, description="Return each token's log-probability.")
     top_logprobs: int | None = Field(None, description="... and the 0..20 most likely tokens "
                                      "of each position; needs logprobs true.")
+    chat_template_kwargs: dict | None = Field(None, description="vLLM extension: more variables "
+                                              "for the model's chat template (enable_thinking, "
+                                              "...); checked by gateway.validation.")
     cache_salt_from_message: int | None = Field(None, description="Baton: the salt applies from "
                                                 "the first token of this message (an index into "
                                                 "messages; exclusive with cache_salt_offset).")

@@ -44,6 +44,7 @@ from gateway.validation import (
     _check_top_p,
     check_json_schema,
     check_model,
+    check_template_kwargs,
     check_token_ids,
 )
 from protos.errors import InvalidRequest
@@ -161,11 +162,15 @@ def _chat_salt_offset(body: ChatCompletionRequest | CompletionRequest, plan: Too
 
 
 def chat_prompt(turns: list[Turn], plan: ToolPlan | None, tokenizer: PromptTokenizer,
-                param: str) -> list[int]:
+                param: str, template_kwargs: dict | None = None) -> list[int]:
     """The token ids of a conversation and its tools (``gateway.tool_calls.render``) under the
-    model's chat template; ``OpenAIError`` naming ``param`` when the template refuses it."""
+    model's chat template, with the request's ``template_kwargs``; ``OpenAIError`` naming
+    ``param`` when the template refuses it. (Cache breakpoints and salt offsets are measured on
+    prefixes rendered without them: as common prefixes with this prompt, they come out shorter,
+    never longer, where the variables change an early part of it.)"""
     rendered = render(turns, plan, tokenizer.renders_tools)
-    return checked(param, tokenizer.encode_conversation, rendered.messages, rendered.tools)
+    return checked(param, tokenizer.encode_conversation, rendered.messages, rendered.tools,
+                   True, template_kwargs)
 
 
 def forced_constraint(plan: ToolPlan | None, served: ServedModel, schemas_field: str) -> str:
@@ -374,7 +379,9 @@ def prepare(
                 "shape; send one of them"), "response_format")
         json_schema = forced or json_schema
         turns = checked(prompt_param, _chat_turns, body.messages)
-        prompt_token_ids = chat_prompt(turns, plan, tokenizer, prompt_param)
+        template_kwargs = (None if body.chat_template_kwargs is None else checked(
+            "chat_template_kwargs", check_template_kwargs, body.chat_template_kwargs))
+        prompt_token_ids = chat_prompt(turns, plan, tokenizer, prompt_param, template_kwargs)
         prepared_turns = tuple(turns)
     else:
         prompt_param = "prompt"

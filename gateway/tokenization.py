@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from protos.errors import InvalidRequest
 
@@ -51,12 +51,15 @@ class PromptTokenizer:
                                          for role, content in messages])
 
     def encode_conversation(self, conversation: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation of chat-template messages (and the tools, for a template
         that renders them).
 
-        Rendered with the model's chat template and the assistant's generation prompt appended
-        (unless ``add_generation_prompt`` is false: a prefix of a longer conversation), then
+        Rendered with the model's chat template, given ``template_kwargs`` as more template
+        variables (a request's ``chat_template_kwargs``, e.g. ``enable_thinking``; checked by
+        ``gateway.validation.check_template_kwargs``), and the assistant's generation prompt
+        appended (unless ``add_generation_prompt`` is false: a prefix of a longer conversation), then
         encoded without adding special tokens (the template already holds them). Raises
         ``InvalidRequest`` when the model has no chat template or the template rejects the
         conversation. Roles are not checked here; see ``gateway.validation``.
@@ -72,7 +75,7 @@ class PromptTokenizer:
             try:
                 rendered = self._tokenizer.apply_chat_template(
                     conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                    tokenize=False,
+                    tokenize=False, **(template_kwargs or {}),
                 )
             except jinja2.TemplateError as e:
                 raise InvalidRequest(

@@ -179,6 +179,32 @@ def check_token_ids(prompt_token_ids: list[int], vocab_size: int) -> None:
             )
 
 
+MAX_TEMPLATE_KWARGS = 32
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "chat_template", "return_dict", "return_tensors",
+    "padding", "truncation", "max_length", "tokenizer_kwargs", "kwargs"})
+"""What a request's template variables may not set: the conversation and tools the front
+renders, and ``apply_chat_template``'s own arguments."""
+
+
+def check_template_kwargs(kwargs: object, field: str = "chat_template_kwargs") -> dict:
+    """A request's extra chat-template variables (vLLM's ``chat_template_kwargs``): an object
+    of at most ``MAX_TEMPLATE_KWARGS`` string keys, none of them reserved; its values as given
+    (the template reads them; one it does not know is ignored, as in vLLM)."""
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest(f"{field} must be an object of template variables, got "
+                             f"{type(kwargs).__name__}")
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise InvalidRequest(f"{field} has {len(kwargs)} variables; at most "
+                             f"{MAX_TEMPLATE_KWARGS} are accepted")
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise InvalidRequest(f"{field} may not set {', '.join(reserved)}: the front renders the "
+                             "conversation and tools from the request's own fields")
+    return kwargs
+
+
 def check_bounded(name: str, value: int, most: int) -> int:
     """An integer count from 0 to ``most`` (a bool is no count)."""
     if isinstance(value, bool) or not 0 <= value <= most:
