@@ -15,6 +15,10 @@ def structured_outputs(sampling: SamplingOptions):
         return StructuredOutputsParams(json=sampling.json_schema)
     if sampling.json_object:
         return StructuredOutputsParams(json_object=True)
+    if sampling.regex:
+        return StructuredOutputsParams(regex=sampling.regex)
+    if sampling.choice:
+        return StructuredOutputsParams(choice=list(sampling.choice))
     return None
 
 

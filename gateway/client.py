@@ -58,8 +58,9 @@ def build_request(
     (JSON text) and ``json_object`` are ``SamplingParams``' fields of those names.
     ``cache_salt_offset``: the token offset from which ``cache_salt`` applies (unset: the whole
     prompt). ``knobs``: more ``SamplingParams`` fields by name (``top_k``, ``min_p``,
-    ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``min_tokens``, and
-    ``logit_bias`` as a token id -> bias mapping). Values are sent as given; the gateway
+    ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``min_tokens``,
+    ``logit_bias`` as a token id -> bias mapping, and the constraints ``regex`` and ``choice``
+    as a list of strings). Values are sent as given; the gateway
     validates them.
     """
     if (text is None) == (token_ids is None):
@@ -91,6 +92,8 @@ def build_request(
     for name, value in (knobs or {}).items():
         if name == "logit_bias":
             sampling.logit_bias.update({int(k): v for k, v in value.items()})
+        elif name == "choice":
+            sampling.choice.extend(value)
         else:
             setattr(sampling, name, value)
     return request

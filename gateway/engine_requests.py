@@ -24,7 +24,7 @@ from protos.baton.v1 import inference_pb2 as pb
 from protos.errors import InvalidRequest
 from protos.wire import EngineRequest
 
-UNSUPPORTED_CONSTRAINTS = ("regex", "grammar", "structural_tag", "choice")
+UNSUPPORTED_CONSTRAINTS = ("grammar", "structural_tag")
 REMOTE_PREFILL_KEYS = ("do_remote_prefill", "do_remote_decode")
 """``kv_transfer_params_json`` keys with which a PD router hands a request's KV between two of its
 workers: Baton moves KV between its own prefill and decode pools itself."""
@@ -125,6 +125,10 @@ def baton_generate_request(request: vpb.GenerateRequest) -> pb.GenerateRequest:
         sampling.json_schema = params.json_schema
     elif constraint == "json_object":
         sampling.json_object = params.json_object
+    elif constraint == "regex":
+        sampling.regex = params.regex
+    elif constraint == "choice":
+        sampling.choice.extend(params.choice.choices)
     built = pb.GenerateRequest(sampling=sampling, request_id=request.request_id)
     if request.WhichOneof("input") == "tokenized":
         built.token_ids.ids.extend(request.tokenized.input_ids)
@@ -156,11 +160,11 @@ def check_unsupported(request: vpb.GenerateRequest, limits: ModelLimits) -> None
             "engines; leave them unset (Baton serves temperature, top_p, top_k, min_p, the "
             "frequency, presence and repetition penalties, min_tokens, logit_bias, max_tokens, "
             "seed, stop, stop_token_ids of the model's end-of-sequence tokens, ignore_eos, "
-            "logprobs, json_schema and json_object)")
+            "logprobs, json_schema, json_object, regex and choice)")
     constraint = params.WhichOneof("constraint")
     if constraint in UNSUPPORTED_CONSTRAINTS:
         raise InvalidRequest(f"sampling_params.{constraint}: not supported; Baton enforces "
-                             "json_schema and json_object")
+                             "json_schema, json_object, regex and choice")
     others = sorted(set(params.stop_token_ids) - set(limits.eos_token_ids))
     if others and not params.ignore_eos:
         raise InvalidRequest(

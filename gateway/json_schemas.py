@@ -1,4 +1,5 @@
-"""Whether the engines' structured-output backend can enforce a JSON Schema, asked at the front.
+"""Whether the engines' structured-output backend can enforce a JSON Schema (or a regular
+expression, ``regex_refusal``), asked at the front.
 
 An engine checks a request's schema only when the request reaches it: on the decode instance,
 after placement and prefill. The fronts ask first, with vLLM's own checks for the engines'
@@ -78,3 +79,39 @@ def _refusal(schema_text: str, backend: str) -> str | None:
 
 
 _cached_refusal = functools.lru_cache(maxsize=256)(_refusal)
+
+
+def regex_refusal(pattern: str, backend: str = "auto") -> str | None:
+    """vLLM's reason for refusing ``pattern`` as a request's ``regex`` constraint, or None when
+    the engines' ``backend`` would enforce it (xgrammar; under ``auto`` llguidance where
+    xgrammar refuses, as vLLM falls back). None too when vLLM is not installed here."""
+    assert backend in BACKENDS, backend
+    if len(pattern) <= MAX_CACHED_SCHEMA_CHARS:
+        return _cached_regex_refusal(pattern, backend)
+    return _regex_refusal(pattern, backend)
+
+
+def _regex_refusal(pattern: str, backend: str) -> str | None:
+    try:
+        from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+        from vllm.v1.structured_output.backend_guidance import validate_guidance_grammar
+        from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+    except ImportError:
+        return None
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=pattern))
+    try:
+        validate_xgrammar_grammar(params)
+        return None
+    except (VLLMValidationError, ValueError) as e:
+        if backend == "xgrammar":
+            return _XGRAMMAR_LOCATION.sub("", str(e))
+    try:
+        validate_guidance_grammar(params, tokenizer=None)
+    except (VLLMValidationError, ValueError) as e:
+        return str(e)
+    return None
+
+
+_cached_regex_refusal = functools.lru_cache(maxsize=256)(_regex_refusal)

@@ -57,6 +57,9 @@ class _Body(BaseModel):
                              "the end-of-sequence token.")
     response_format: dict | None = Field(None, description="text, json_object or json_schema "
                                          "(structured outputs; checked by openai_requests).")
+    structured_outputs: dict | None = Field(None, description="vLLM extension: one of json (a "
+                                            "schema), regex or choice (a list of strings); "
+                                            "checked by openai_requests.")
     cache_salt: str | None = Field(None, description="Baton: prefix-cache isolation salt.")
     tenant: str | None = Field(None, description="Baton: the salt when cache_salt is unset.")
     session_id: str | None = Field(None, description="Baton: the agent session this request is "

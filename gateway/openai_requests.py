@@ -42,8 +42,10 @@ from gateway.validation import (
     _check_stop,
     _check_temperature,
     _check_top_p,
+    check_choice,
     check_json_schema,
     check_model,
+    check_regex,
     check_template_kwargs,
     check_token_ids,
 )
@@ -325,6 +327,40 @@ def structured_output(response_format: dict | None, backend: str = "auto") -> tu
                              backend), False
 
 
+EXTENSION_CONSTRAINTS = ("json", "regex", "choice")
+"""The keys of vLLM's ``structured_outputs`` extension Baton serves (one per request)."""
+
+
+def extension_constraint(spec: object, backend: str = "auto") -> dict:
+    """``SamplingOptions``' constraint field for vLLM's ``structured_outputs`` extension:
+    exactly one of ``json`` (a JSON Schema, as an object or its JSON text), ``regex`` or
+    ``choice`` (a list of strings); any other key (``grammar``, ``structural_tag``, ...) is
+    refused by name. Raises ``InvalidRequest``."""
+    if not isinstance(spec, dict):
+        raise InvalidRequest("structured_outputs must be an object with one of "
+                             f"{', '.join(EXTENSION_CONSTRAINTS)}")
+    given = {key: value for key, value in spec.items() if value is not None}
+    unserved = sorted(set(given) - set(EXTENSION_CONSTRAINTS))
+    if unserved:
+        raise InvalidRequest(f"structured_outputs.{unserved[0]} is not served; Baton enforces "
+                             f"{', '.join(EXTENSION_CONSTRAINTS)} (or response_format)")
+    if len(given) != 1:
+        raise InvalidRequest("structured_outputs must set exactly one of "
+                             f"{', '.join(EXTENSION_CONSTRAINTS)}, got {sorted(given) or 'none'}")
+    [(key, value)] = given.items()
+    if key == "regex":
+        return {"regex": check_regex(value, "structured_outputs.regex", backend)}
+    if key == "choice":
+        return {"choice": check_choice(value, "structured_outputs.choice")}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:
+            raise InvalidRequest(f"structured_outputs.json is not valid JSON ({e}); send a JSON "
+                                 "Schema object or its JSON text") from e
+    return {"json_schema": check_json_schema(value, "structured_outputs.json", backend)}
+
+
 def build_engine_request(
     body: ChatCompletionRequest | CompletionRequest,
     tokenizer: PromptTokenizer,
@@ -363,6 +399,14 @@ def prepare(
     logprobs = num_logprobs(body)
     json_schema, json_object = checked("response_format", structured_output, body.response_format,
                                        served.structured_backend)
+    extension = ({} if body.structured_outputs is None else checked(
+        "structured_outputs", extension_constraint, body.structured_outputs,
+        served.structured_backend))
+    if extension and (json_schema or json_object):
+        raise error_for(InvalidRequest(
+            "response_format and structured_outputs both fix the output's shape; send one of "
+            "them"), "structured_outputs")
+    json_schema = extension.pop("json_schema", json_schema)
     stop_strings = [body.stop] if isinstance(body.stop, str) else body.stop or []
     options = checked_options(body.temperature, body.top_p, "stop", stop_strings,
                               body.cache_salt, body.tenant, request_id)
@@ -373,10 +417,12 @@ def prepare(
         prompt_param = "messages"
         plan = tool_plan(body, served.tool_call_parser)
         forced = forced_constraint(plan, served, "tools[].function.parameters")
-        if forced and (json_schema or json_object):
+        if forced and (json_schema or json_object or extension):
+            field = "structured_outputs" if body.structured_outputs is not None else \
+                "response_format"
             raise error_for(InvalidRequest(
-                f"response_format and tool_choice {body.tool_choice!r} both fix the output's "
-                "shape; send one of them"), "response_format")
+                f"{field} and tool_choice {body.tool_choice!r} both fix the output's "
+                "shape; send one of them"), field)
         json_schema = forced or json_schema
         turns = checked(prompt_param, _chat_turns, body.messages)
         template_kwargs = (None if body.chat_template_kwargs is None else checked(
@@ -395,7 +441,7 @@ def prepare(
     max_tokens = checked_length(prompt_token_ids, prompt_param, max_tokens, max_tokens_param,
                                 served)
     try:
-        knobs = checked_knobs(
+        knobs = extension | checked_knobs(
             max_tokens=max_tokens, vocab_size=served.vocab_size, top_k=body.top_k,
             min_p=body.min_p, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,

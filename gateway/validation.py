@@ -16,7 +16,7 @@ import math
 import uuid
 from typing import Union
 
-from gateway.json_schemas import backend_refusal
+from gateway.json_schemas import backend_refusal, regex_refusal
 from gateway.salts import check_salt_offset
 from gateway.sampling_knobs import GRPC_NAMES, checked_knobs
 from gateway.tokenization import CHAT_ROLES, PromptTokenizer
@@ -70,7 +70,7 @@ def validate_and_build(
         if sampling.HasField("logprobs")
         else None
     )
-    json_schema, json_object = _check_structured_output(sampling, structured_backend)
+    constraint = _check_structured_output(sampling, structured_backend)
     request_id = _check_request_id(request.request_id)
     _check_cache_salt(request.cache_salt)
 
@@ -99,8 +99,7 @@ def validate_and_build(
             seed=sampling.seed if sampling.HasField("seed") else None,
             stop=stop,
             num_logprobs=num_logprobs,
-            json_schema=json_schema,
-            json_object=json_object,
+            **constraint,
             **knobs,
         ),
         cache_salt=request.cache_salt,
@@ -231,15 +230,62 @@ def check_json_schema(schema: object, field: str, backend: str = "auto") -> str:
     return schema_text
 
 
-def _check_structured_output(sampling: pb.SamplingParams, backend: str) -> tuple[str, bool]:
-    """``(json_schema, json_object)`` for ``SamplingOptions``; at most one of them set."""
-    if sampling.json_schema and sampling.json_object:
+MAX_REGEX_CHARS = 4096
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+
+
+def check_regex(pattern: object, field: str, backend: str = "auto") -> str:
+    """``SamplingOptions.regex``: a non-empty pattern of at most ``MAX_REGEX_CHARS`` the
+    engines' structured-output ``backend`` can enforce (``gateway.json_schemas.regex_refusal``)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise InvalidRequest(f"{field} must be a non-empty regular expression, got {pattern!r}")
+    if len(pattern) > MAX_REGEX_CHARS:
+        raise InvalidRequest(f"{field} is {len(pattern)} characters; at most {MAX_REGEX_CHARS} "
+                             "are accepted")
+    refusal = regex_refusal(pattern, backend)
+    if refusal is not None:
+        raise InvalidRequest(f"{field} is a regular expression the structured-output backend "
+                             f"cannot enforce: {refusal}")
+    return pattern
+
+
+def check_choice(choice: object, field: str) -> tuple[str, ...]:
+    """``SamplingOptions.choice``: 1 to ``MAX_CHOICES`` distinct non-empty strings of at most
+    ``MAX_CHOICE_CHARS`` each (the output is exactly one of them)."""
+    if not isinstance(choice, (list, tuple)) or not 1 <= len(choice) <= MAX_CHOICES:
+        count = f"{len(choice)} options" if isinstance(choice, (list, tuple)) else \
+            type(choice).__name__
+        raise InvalidRequest(f"{field} must be a list of 1 to {MAX_CHOICES} strings, got "
+                             f"{count}")
+    for option in choice:
+        if not isinstance(option, str) or not 0 < len(option) <= MAX_CHOICE_CHARS:
+            shown = repr(option) if len(repr(option)) <= 40 else repr(option)[:37] + "..."
+            raise InvalidRequest(f"{field} holds {shown}; each option must be a non-empty "
+                                 f"string of at most {MAX_CHOICE_CHARS} characters")
+    if len(set(choice)) < len(choice):
+        raise InvalidRequest(f"{field} repeats an option; list each once")
+    return tuple(choice)
+
+
+def _check_structured_output(sampling: pb.SamplingParams, backend: str) -> dict:
+    """``SamplingOptions``' constraint fields (``json_schema``, ``json_object``, ``regex``,
+    ``choice``); at most one of them set."""
+    named = [name for name, on in (
+        ("json_schema", bool(sampling.json_schema)), ("json_object", sampling.json_object),
+        ("regex", bool(sampling.regex)), ("choice", bool(sampling.choice))) if on]
+    if len(named) > 1:
         raise InvalidRequest(
-            "sampling.json_schema and sampling.json_object are exclusive; set json_schema for "
-            "output that satisfies a schema or json_object for any JSON object, not both"
+            f"sampling.{' and sampling.'.join(named)} are exclusive; set json_schema for output "
+            "that satisfies a schema, json_object for any JSON object, regex for output that "
+            "matches a pattern or choice for one of a list of strings: one of them"
         )
+    if sampling.regex:
+        return {"regex": check_regex(sampling.regex, "sampling.regex", backend)}
+    if sampling.choice:
+        return {"choice": check_choice(list(sampling.choice), "sampling.choice")}
     if not sampling.json_schema:
-        return "", sampling.json_object
+        return {"json_object": sampling.json_object}
     try:
         schema = json.loads(sampling.json_schema)
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
@@ -247,7 +293,7 @@ def _check_structured_output(sampling: pb.SamplingParams, backend: str) -> tuple
             f"sampling.json_schema is not valid JSON ({e}); send the JSON text of a JSON Schema "
             "object"
         ) from e
-    return check_json_schema(schema, "sampling.json_schema", backend), False
+    return {"json_schema": check_json_schema(schema, "sampling.json_schema", backend)}
 
 
 def _check_lengths(

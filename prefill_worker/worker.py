@@ -39,7 +39,8 @@ class PrefillWorker(EngineWorker):
         # The one token is thrown away: no logprobs for it, no grammar to compile first, no
         # bias to apply (the decode engine samples every token the client sees).
         sampling = msgspec.structs.replace(request.sampling, num_logprobs=None, json_schema="",
-                                           json_object=False, logit_bias=())
+                                           json_object=False, regex="", choice=(),
+                                           logit_bias=())
         prefill = msgspec.structs.replace(request, sampling=sampling)
         async for output in self.runner.generate(prefill, max_tokens=1, priority=priority):
             if output.num_cached_tokens is not None:

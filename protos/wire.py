@@ -42,10 +42,15 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     """End-of-sequence and stop tokens are held back until this many tokens are out."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to those tokens' logits before sampling."""
+    regex: str = ""
+    """A regular expression the whole output must match ('' for none); exclusive with the other
+    constraints."""
+    choice: tuple[str, ...] = ()
+    """The output is exactly one of these strings (() for none); exclusive with the others."""
 
     def constrained(self) -> bool:
         """The output is held to a grammar (structured outputs)."""
-        return bool(self.json_schema) or self.json_object
+        return bool(self.json_schema) or self.json_object or bool(self.regex) or bool(self.choice)
 
 
 class PromptBlocks(msgspec.Struct, frozen=True):

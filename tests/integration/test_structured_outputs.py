@@ -138,3 +138,61 @@ async def test_a_schema_the_backend_refuses_is_invalid_argument_over_grpc(server
     assert info.value.details.startswith(
         "sampling.json_schema is a JSON Schema the structured-output backend cannot enforce: "
         "Failed to transform json schema into a grammar: Type should be a string")
+
+
+COLOUR_CODE = "(red|green|blue)-[0-9]{2}"
+VERDICTS = ["positive", "negative", "mixed"]
+
+
+async def test_sampled_choice_and_regex_answers_all_conform(server):
+    """vLLM's ``structured_outputs`` extension over HTTP (chat: ``choice``; completions:
+    ``regex``) and the same constraints over gRPC: every sampled answer is one of the choices or
+    matches the whole pattern, and ends by itself."""
+    import re
+
+    oai = _openai(server)
+
+    async def chat(i: int):
+        return await oai.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Is the sky lovely? " * 3}],
+            max_tokens=MAX_TOKENS, temperature=1.0, seed=3000 + i,
+            extra_body={"structured_outputs": {"choice": VERDICTS}})
+
+    async def completion(i: int):
+        return await oai.completions.create(
+            model="smollm2", prompt="A colour and a number: ", max_tokens=MAX_TOKENS,
+            temperature=1.0, seed=4000 + i, extra_body={"structured_outputs": {"regex": COLOUR_CODE}})
+
+    chats = await asyncio.gather(*(chat(i) for i in range(6)))
+    completions = await asyncio.gather(*(completion(i) for i in range(6)))
+    by_grpc = [await client.generate(server.target, text="Pick one. ", max_tokens=MAX_TOKENS,
+                                     temperature=1.0, seed=5000 + i, knobs=knobs)
+               for i, knobs in enumerate([{"choice": VERDICTS}, {"regex": COLOUR_CODE}])]
+
+    for answer in chats:
+        assert answer.choices[0].finish_reason == "stop"
+        assert answer.choices[0].message.content in VERDICTS
+    for answer in completions:
+        assert answer.choices[0].finish_reason == "stop"
+        assert re.fullmatch(COLOUR_CODE, answer.choices[0].text), answer.choices[0].text
+    assert by_grpc[0]["finish_reason"] == by_grpc[1]["finish_reason"] == "stop"
+    assert by_grpc[0]["text"] in VERDICTS
+    assert re.fullmatch(COLOUR_CODE, by_grpc[1]["text"]), by_grpc[1]["text"]
+    assert len({answer.choices[0].text for answer in completions}) > 1  # sampled, not one answer
+
+
+async def test_a_regex_the_backend_refuses_is_refused_at_the_front(server):
+    with pytest.raises(openai.BadRequestError) as info:
+        await _openai(server).completions.create(
+            model="smollm2", prompt="x", max_tokens=4,
+            extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    with pytest.raises(client.GenerateFailed) as grpc_info:
+        await client.generate(server.target, text="hi", max_tokens=4,
+                              knobs={"regex": "(unclosed"})
+
+    assert info.value.body["param"] == "structured_outputs"
+    assert info.value.body["message"].startswith(
+        "structured_outputs.regex is a regular expression the structured-output backend cannot "
+        "enforce: Failed to transform regex into a grammar")
+    assert grpc_info.value.status == "INVALID_ARGUMENT"
+    assert grpc_info.value.details.startswith("sampling.regex is a regular expression")

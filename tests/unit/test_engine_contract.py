@@ -111,6 +111,13 @@ def test_the_sampling_knobs_reach_the_engine_request(tokenizer, limits):
             sampling.logit_bias) == (5, 0.25, 0.5, -0.5, 1.25, 3, ((3, -100.0), (7, 2.5)))
 
 
+def test_regex_and_choice_constraints_are_enforced(tokenizer, limits):
+    assert engine_request(tokenized(regex="[ab]+"), tokenizer, limits).sampling.regex == "[ab]+"
+    choice = vpb.ChoiceConstraint(choices=["yes", "no"])
+    assert engine_request(tokenized(choice=choice), tokenizer, limits).sampling.choice == (
+        "yes", "no")
+
+
 def test_the_contracts_unset_knobs_are_the_neutral_values(tokenizer, limits):
     sampling = engine_request(tokenized(max_tokens=8, repetition_penalty=0.0), tokenizer,
                               limits).sampling
@@ -122,7 +129,8 @@ def test_the_contracts_unset_knobs_are_the_neutral_values(tokenizer, limits):
 @pytest.mark.parametrize("sampling, field", [
     ({"n": 2}, "n"), ({"min_p": 1.5}, "min_p"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"logit_bias": {10**6: 1.0}}, "logit_bias"),
-    ({"regex": "a+"}, "regex"), ({"stop_token_ids": [77]}, r"stop_token_ids \[77\]"),
+    ({"grammar": "root ::= \"a\""}, "grammar"), ({"regex": "(a"}, "regex"),
+    ({"stop_token_ids": [77]}, r"stop_token_ids \[77\]"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 500}, "context window"), ({"temperature": 3.0}, "temperature"),
 ])

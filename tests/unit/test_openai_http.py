@@ -269,6 +269,19 @@ BAD_REQUESTS = {
                      "must be in [0, 1]"),
     "repetition_penalty 0": ("completion", {"prompt": "x", "extra_body": {"repetition_penalty": 0}},
                              "repetition_penalty", "must be greater than 0"),
+    "structured_outputs grammar": ("chat", {"messages": HI, "extra_body": {"structured_outputs": {
+        "grammar": "root ::= x"}}}, "structured_outputs", "structured_outputs.grammar is not served"),
+    "structured_outputs two keys": ("completion", {"prompt": "x", "extra_body": {
+        "structured_outputs": {"regex": "a", "choice": ["a"]}}}, "structured_outputs",
+        "must set exactly one of json, regex, choice, got ['choice', 'regex']"),
+    "structured_outputs and response_format": ("chat", {
+        "messages": HI, "response_format": {"type": "json_object"},
+        "extra_body": {"structured_outputs": {"choice": ["a", "b"]}}}, "structured_outputs",
+        "response_format and structured_outputs both fix the output's shape"),
+    "choice repeats": ("chat", {"messages": HI, "extra_body": {"structured_outputs": {
+        "choice": ["a", "a"]}}}, "structured_outputs", "structured_outputs.choice repeats"),
+    "choice empty option": ("chat", {"messages": HI, "extra_body": {"structured_outputs": {
+        "choice": ["a", ""]}}}, "structured_outputs", "each option must be a non-empty string"),
     "min_tokens over max_tokens": ("completion", {"prompt": "x", "max_tokens": 4,
                                                   "extra_body": {"min_tokens": 5}},
                                    "min_tokens", "from 0 to the request's max_tokens (4)"),
@@ -305,6 +318,23 @@ async def test_the_sampling_knobs_reach_the_engine_request(client, router):
                        r.sampling.min_tokens, r.sampling.logit_bias) for r in router.requests]
     assert knobs == (4, 0.25, 0.5, -1.0, 1.5, 2, ((3, -100.0), (17, 2.5)))
     assert neutral == (0, 0.0, 0.0, 0.0, 1.0, 0, ())
+
+
+async def test_structured_outputs_constraints_reach_the_engine_request(client, router):
+    """vLLM's ``structured_outputs`` extension: ``choice``, ``regex``, and ``json`` (a schema as
+    an object or as its JSON text, the same as ``response_format``'s)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for spec in ({"choice": ["yes", "no"]}, {"regex": "[ab]+"}, {"json": schema},
+                 {"json": json.dumps(schema), "regex": None}):
+        await client.chat.completions.create(model=SERVED, messages=HI, max_tokens=4,
+                                             extra_body={"structured_outputs": spec})
+
+    constraints = [(r.sampling.choice, r.sampling.regex, r.sampling.json_schema)
+                   for r in router.requests]
+    compact = json.dumps(schema, separators=(",", ":"))
+    assert constraints == [(("yes", "no"), "", ""), ((), "[ab]+", ""), ((), "", compact),
+                           ((), "", compact)]
+    assert all(r.sampling.constrained() for r in router.requests)
 
 
 async def test_unknown_model_is_not_found(client):

@@ -352,3 +352,39 @@ def test_tokenize_prompt_checks_model_and_ids(tokenizer):
             SERVED,
             VOCAB_SIZE,
         )
+
+
+def test_grpc_regex_and_choice_constraints(tokenizer):
+    regex = build(make_request(regex="[ab]+"), tokenizer).sampling
+    choice_request = make_request()
+    choice_request.sampling.choice.extend(["yes", "no"])
+    choice = build(choice_request, tokenizer).sampling
+    assert (regex.regex, regex.choice, regex.json_object) == ("[ab]+", (), False)
+    assert (choice.regex, choice.choice) == ("", ("yes", "no"))
+    assert regex.constrained() and choice.constrained()
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"regex": "[ab]+", "json_object": True},
+     "sampling.json_object and sampling.regex are exclusive"),
+    ({"regex": "[ab]+", "choice": ["a"]}, "sampling.regex and sampling.choice are exclusive"),
+    ({"choice": ["a", "a"]}, "sampling.choice repeats an option"),
+    ({"choice": ["a", "x" * 1025]}, "each option must be a non-empty string of at most 1024"),
+    ({"regex": "a" * 4097}, "sampling.regex is 4097 characters; at most 4096"),
+])  # fmt: skip
+def test_grpc_constraints_are_checked(tokenizer, fields, fragment):
+    request = make_request()
+    for name, value in fields.items():
+        if name == "choice":
+            request.sampling.choice.extend(value)
+        else:
+            setattr(request.sampling, name, value)
+    with pytest.raises(InvalidRequest, match=fragment.replace("[", r"\[")):
+        build(request, tokenizer)
+
+
+@pytest.mark.vllm
+def test_a_regex_the_backend_cannot_enforce_is_refused(tokenizer):
+    with pytest.raises(InvalidRequest, match="sampling.regex is a regular expression the "
+                                             "structured-output backend cannot enforce"):
+        build(make_request(regex="(unclosed"), tokenizer)
