@@ -69,6 +69,11 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
                                            "days": {"type": "integer"}}, "required": ["city"]}
 TEXTS = ("The sky is", "Write one word.", "hello", "Name a colour:", "1, 2, 3,",
          "Ünïcødé ✓ text", "What is the weather in Paris?")
+KNOBS: tuple[tuple[str, Any], ...] = (
+    ("top_k", 5), ("min_p", 0.05), ("presence_penalty", 0.5), ("frequency_penalty", -0.5),
+    ("repetition_penalty", 1.1), ("min_tokens", 1), ("logit_bias", {"100": 5.0}))
+"""Sampling knobs a valid request may carry (each rarely), by both spellings' names; a gRPC
+``logit_bias`` key is a token id either way (``json_format`` parses map keys from strings)."""
 NEAR: dict[str, tuple[Any, ...]] = {
     "max_tokens": (1, 2, 4, 8), "max_completion_tokens": (1, 3),
     "temperature": (0, 0.0, 0.5, 1.0, 2.0, 1e-9), "top_p": (1, 1.0, 0.9, 0.1, 1e-9),
@@ -95,7 +100,7 @@ HOSTILE: dict[str, tuple[Any, ...]] = {
     "stop": (("",), ("x" * 257,), ("a",) * 17), "stop_sequences": (("",), ("x" * 257,)),
     "role": ("root", "", "developer", "function", "USER", "\x00"),
     "model": ("gpt-4", "tiny ", "x" * 10_000), "request_id": ("x" * 129, "a\nb", "fuzz-dup"),
-    "cache_salt": ("x" * 257,), "n": (0, 2, -1), "type": ("nope", "", "function_call"),
+    "cache_salt": ("x" * 257,), "n": (0, 17, -1), "type": ("nope", "", "function_call"),
     "tool_choice": ("any", {"type": "function"},
                     {"type": "function", "function": {"name": "nope"}}),
     "json_schema": ("{", "[]", '{"type": "strin"}', '{"$ref": "#/nope"}',
@@ -103,8 +108,12 @@ HOSTILE: dict[str, tuple[Any, ...]] = {
                     '{"items":' * 300 + "{}" + "}" * 300),
     "schema": ([], "x", {"type": "nope"}, {"$ref": "#/x"}), "parameters": ("x", {"type": "nope"}),
     "input_schema": ([], {"type": "nope"}), "name": ("", "x" * 65, "a b", "x" * 10_000),
-    "ids": ((),), "presence_penalty": (0.5,), "logit_bias": ({"5": 10},)}
-"""Boundary and hostile values by field name; ``_hostile`` adds values by type."""
+    "ids": ((),), "presence_penalty": (2.5, -3.0), "logit_bias": ({"5": 101}, {"x": 1}),
+    "top_k": (-2,), "min_p": (1.5,), "repetition_penalty": (0.0,),
+    "regex": ("(", "a" * 5_000), "choice": ((), ("a", "a"))}
+"""Boundary and hostile values by field name; ``_hostile`` adds values by type. ``n`` stays
+out of 2..16 here and in ``NEAR``: a served several-choice case places several requests, and
+the report's books (``FuzzReport.books_agree``) count one placement per served case."""
 BY_TYPE: dict[type, tuple[Any, ...]] = {
     int: (0, -1, 2**31, -(2**31) - 1, 2**63, 2**64),
     float: (math.nan, math.inf, -math.inf, -0.0, 1e308, 5e-324),
@@ -146,11 +155,18 @@ def _grpc(rng: random.Random, limits: Limits) -> dict:
                        ("logprobs", rng.randrange(0, 6))):
         if rng.random() < 0.25:
             sampling[key] = value
+    for key, value in KNOBS:
+        if rng.random() < 0.05:
+            sampling[key] = _listed(value)
     structured = rng.random()
     if structured < 0.15:
         sampling["json_schema"] = json.dumps(SCHEMA)
     elif structured < 0.25:
         sampling["json_object"] = True
+    elif structured < 0.28:
+        sampling["regex"] = "[a-z]{1,6}"
+    elif structured < 0.31:
+        sampling["choice"] = ["yes", "no"]
     tree["sampling"] = sampling
     for key, value in (("model", "tiny"), ("cache_salt", "t1")):
         if rng.random() < 0.3:
@@ -211,6 +227,9 @@ def _http_extras(rng: random.Random, tree: dict, stop: tuple[str, ...]) -> None:
                        ("cache_salt", "t1"), ("presence_penalty", 0)):
         if rng.random() < 0.15:
             tree[key] = value
+    for key, value in KNOBS:
+        if rng.random() < 0.05:
+            tree[key] = _listed(value)
 
 
 def _messages(rng: random.Random, limits: Limits) -> dict:
