@@ -74,6 +74,20 @@ def generate(
     top_p: Optional[float] = typer.Option(None, help="Nucleus sampling mass in (0, 1]."),
     seed: Optional[int] = typer.Option(None, help="Sampling seed."),
     stop: List[str] = typer.Option([], help="Stop string (repeatable)."),
+    top_k: Optional[int] = typer.Option(None, help="Sample among the k most likely tokens."),
+    min_p: Optional[float] = typer.Option(None, help="Drop tokens under min_p times the most "
+                                          "likely one's probability, in [0, 1]."),
+    presence_penalty: Optional[float] = typer.Option(None, help="In [-2, 2], per token already "
+                                                     "in the output."),
+    frequency_penalty: Optional[float] = typer.Option(None, help="In [-2, 2], per occurrence "
+                                                      "in the output."),
+    repetition_penalty: Optional[float] = typer.Option(None, help="> 0; above 1 penalizes "
+                                                       "tokens of the prompt and output."),
+    min_tokens: Optional[int] = typer.Option(None, help="No end of sequence or stop before this "
+                                             "many tokens."),
+    regex: Optional[str] = typer.Option(None, help="The whole answer matches this regular "
+                                        "expression."),
+    choice: List[str] = typer.Option([], help="The answer is exactly one of these (repeatable)."),
     cache_salt: str = typer.Option("", help="Tenant salt: isolates this tenant's KV cache."),
     session_id: str = typer.Option("", help="Agent session this request is a step of: its KV "
                                    "is kept (leased) through the pause before the next step."),
@@ -90,6 +104,10 @@ def generate(
     from gateway.client import generate as run_generate
 
     text = prompt if prompt is not None else sys.stdin.read()
+    given = {"top_k": top_k, "min_p": min_p, "presence_penalty": presence_penalty,
+             "frequency_penalty": frequency_penalty, "repetition_penalty": repetition_penalty,
+             "min_tokens": min_tokens, "regex": regex, "choice": choice or None}
+    knobs = {name: value for name, value in given.items() if value is not None}
 
     def on_delta(delta: str, _ids) -> None:
         if not as_json:
@@ -100,7 +118,7 @@ def generate(
         result = asyncio.run(run_generate(
             target, text=text, chat=chat, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt, model=model,
-            session_id=session_id,
+            session_id=session_id, knobs=knobs,
             on_delta=on_delta, timeout_s=timeout, api_key=api_key,
             tls_ca_file=str(tls_ca) if tls_ca else None,
         ))

@@ -115,6 +115,22 @@ def test_serve_generate_and_ctrl_c(tmp_path):
         )
         assert bad.returncode == 1
         assert "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
+
+        chosen = subprocess.run(
+            BATON + ["generate", "--target", target, "--json", "--max-tokens", "8",
+                     "--temperature", "1", "--top-k", "20", "--choice", "yes", "--choice", "no",
+                     "Is it?"],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )
+        assert chosen.returncode == 0, chosen.stderr
+        assert json.loads(chosen.stdout)["text"] in ("yes", "no")
+        bad_knob = subprocess.run(
+            BATON + ["generate", "--target", target, "--min-p", "2", "hi"],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )
+        assert bad_knob.returncode == 1
+        assert "INVALID_ARGUMENT" in bad_knob.stderr and "sampling.min_p must be in [0, 1]" in \
+            bad_knob.stderr
     finally:
         proc.send_signal(signal.SIGINT)
         try:
