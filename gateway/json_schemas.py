@@ -19,8 +19,9 @@ import re
 _XGRAMMAR_LOCATION = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
 """The time and C++ source line xgrammar prefixes its messages with (no use to a client)."""
 MAX_CACHED_SCHEMA_CHARS = 64 * 1024
-"""Schemas up to this size have their verdict cached (256 of them, so at most 16 MiB of keys):
-a large schema takes ~10 ms to compile and clients send the same one again and again."""
+"""Schemas and regular expressions up to this size have their verdict cached (512 of them, so
+at most 32 MiB of keys): a large schema takes ~10 ms to compile and clients send the same one
+again and again."""
 
 
 BACKENDS = ("auto", "xgrammar")
@@ -31,13 +32,25 @@ def backend_refusal(schema_text: str, backend: str = "auto") -> str | None:
     """vLLM's reason for refusing ``schema_text`` (the JSON text of an object), or None when the
     engines' structured-output ``backend`` would enforce it. Also None when vLLM is not installed
     here: the engine's own check then stays the only one."""
+    return _checked("json", schema_text, backend)
+
+
+def regex_refusal(pattern: str, backend: str = "auto") -> str | None:
+    """vLLM's reason for refusing ``pattern`` as a request's ``regex`` constraint, or None when
+    the engines' ``backend`` would enforce it (xgrammar; under ``auto`` llguidance where
+    xgrammar refuses, as vLLM falls back). None too when vLLM is not installed here."""
+    return _checked("regex", pattern, backend)
+
+
+def _checked(kind: str, text: str, backend: str) -> str | None:
     assert backend in BACKENDS, backend
-    if len(schema_text) <= MAX_CACHED_SCHEMA_CHARS:
-        return _cached_refusal(schema_text, backend)
-    return _refusal(schema_text, backend)
+    if len(text) <= MAX_CACHED_SCHEMA_CHARS:
+        return _cached_refusal(kind, text, backend)
+    return _refusal(kind, text, backend)
 
 
-def _refusal(schema_text: str, backend: str) -> str | None:
+def _refusal(kind: str, text: str, backend: str) -> str | None:
+    """``kind`` "json" (a schema) or "regex": vLLM's checks, in the order vLLM runs them."""
     try:
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import (
@@ -56,11 +69,12 @@ def _refusal(schema_text: str, backend: str) -> str | None:
     except ImportError:
         return None
 
-    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema_text))
-    try:
-        check_json_nesting(schema_text)
-    except VLLMValidationError as e:
-        return str(e)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**{kind: text}))
+    if kind == "json":
+        try:
+            check_json_nesting(text)
+        except VLLMValidationError as e:
+            return str(e)
     try:
         validate_xgrammar_grammar(params)
         return None
@@ -69,7 +83,7 @@ def _refusal(schema_text: str, backend: str) -> str | None:
             return _XGRAMMAR_LOCATION.sub("", str(e))
         # auto: vLLM falls back to the other backends, and reports their reason
     try:
-        if has_guidance_unsupported_json_features(json.loads(schema_text)):
+        if kind == "json" and has_guidance_unsupported_json_features(json.loads(text)):
             validate_structured_output_request_outlines(params)
         else:
             validate_guidance_grammar(params, tokenizer=None)
@@ -78,40 +92,4 @@ def _refusal(schema_text: str, backend: str) -> str | None:
     return None
 
 
-_cached_refusal = functools.lru_cache(maxsize=256)(_refusal)
-
-
-def regex_refusal(pattern: str, backend: str = "auto") -> str | None:
-    """vLLM's reason for refusing ``pattern`` as a request's ``regex`` constraint, or None when
-    the engines' ``backend`` would enforce it (xgrammar; under ``auto`` llguidance where
-    xgrammar refuses, as vLLM falls back). None too when vLLM is not installed here."""
-    assert backend in BACKENDS, backend
-    if len(pattern) <= MAX_CACHED_SCHEMA_CHARS:
-        return _cached_regex_refusal(pattern, backend)
-    return _regex_refusal(pattern, backend)
-
-
-def _regex_refusal(pattern: str, backend: str) -> str | None:
-    try:
-        from vllm.exceptions import VLLMValidationError
-        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
-        from vllm.v1.structured_output.backend_guidance import validate_guidance_grammar
-        from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
-    except ImportError:
-        return None
-
-    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=pattern))
-    try:
-        validate_xgrammar_grammar(params)
-        return None
-    except (VLLMValidationError, ValueError) as e:
-        if backend == "xgrammar":
-            return _XGRAMMAR_LOCATION.sub("", str(e))
-    try:
-        validate_guidance_grammar(params, tokenizer=None)
-    except (VLLMValidationError, ValueError) as e:
-        return str(e)
-    return None
-
-
-_cached_regex_refusal = functools.lru_cache(maxsize=256)(_regex_refusal)
+_cached_refusal = functools.lru_cache(maxsize=512)(_refusal)

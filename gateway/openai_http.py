@@ -55,7 +55,6 @@ from gateway.openai_errors import OpenAIError, error_for, validation_message
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.openai_requests import (
     REQUEST_ID_HEADER,
-    Prepared,
     ServedModel,
     build_engine_request,
     checked,
@@ -68,7 +67,6 @@ from gateway.openai_streams import (
     collect_output,
     event_stream,
     opened,
-    sse_events,
     unless_disconnected,
 )
 from gateway.router import Router
@@ -78,7 +76,6 @@ from gateway.tokenization import PromptTokenizer
 from gateway.tool_parsers import ToolOutput, finish_reason
 from gateway.validation import check_model
 from protos.errors import NoWorkerReady
-from protos.wire import EngineRequest
 
 __all__ = [
     "OpenAIError", "RunningHttp", "build_app", "build_engine_request", "error_for", "start_http",
@@ -112,50 +109,10 @@ class _Front:
         )
         engine_request = await asyncio.to_thread(self.sessions.openai, prepared, body,
                                                  http_request.headers)
-        if body.n > 1:
-            return await self._complete_choices(body, http_request, shape, prepared,
-                                                engine_request, received_at)
-        plan = prepared.tools
-        tools = ToolOutput(plan) if plan is not None and plan.mode != "none" else None
-        placed_events = await opened(self.router, engine_request, http_request)
-        if placed_events is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        placed, events = placed_events
-        progress = Progress(placed, received_at, len(engine_request.prompt_token_ids),
-                            leases=engine_request.leases)
-        header = shape.header(
-            engine_request.request_id, int(time.time()), self.served.name, chunk=body.stream
-        )
-        response_headers = {"X-Request-Id": engine_request.request_id}
-        with_logprobs = engine_request.sampling.num_logprobs is not None
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            sse = sse_events(
-                events, progress, shape, header, include_usage, engine_request.request_id,
-                with_logprobs, tools,
-            )
-            return event_stream(sse, events, response_headers)
-        output = await unless_disconnected(
-            http_request, collect_output(events, progress, engine_request.request_id)
-        )
-        if output is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        text, positions = output
-        choice = self._choice(shape, text, positions, progress, tools, with_logprobs)
-        return JSONResponse(
-            {**header, "choices": [choice], "usage": progress.usage(), "baton": progress.baton()},
-            headers=response_headers,
-        )
-
-    async def _complete_choices(
-        self, body: ChatCompletionRequest | CompletionRequest, http_request: Request,
-        shape: Shape, prepared: Prepared, engine_request: EngineRequest, received_at: float,
-    ) -> Response:
-        """``complete`` for ``n`` > 1 (``gateway.openai_choices``): the choices' engine requests
-        placed one after the other, then answered together, in full or streamed."""
+        # n > 1: one engine request per choice (``gateway.openai_choices``)
         requests = choice_requests(engine_request, body.n)
         streams: list = []
-        try:
+        try:  # one after the other: the conductor sees the first prefill when placing the next
             for request in requests:
                 placed_events = await opened(self.router, request, http_request)
                 if placed_events is None:

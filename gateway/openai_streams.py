@@ -1,11 +1,11 @@
-"""The OpenAI HTTP front's streams: the router's event stream as an SSE body or as one text, and
-the client's disconnect as cancellation. ``opened``, ``collect_output``, ``event_stream`` and
+"""The OpenAI HTTP front's streams: the router's event stream as one choice's chunks
+(``choice_chunks``, made an SSE body by ``gateway.openai_choices.sse_choices``) or as one text,
+and the client's disconnect as cancellation. ``opened``, ``collect_output``, ``event_stream`` and
 ``unless_disconnected`` serve the Anthropic routes too (``gateway.anthropic_http``).
 
 Contract: every function here closes the router stream it is handed however it ends (the
 workers then abort the request); errors raised inside become ``OpenAIError`` (via
-``gateway.openai_errors.translated``); once the first SSE byte is out they become an
-``error`` event followed by ``[DONE]``.
+``gateway.openai_errors.translated``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from gateway.inference import NOT_READY_MESSAGE
-from gateway.openai_errors import OpenAIError, error_for, translated
+from gateway.openai_errors import error_for, translated
 from gateway.openai_responses import Progress, Shape, piece_delta
 from gateway.router import Placed, Router
 from gateway.tool_parsers import ToolOutput, finish_reason
@@ -77,30 +77,6 @@ async def choice_chunks(
             yield shape.delta_choice(piece_delta(piece), index=index), {}
         reason = finish_reason(reason, tools.calls)
     yield shape.chunk_choice(None, reason, index=index), {"baton": progress.baton()}
-
-
-async def sse_events(
-    events: AsyncIterator,
-    progress: Progress,
-    shape: Shape,
-    header: dict,
-    include_usage: bool,
-    request_id: str,
-    with_logprobs: bool = False,
-    tools: ToolOutput | None = None,
-) -> AsyncIterator[bytes]:
-    """The SSE body of one choice (``choice_chunks``), an optional usage chunk, ``[DONE]``. An
-    error after the first byte becomes an ``error`` event."""
-    usage_field = {"usage": None} if include_usage else {}
-    try:
-        async for choice, fields in choice_chunks(events, progress, shape, request_id,
-                                                  with_logprobs, tools):
-            yield sse({**header, "choices": [choice], **usage_field, **fields})
-        if include_usage:
-            yield sse({**header, "choices": [], "usage": progress.usage()})
-    except OpenAIError as e:
-        yield sse(e.body)
-    yield sse("[DONE]")
 
 
 async def collect_output(events: AsyncIterator, progress: Progress,

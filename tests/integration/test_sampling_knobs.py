@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import openai
 import pytest
-import pytest_asyncio
 
-from engine.builder import build_engine_args
-from engine.config import EngineConfig
 from gateway import client
-from tests.integration.engines import random_prompt, running_server
+from tests.integration.engines import random_prompt
+from tests.integration.test_logprobs import reference_engine, server  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
 MAX_TOKENS = 12
-SHORT, LONG = 60, 300  # under and over the conductor's short_prefill_tokens (256)
+SHORT, LONG = 60, 300  # under and over the conductor's short_prefill_tokens (256): the server
+# (test_logprobs') places the short prompts co-located, the long ones disaggregated
 FORCED = 4242
 """A token id a +100 bias makes the greedy choice at every position."""
 
@@ -35,23 +34,6 @@ engine's; ``top_k`` 1 and ``min_p`` 1 must turn a sampled request into the greed
 penalties encourage repeats (negative, and a repetition penalty under 1): the tiny random
 model's greedy answers to these prompts repeat nothing, so a penalty against repeats would
 change nothing there."""
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def server(tiny_model):
-    # the older rule, named: a short prompt co-located, a long one disaggregated (both paths)
-    async with running_server({"engine.model": "tiny", "conductor.tuning.short_prefill_tokens": 256,
-                               "kvstore.host_capacity_bytes": 256 << 20}) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def reference_engine(tiny_model):
-    """A plain vLLM engine, driven by hand: vLLM's own SamplingParams, not Baton's runner."""
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    return LLMEngine.from_engine_args(
-        build_engine_args(EngineConfig(model=tiny_model.name), tiny_model, "plain", "ref", None))
 
 
 def reference(engine, prompt: list[int], **params) -> list[int]:
@@ -125,7 +107,7 @@ async def test_min_tokens_holds_back_the_end_of_sequence(server, tiny_model, num
     assert eos not in held["token_ids"][:5]
 
 
-async def test_openai_chat_sends_the_knobs_to_the_engine(server, reference_engine, tiny_model):
+async def test_openai_chat_sends_the_knobs_to_the_engine(server, tiny_model):
     """The HTTP front's spelling (token ids as strings in logit_bias, vLLM's extensions in the
     body) reaches the engine: the chat answer is the forced token, repeated."""
     from transformers import AutoTokenizer
