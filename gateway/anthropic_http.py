@@ -35,13 +35,11 @@ from gateway.anthropic_responses import full_message, message_events
 from gateway.auth import KeySet, bearer_key
 from gateway.openai_errors import OpenAIError, validation_message
 from gateway.openai_requests import REQUEST_ID_HEADER, ServedModel
-from gateway.openai_responses import Progress
 from gateway.openai_streams import (
     CLIENT_CLOSED_REQUEST,
-    collect_output,
+    collected_text,
     event_stream,
-    opened,
-    unless_disconnected,
+    opened_progress,
 )
 from gateway.router import Router
 from gateway.session_http import HttpSessions
@@ -104,23 +102,19 @@ class _Messages:
                                            http_request.headers.get(REQUEST_ID_HEADER, ""))
         engine_request = await asyncio.to_thread(self.sessions.anthropic, prepared, body,
                                                  http_request.headers)
-        placed_events = await opened(self.router, engine_request, http_request)
-        if placed_events is None:
+        opened = await opened_progress(self.router, engine_request, http_request, received_at)
+        if opened is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        placed, events = placed_events
+        progress, events = opened
         request_id = engine_request.request_id
         headers = headers | {"X-Request-Id": request_id, "request-id": request_id}
-        progress = Progress(placed, received_at, len(engine_request.prompt_token_ids),
-                            leases=engine_request.leases)
         tools = ToolOutput(prepared.tools, ANTHROPIC_CALL_ID_PREFIX)
         if body.stream:
             sse = message_events(events, progress, tools, request_id, self.served.name)
             return event_stream(sse, events, headers)
-        output = await unless_disconnected(
-            http_request, collect_output(events, progress, request_id))
-        if output is None:
+        text = await collected_text(http_request, events, progress, request_id)
+        if text is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        text, _ = output
         answer = full_message(text, progress, tools, request_id, self.served.name)
         return JSONResponse(answer, headers=headers)
 

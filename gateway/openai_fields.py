@@ -72,18 +72,22 @@ def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
     return False
 
 
-def refused_field(extra_fields: dict[str, Any] | None) -> OpenAIError | None:
+def refused_field(extra_fields: dict[str, Any] | None,
+                  neutral: dict[str, tuple[Any, ...]] = NEUTRAL,
+                  hints: dict[str, str] = NOT_SERVED_HINT) -> OpenAIError | None:
     """The 400 for the first body field the front would otherwise ignore, or None.
 
     ``extra_fields`` are the body's fields the request model does not declare (pydantic's
-    ``model_extra``), in the order the client sent them."""
+    ``model_extra``), in the order the client sent them; ``neutral`` and ``hints`` are the
+    route's table (default: the chat and completions routes'; ``gateway.responses_requests``
+    has the Responses route's)."""
     for name, value in (extra_fields or {}).items():
-        allowed = NEUTRAL.get(name)
+        allowed = neutral.get(name)
         if allowed is not None:
             if _neutral(value, allowed):
                 continue
             message = (f"{name}={value!r} is not supported by this server: "
-                       f"{NOT_SERVED_HINT[name]} (Baton refuses a request rather than ignore a "
+                       f"{hints[name]} (Baton refuses a request rather than ignore a "
                        "field of it)")
         else:
             message = (f"unknown field '{name}'; see the supported fields in Baton's "

@@ -24,7 +24,8 @@ This module assembles the app (routes, auth, exception handlers) from its parts:
 (``gateway.openai_models``), their checks (``gateway.openai_requests``), answers
 (``gateway.openai_responses``), streaming (``gateway.openai_streams``) and the uvicorn server
 (``gateway.openai_server``, whose ``start_http`` is re-exported here). The same app serves
-Anthropic's Messages API, ``/v1/messages``, in Anthropic's spelling (``gateway.anthropic_http``).
+Anthropic's Messages API, ``/v1/messages``, in Anthropic's spelling (``gateway.anthropic_http``),
+and OpenAI's Responses API, ``/v1/responses`` (``gateway.responses_http``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from gateway.openai_streams import (
     opened,
     unless_disconnected,
 )
+from gateway.responses_http import add_responses_routes
 from gateway.router import Router
 from gateway.session_http import HttpSessions, sessions_router
 from gateway.sessions import SessionsConfig
@@ -264,6 +266,7 @@ def build_app(
             media_type=prometheus_client.CONTENT_TYPE_LATEST,
         )
 
+    add_responses_routes(v1, router, tokenizer, served, http_sessions)
     app.include_router(v1)
     app.include_router(messages_router(router, tokenizer, served, api_keys, http_sessions))
     app.include_router(sessions_router(router, http_sessions))

@@ -104,6 +104,25 @@ async def opened(router: Router, request: EngineRequest, http_request: Request
     return await unless_disconnected(http_request, open_stream(router, request))
 
 
+async def opened_progress(router: Router, request: EngineRequest, http_request: Request,
+                          received_at: float) -> tuple[Progress, AsyncIterator] | None:
+    """``opened``, with the request's ``Progress`` (TTFT counted from ``received_at``)."""
+    placed_events = await opened(router, request, http_request)
+    if placed_events is None:
+        return None
+    placed, events = placed_events
+    return Progress(placed, received_at, len(request.prompt_token_ids),
+                    leases=request.leases), events
+
+
+async def collected_text(http_request: Request, events: AsyncIterator, progress: Progress,
+                         request_id: str) -> str | None:
+    """The whole generated text (``collect_output``), or None when the client went away
+    first (answer ``CLIENT_CLOSED_REQUEST``)."""
+    output = await unless_disconnected(http_request, collect_output(events, progress, request_id))
+    return None if output is None else output[0]
+
+
 def event_stream(body: AsyncIterator[bytes], events: AsyncIterator | Sequence[AsyncIterator],
                  headers: dict[str, str]) -> StreamingResponse:
     """``body`` (built over the router stream ``events``, or several) as a ``text/event-stream``

@@ -3,7 +3,8 @@ find a request's session and breakpoints, and ``DELETE /v1/sessions/{session_id}
 
 * **Session id.** The ``X-Session-Id`` header or the body's ``session_id`` (both set and
   different: 400); with ``sessions.session_from_user``, OpenAI's ``user`` (Anthropic's
-  ``metadata.user_id``) when neither is. Scoped to the API key the caller authenticated with and
+  ``metadata.user_id``; the Responses route's ``user``, else ``safety_identifier``) when
+  neither is. Scoped to the API key the caller authenticated with and
   the request's cache salt (``sessions.scoped_session_id``), so the same id under another key or
   tenant is another session. ``session_ttl_s`` and ``expected_next_step_s`` ride in the body.
 * **Breakpoints.** ``gateway.cache_control`` lists and measures them; each becomes a lease.
@@ -36,6 +37,7 @@ from gateway.cache_control import (
 from gateway.openai_errors import OpenAIError, error_for, translated
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.openai_requests import Prepared
+from gateway.responses_models import ResponsesRequest
 from gateway.router import Router
 from gateway.sessions import (
     InvalidField,
@@ -115,6 +117,20 @@ class HttpSessions:
             marks = anthropic_breakpoints(body)
             key = offered_key(headers, self.api_keys, x_api_key_first=True)
             return self._built(prepared, fields, marks, key)
+        except InvalidField as e:
+            raise error_for(e, e.field) from e
+
+    def responses(self, prepared: Prepared, body: ResponsesRequest, headers: Headers
+                  ) -> EngineRequest:
+        """The Responses route's request with its session (no breakpoints: the Responses API
+        has no ``cache_control``)."""
+        try:
+            user, user_field = ((body.user, "user") if body.user
+                                else (body.safety_identifier, "safety_identifier"))
+            fields = session_fields(headers.get(SESSION_HEADER), body.session_id, user,
+                                    user_field, body.session_ttl_s, body.expected_next_step_s,
+                                    self.config)
+            return self._built(prepared, fields, [], offered_key(headers, self.api_keys))
         except InvalidField as e:
             raise error_for(e, e.field) from e
 

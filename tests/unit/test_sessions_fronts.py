@@ -191,6 +191,36 @@ async def test_the_anthropic_route_scopes_with_its_x_api_key(running, router):
     assert second.expected_next_step_s == 2.0
 
 
+async def test_the_responses_route_names_the_scoped_session(running, router, slot, tokenizer):
+    body = {"model": SERVED, "input": "Say hello to the whole team, please.",
+            "max_output_tokens": 4}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{running.port}", timeout=10,
+                                 headers={"Authorization": f"Bearer {KEY_B}"}) as http:
+        by_header = await http.post("/v1/responses", json=body,
+                                    headers={"X-Session-Id": "codex-1"})
+        by_body = await http.post("/v1/responses", json=body | {
+            "session_id": "codex-1", "session_ttl_s": 60, "expected_next_step_s": 2})
+        by_user = await http.post("/v1/responses", json=body | {"user": "alice"})
+    running_by_user = await _serving(slot, tokenizer, SessionsConfig(session_from_user=True))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{running_by_user.port}",
+                                     timeout=10,
+                                     headers={"Authorization": f"Bearer {KEY_A}"}) as other:
+            by_identifier = await other.post("/v1/responses", json=body | {
+                "safety_identifier": "bob"})
+    finally:
+        await running_by_user.stop(grace_s=1.0)
+
+    assert {r.status_code for r in (by_header, by_body, by_user, by_identifier)} == {200}
+    scoped = scoped_session_id(KEY_B, "", "codex-1")
+    first, second, third, fourth = router.requests
+    assert (first.session_id, second.session_id, third.session_id) == (scoped, scoped, "")
+    assert fourth.session_id == scoped_session_id(KEY_A, "", "bob")
+    assert [lease.ttl_s for lease in first.leases + second.leases] == [300.0, 60.0]
+    assert first.leases[0] == session_lease(scoped, "", 300.0, len(first.prompt_token_ids))
+    assert second.expected_next_step_s == 2.0
+
+
 async def test_user_is_the_session_only_where_configured(http, slot, tokenizer, router):
     await http.post("/v1/chat/completions", json=chat(user="alice"))
     assert (router.requests[0].session_id, router.requests[0].leases) == ("", ())
