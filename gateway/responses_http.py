@@ -1,4 +1,5 @@
-"""OpenAI's Responses API on the HTTP front: ``POST /v1/responses``, for clients that speak it
+"""OpenAI's Responses API on the HTTP front: ``POST /v1/responses`` (and
+``POST /v1/responses/input_tokens``, the prompt's length), for clients that speak it
 (the ``openai`` package's ``client.responses``, the OpenAI Agents SDK, Codex and the agents
 built on them), stateless.
 
@@ -31,11 +32,20 @@ from gateway.openai_streams import (
 )
 from gateway.responses_models import ResponsesRequest
 from gateway.responses_output import ResponseShape, full_response, response_events
-from gateway.responses_requests import FIELDS_REFERENCE, prepare_response
+from gateway.responses_requests import FIELDS_REFERENCE, count_input_tokens, prepare_response
 from gateway.router import Router
 from gateway.session_http import HttpSessions
 from gateway.tokenization import PromptTokenizer
 from gateway.tool_parsers import ToolOutput
+
+
+async def _parsed(http_request: Request) -> ResponsesRequest:
+    """The body; malformed JSON and wrong types are 400, not FastAPI's 422."""
+    try:
+        return ResponsesRequest.model_validate_json(await http_request.body())
+    except ValidationError as e:
+        message, param = validation_message(e, FIELDS_REFERENCE)
+        raise OpenAIError(400, message, "invalid_request_error", param) from e
 
 
 class _Responses:
@@ -49,11 +59,7 @@ class _Responses:
     async def create(self, http_request: Request) -> Response:
         """Check, place, then answer in full or as the Responses API's server-sent events."""
         received_at = time.perf_counter()
-        try:
-            body = ResponsesRequest.model_validate_json(await http_request.body())
-        except ValidationError as e:
-            message, param = validation_message(e, FIELDS_REFERENCE)
-            raise OpenAIError(400, message, "invalid_request_error", param) from e
+        body = await _parsed(http_request)
         prepared = await asyncio.to_thread(prepare_response, body, self.tokenizer, self.served,
                                            http_request.headers.get(REQUEST_ID_HEADER, ""))
         engine_request = await asyncio.to_thread(self.sessions.responses, prepared, body,
@@ -74,15 +80,27 @@ class _Responses:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(full_response(text, progress, tools, shape), headers=headers)
 
+    async def count(self, http_request: Request) -> JSONResponse:
+        body = await _parsed(http_request)
+        num_tokens = await asyncio.to_thread(count_input_tokens, body, self.tokenizer,
+                                             self.served)
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": num_tokens})
+
 
 def add_responses_routes(v1: APIRouter, router: Router, tokenizer: PromptTokenizer,
                          served: ServedModel, sessions: HttpSessions) -> None:
-    """Adds ``/responses`` (and the 404s of the stored responses' routes) to ``v1``."""
+    """Adds ``/responses``, ``/responses/input_tokens`` (the prompt's length as ``/responses``
+    renders it: ``{"object": "response.input_tokens", "input_tokens": n}``) and the 404s of the
+    stored responses' routes to ``v1``."""
     front = _Responses(router, tokenizer, served, sessions)
 
     @v1.post("/responses")
     async def create_response(request: Request) -> Response:
         return await front.create(request)
+
+    @v1.post("/responses/input_tokens")
+    async def count_response_input_tokens(request: Request) -> JSONResponse:
+        return await front.count(request)
 
     @v1.api_route("/responses/{response_id}{rest:path}", methods=["GET", "POST", "DELETE"])
     async def stored_response(response_id: str, rest: str) -> JSONResponse:

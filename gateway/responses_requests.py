@@ -229,6 +229,18 @@ def _refuse_fields(body: ResponsesRequest) -> None:
                         "store")
 
 
+def count_input_tokens(body: ResponsesRequest, tokenizer: PromptTokenizer,
+                       served: ServedModel) -> int:
+    """The prompt's length in tokens as ``/v1/responses`` would render it, tools included
+    (``POST /v1/responses/input_tokens``); the same checks of the fields it reads."""
+    checked("model", check_model, body.model, served.name)
+    _refuse_fields(body)
+    plan = tool_plan(body, served.tool_call_parser)
+    checked("text.format", structured_output, response_format(body), served.structured_backend)
+    turns = checked("input", conversation, body.instructions, body.input)
+    return len(chat_prompt(turns, plan, tokenizer, "input"))
+
+
 def prepare_response(body: ResponsesRequest, tokenizer: PromptTokenizer, served: ServedModel,
                      request_id: str = "") -> Prepared:
     """Checks a ``/v1/responses`` body like ``gateway.openai_requests.prepare`` checks a chat

@@ -243,6 +243,14 @@ async def test_input_items_render_into_the_prompt(client, router, tokenizer):  #
     [request] = router.requests
     assert list(request.prompt_token_ids) == expected
 
+    counted = await client.responses.input_tokens.count(
+        model=SERVED, input=items, instructions="You are a bot.", tools=TOOLS)
+    assert (counted.object, counted.input_tokens) == ("response.input_tokens", len(expected))
+    assert len(router.requests) == 1  # counting places nothing
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        await client.responses.input_tokens.count(model=SERVED, input="Hi",
+                                                  previous_response_id="resp_1")
+
 
 async def test_text_formats_are_the_chat_routes_structured_outputs(client, router):
     schema = {"type": "object", "properties": {"city": {"type": "string"}},
