@@ -88,6 +88,9 @@ def generate(
     regex: Optional[str] = typer.Option(None, help="The whole answer matches this regular "
                                         "expression."),
     choice: List[str] = typer.Option([], help="The answer is exactly one of these (repeatable)."),
+    prefill: str = typer.Option("", help="Begin the answer with this text (an assistant "
+                                "prefill; not with --raw): the model continues it. Printed "
+                                "before the continuation; --json's text is the continuation."),
     cache_salt: str = typer.Option("", help="Tenant salt: isolates this tenant's KV cache."),
     session_id: str = typer.Option("", help="Agent session this request is a step of: its KV "
                                    "is kept (leased) through the pause before the next step."),
@@ -104,6 +107,10 @@ def generate(
     from gateway.client import generate as run_generate
 
     text = prompt if prompt is not None else sys.stdin.read()
+    if prefill and not chat:
+        err.print("[red]error:[/red] --prefill begins the assistant's answer in a chat; it "
+                  "cannot be used with --raw (append the text to the prompt instead)")
+        raise typer.Exit(2)
     given = {"top_k": top_k, "min_p": min_p, "presence_penalty": presence_penalty,
              "frequency_penalty": frequency_penalty, "repetition_penalty": repetition_penalty,
              "min_tokens": min_tokens, "regex": regex, "choice": choice or None}
@@ -114,11 +121,14 @@ def generate(
             sys.stdout.write(delta)
             sys.stdout.flush()
 
+    if prefill and not as_json:
+        sys.stdout.write(prefill)
+
     try:
         result = asyncio.run(run_generate(
             target, text=text, chat=chat, max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, seed=seed, stop=stop, cache_salt=cache_salt, model=model,
-            session_id=session_id, knobs=knobs,
+            session_id=session_id, knobs=knobs, prefill=prefill,
             on_delta=on_delta, timeout_s=timeout, api_key=api_key,
             tls_ca_file=str(tls_ca) if tls_ca else None,
         ))

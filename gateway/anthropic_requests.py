@@ -14,8 +14,9 @@ Mapping onto the front-neutral conversation (``gateway.tool_calls``):
 Contract: ``prepare_message`` returns a ``Prepared`` the router may place, or raises
 ``OpenAIError`` naming the offending field (``gateway.anthropic_errors`` re-spells it). A field
 Baton does not serve is refused by name, never ignored: any undeclared top-level field (with a
-hint for Anthropic's own: ``thinking``, ``mcp_servers``, ...) and a last message from the assistant (Anthropic continues such a prefill; Baton's chat template would
-close it and start a new answer instead).
+hint for Anthropic's own: ``thinking``, ``mcp_servers``, ...). A last message from the assistant
+is a prefill, as Anthropic serves it: the prompt leaves it open and the answer is its
+continuation (text only, no trailing whitespace, not with a forced tool).
 """
 
 from __future__ import annotations
@@ -144,9 +145,12 @@ def conversation(system: str | list[TextBlock] | None, messages: list[Message]) 
     """The front-neutral turns of ``system`` and ``messages`` (see the module docstring)."""
     if not messages:
         raise InvalidRequest("messages is empty; send at least one message")
-    if messages[-1].role == "assistant":
-        raise InvalidRequest("the last message is the assistant's: prefilling the answer is not "
-                             "served; end with a user message")
+    last = messages[-1]
+    if last.role == "assistant":  # a prefill: the model continues it (Anthropic's rule)
+        text = last.content if isinstance(last.content, str) else joined(
+            [block for block in last.content if isinstance(block, TextBlock)])
+        if text != text.rstrip():
+            raise InvalidRequest("final assistant content cannot end with trailing whitespace")
     turns = []
     if system:
         turns.append(Turn("system", system if isinstance(system, str) else joined(system)))
@@ -163,8 +167,11 @@ def conversation(system: str | list[TextBlock] | None, messages: list[Message]) 
 
 def _prompt(body: CountTokensRequest, tokenizer: PromptTokenizer, plan: ToolPlan | None
             ) -> list[int]:
+    """The prompt's token ids; a last message from the assistant is a prefill, left open for
+    the model to continue."""
     turns = checked("messages", conversation, body.system, body.messages)
-    return chat_prompt(turns, plan, tokenizer, "messages")
+    return chat_prompt(turns, plan, tokenizer, "messages",
+                       continue_final=body.messages[-1].role == "assistant")
 
 
 def _message_salt_offset(body: CountTokensRequest, plan: ToolPlan | None,

@@ -51,10 +51,12 @@ def build_request(
     json_object: bool = False,
     cache_salt_offset: int | None = None,
     knobs: Mapping[str, Any] | None = None,
+    prefill: str = "",
 ) -> pb.GenerateRequest:
     """A ``GenerateRequest`` for exactly one of ``text`` and ``token_ids``.
 
-    With ``chat``, ``text`` is sent as a single user chat message. ``logprobs``, ``json_schema``
+    With ``chat``, ``text`` is sent as a single user chat message; a ``prefill`` follows it as
+    the assistant's answer so far, which the model continues (``continue_final_message``). ``logprobs``, ``json_schema``
     (JSON text) and ``json_object`` are ``SamplingParams``' fields of those names.
     ``cache_salt_offset``: the token offset from which ``cache_salt`` applies (unset: the whole
     prompt). ``knobs``: more ``SamplingParams`` fields by name (``top_k``, ``min_p``,
@@ -67,6 +69,8 @@ def build_request(
         raise ValueError("pass exactly one of text and token_ids")
     if chat and text is None:
         raise ValueError("chat=True needs text")
+    if prefill and not chat:
+        raise ValueError("a prefill needs chat=True (it is the assistant's message)")
     request = pb.GenerateRequest(model=model, cache_salt=cache_salt, request_id=request_id)
     if cache_salt_offset is not None:
         request.cache_salt_offset = cache_salt_offset
@@ -74,6 +78,9 @@ def build_request(
         request.token_ids.ids.extend(token_ids)
     elif chat:
         request.chat.messages.add(role="user", content=text)
+        if prefill:
+            request.chat.messages.add(role="assistant", content=prefill)
+            request.chat.continue_final_message = True
     else:
         request.text = text
     sampling = request.sampling
@@ -131,6 +138,7 @@ async def generate(
     cache_salt_offset: int | None = None,
     session_id: str = "",
     knobs: Mapping[str, Any] | None = None,
+    prefill: str = "",
 ) -> dict[str, Any]:
     """Run one Generate RPC against ``target`` (``host:port``) and return its result.
 
@@ -163,6 +171,7 @@ async def generate(
         json_object=json_object,
         cache_salt_offset=cache_salt_offset,
         knobs=knobs,
+        prefill=prefill,
     )
     request.session_id = session_id
     text_parts: list[str] = []

@@ -141,6 +141,11 @@ class ChatCompletionRequest(_Body):
     cache_salt_from_message: int | None = Field(None, description="Baton: the salt applies from "
                                                 "the first token of this message (an index into "
                                                 "messages; exclusive with cache_salt_offset).")
+    continue_final_message: bool = Field(False, description="vLLM extension: the last message is "
+                                         "the assistant's answer so far, left open for the model "
+                                         "to continue (needs add_generation_prompt false).")
+    add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt with "
+                                        "the assistant's turn header.")
 
 
 class CompletionRequest(_Body):

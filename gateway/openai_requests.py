@@ -164,15 +164,40 @@ def _chat_salt_offset(body: ChatCompletionRequest | CompletionRequest, plan: Too
 
 
 def chat_prompt(turns: list[Turn], plan: ToolPlan | None, tokenizer: PromptTokenizer,
-                param: str, template_kwargs: dict | None = None) -> list[int]:
+                param: str, template_kwargs: dict | None = None, *,
+                generation_prompt: bool = True, continue_final: bool = False) -> list[int]:
     """The token ids of a conversation and its tools (``gateway.tool_calls.render``) under the
-    model's chat template, with the request's ``template_kwargs``; ``OpenAIError`` naming
-    ``param`` when the template refuses it. (Cache breakpoints and salt offsets are measured on
-    prefixes rendered without them: as common prefixes with this prompt, they come out shorter,
+    model's chat template, with the request's ``template_kwargs``, ending in the assistant's
+    turn header (``generation_prompt``) or, with ``continue_final``, in the last turn left open
+    (an assistant prefill, checked by ``checked_prefill``); ``OpenAIError`` naming ``param`` when
+    the template refuses it. (Cache breakpoints and salt offsets are measured on prefixes
+    rendered without the variables: as common prefixes with this prompt, they come out shorter,
     never longer, where the variables change an early part of it.)"""
+    if continue_final:
+        checked_prefill(turns, plan, param)
     rendered = render(turns, plan, tokenizer.renders_tools)
     return checked(param, tokenizer.encode_conversation, rendered.messages, rendered.tools,
-                   True, template_kwargs)
+                   generation_prompt and not continue_final, template_kwargs, continue_final)
+
+
+def checked_prefill(turns: list[Turn], plan: ToolPlan | None, param: str) -> None:
+    """A conversation whose last turn the model continues: an assistant turn of text (the
+    answer so far), with no forced tool call to make instead; ``OpenAIError`` naming
+    ``param``."""
+    last = turns[-1] if turns else None
+    reason = ""
+    if last is None or last.role != "assistant":
+        reason = ("continuing the final message needs the last message to be the assistant's "
+                  "answer so far")
+    elif last.tool_calls:
+        reason = "the answer to continue carries tool calls; a prefilled answer is text only"
+    elif not last.content:
+        reason = ("the answer to continue is empty; send its beginning, or end with a user "
+                  "message")
+    elif plan is not None and plan.mode in ("required", "named"):
+        reason = "a prefilled answer cannot also be a forced tool call (tool_choice)"
+    if reason:
+        raise error_for(InvalidRequest(reason), param)
 
 
 def forced_constraint(plan: ToolPlan | None, served: ServedModel, schemas_field: str) -> str:
@@ -427,7 +452,14 @@ def prepare(
         turns = checked(prompt_param, _chat_turns, body.messages)
         template_kwargs = (None if body.chat_template_kwargs is None else checked(
             "chat_template_kwargs", check_template_kwargs, body.chat_template_kwargs))
-        prompt_token_ids = chat_prompt(turns, plan, tokenizer, prompt_param, template_kwargs)
+        if body.continue_final_message and body.add_generation_prompt:
+            raise error_for(InvalidRequest(
+                "continue_final_message and add_generation_prompt are both true: a prompt either "
+                "continues the last message or opens a new answer; send add_generation_prompt: "
+                "false with continue_final_message: true"), "continue_final_message")
+        prompt_token_ids = chat_prompt(turns, plan, tokenizer, prompt_param, template_kwargs,
+                                       generation_prompt=body.add_generation_prompt,
+                                       continue_final=body.continue_final_message)
         prepared_turns = tuple(turns)
     else:
         prompt_param = "prompt"

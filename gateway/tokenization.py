@@ -45,14 +45,17 @@ class PromptTokenizer:
         fronts render them with Baton's default (``gateway.tool_calls``)."""
         return "tools" in (self._tokenizer.chat_template or "")
 
-    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[tuple[str, str]],
+                    continue_final_message: bool = False) -> list[int]:
         """Token ids of a conversation of ``(role, content)`` pairs (``encode_conversation``)."""
         return self.encode_conversation([{"role": role, "content": content}
-                                         for role, content in messages])
+                                         for role, content in messages],
+                                        continue_final_message=continue_final_message)
 
     def encode_conversation(self, conversation: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True,
-                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                            template_kwargs: Mapping[str, Any] | None = None,
+                            continue_final_message: bool = False) -> list[int]:
         """Token ids of a conversation of chat-template messages (and the tools, for a template
         that renders them).
 
@@ -60,7 +63,9 @@ class PromptTokenizer:
         variables (a request's ``chat_template_kwargs``, e.g. ``enable_thinking``; checked by
         ``gateway.validation.check_template_kwargs``), and the assistant's generation prompt
         appended (unless ``add_generation_prompt`` is false: a prefix of a longer conversation), then
-        encoded without adding special tokens (the template already holds them). Raises
+        encoded without adding special tokens (the template already holds them). With
+        ``continue_final_message`` the last message (the assistant's prefilled answer) is left
+        open, without its end-of-turn tokens or a generation prompt, so the model continues it. Raises
         ``InvalidRequest`` when the model has no chat template or the template rejects the
         conversation. Roles are not checked here; see ``gateway.validation``.
         """
@@ -74,10 +79,12 @@ class PromptTokenizer:
         with self._lock:
             try:
                 rendered = self._tokenizer.apply_chat_template(
-                    conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                    tokenize=False, **(template_kwargs or {}),
+                    conversation, tools=tools,
+                    add_generation_prompt=add_generation_prompt and not continue_final_message,
+                    continue_final_message=continue_final_message, tokenize=False,
+                    **(template_kwargs or {}),
                 )
-            except jinja2.TemplateError as e:
+            except (jinja2.TemplateError, ValueError) as e:
                 raise InvalidRequest(
                     f"the model's chat template rejected the conversation: {e}; "
                     "check the order and roles of the chat messages"

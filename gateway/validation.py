@@ -149,6 +149,10 @@ def check_prompt_shape(request: PromptRequest) -> None:
                     f"chat message {index} has role '{message.role}'; "
                     f"use one of {', '.join(CHAT_ROLES)}"
                 )
+        last = request.chat.messages[-1]
+        if request.chat.continue_final_message and (last.role != "assistant" or not last.content):
+            raise InvalidRequest("continue_final_message needs the last chat message to be the "
+                                 "assistant's answer so far, not empty")
 
 
 def encode_prompt(request: PromptRequest, tokenizer: PromptTokenizer) -> list[int]:
@@ -158,7 +162,8 @@ def encode_prompt(request: PromptRequest, tokenizer: PromptTokenizer) -> list[in
         prompt_token_ids = tokenizer.encode_text(request.text)
     elif kind == "chat":
         prompt_token_ids = tokenizer.encode_chat(
-            [(message.role, message.content) for message in request.chat.messages]
+            [(message.role, message.content) for message in request.chat.messages],
+            request.chat.continue_final_message,
         )
     else:
         prompt_token_ids = list(request.token_ids.ids)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import anthropic
 import jsonschema
+import openai
 import pytest
 import pytest_asyncio
 
@@ -98,3 +99,26 @@ async def test_an_unknown_model_is_not_found(client):
 
     assert info.value.body["error"]["type"] == "not_found_error"
     assert info.value.body["error"]["message"].startswith("model 'claude-sonnet-4-5' is not served")
+
+
+async def test_a_prefill_is_continued_as_the_chat_routes_continue_final_message(
+        client, server):  # noqa: F811
+    """The same greedy continuation of the same open prompt on both routes: Anthropic's last
+    assistant message, vLLM's ``continue_final_message`` on the chat route."""
+    asked = [{"role": "user", "content": "Name the capital of France in one word."}]
+    prefill = {"role": "assistant", "content": "The capital of France is"}
+    message = await client.messages.create(model=MODEL, max_tokens=8, messages=asked + [prefill],
+                                           extra_body=GREEDY)
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
+                                  api_key="unused", max_retries=0, timeout=120) as oai:
+        chat = await oai.chat.completions.create(
+            model=MODEL, messages=asked + [prefill], max_tokens=8, temperature=0.0,
+            extra_body={"continue_final_message": True, "add_generation_prompt": False})
+        closed = await oai.chat.completions.create(model=MODEL, messages=asked + [prefill],
+                                                   max_tokens=8, temperature=0.0)
+
+    [block] = message.content
+    assert block.text == chat.choices[0].message.content
+    assert block.text.strip()
+    assert prompt_tokens(message.usage) == chat.usage.prompt_tokens
+    assert chat.usage.prompt_tokens < closed.usage.prompt_tokens  # no end of turn, no header

@@ -124,6 +124,24 @@ def test_serve_generate_and_ctrl_c(tmp_path):
         )
         assert chosen.returncode == 0, chosen.stderr
         assert json.loads(chosen.stdout)["text"] in ("yes", "no")
+        prefilled = subprocess.run(
+            BATON + ["generate", "--target", target, "--json", "--max-tokens", "3",
+                     "--prefill", "The sky is blue because", question],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )
+        assert prefilled.returncode == 0, prefilled.stderr
+        hf = tokenizer._tokenizer
+        open_answer = hf.apply_chat_template(
+            [{"role": "user", "content": question},
+             {"role": "assistant", "content": "The sky is blue because"}],
+            continue_final_message=True, tokenize=False)
+        assert json.loads(prefilled.stdout)["usage"]["prompt_tokens"] == len(
+            hf.encode(open_answer, add_special_tokens=False))
+        raw_prefill = subprocess.run(
+            BATON + ["generate", "--target", target, "--raw", "--prefill", "So", "hi"],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )
+        assert raw_prefill.returncode == 2 and "--prefill" in raw_prefill.stderr
         bad_knob = subprocess.run(
             BATON + ["generate", "--target", target, "--min-p", "2", "hi"],
             capture_output=True, text=True, timeout=120, cwd=REPO,

@@ -300,6 +300,38 @@ async def test_history_renders_into_the_prompt(client, router, tokenizer):  # no
     assert '"name": "get_time"' in prompt.split("<tools>\n")[1]
 
 
+async def test_a_last_assistant_message_is_a_prefill_the_model_continues(client, router,
+                                                                        tokenizer):  # noqa: F811
+    messages = HI + [{"role": "assistant", "content": [{"type": "text", "text": "Hello"},
+                                                       {"type": "text", "text": " there,"}]}]
+
+    message = await client.messages.create(model=SERVED, max_tokens=8, messages=messages)
+    counted = await client.messages.count_tokens(model=SERVED, messages=messages)
+
+    hf = tokenizer._tokenizer
+    text = hf.apply_chat_template(HI + [{"role": "assistant", "content": "Hello there,"}],
+                                  continue_final_message=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\nHello there,")  # left open, no end of turn
+    [request] = router.requests
+    assert list(request.prompt_token_ids) == hf.encode(text, add_special_tokens=False)
+    assert counted.input_tokens == len(request.prompt_token_ids)
+    assert message.content[0].text == "Hello world"  # the continuation only, as Anthropic
+
+
+@pytest.mark.parametrize("last, fields, words", [
+    ([{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "P"}}],
+     {"tools": TOOLS}, "carries tool calls"),
+    ("Sure", {"tools": TOOLS, "tool_choice": {"type": "any"}}, "forced tool call"),
+    ("", {}, "empty"),
+])
+async def test_a_prefill_that_cannot_be_continued_is_refused(client, router, last, fields,
+                                                             words):
+    messages = HI + [{"role": "assistant", "content": last}]
+    with pytest.raises(anthropic.BadRequestError, match=words):
+        await client.messages.create(model=SERVED, max_tokens=8, messages=messages, **fields)
+    assert router.requests == []
+
+
 async def test_a_client_gone_mid_stream_closes_the_router_stream(http, slot):  # noqa: F811
     router = slot.current = FakeRouter((TokenChunk((1,), "Hello"),), hang=True)
 
@@ -362,7 +394,7 @@ async def test_errors_are_anthropic_shaped_and_land_on_the_clients_classes(
         "unknown field": {"extra_body": {"frobnicate": 1}},
         "thinking": {"thinking": {"type": "enabled", "budget_tokens": 2048}},
         "top_k": {"extra_body": {"top_k": -5}},
-        "assistant last": {"messages": HI + [{"role": "assistant", "content": "Hel"}]},
+        "assistant last": {"messages": HI + [{"role": "assistant", "content": "Hel "}]},
         "unknown tool": {"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
         "unenforceable tool": {"tools": [{"name": "bad", "input_schema": UNENFORCEABLE}],
                                "tool_choice": {"type": "any"}},
@@ -383,7 +415,8 @@ async def test_errors_are_anthropic_shaped_and_land_on_the_clients_classes(
     expected_start = {"unknown field": "frobnicate: unknown field",
                       "thinking": "thinking: extended thinking is not served",
                       "top_k": "top_k must be an integer: a count of tokens >= 1",
-                      "assistant last": "messages: the last message is the assistant's",
+                      "assistant last": "messages: final assistant content cannot end with "
+                      "trailing whitespace",
                       "unknown tool": "tool_choice names the function 'nope'",
                       "unenforceable tool": "tools: the forced call's schema (from "
                       "tools[].input_schema) is a JSON Schema the structured-output backend "

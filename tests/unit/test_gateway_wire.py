@@ -342,6 +342,30 @@ async def test_client_cancellation_closes_the_router_stream(channel, router):
 
 
 @pytest.mark.asyncio
+async def test_a_chat_prefill_is_left_open_for_the_model(channel, tokenizer):
+    stub = pb_grpc.InferenceStub(channel)
+    request = pb.TokenizeRequest()
+    request.chat.messages.add(role="user", content="hi")
+    request.chat.messages.add(role="assistant", content="Hello, I")
+    request.chat.continue_final_message = True
+    not_the_assistant = pb.TokenizeRequest()
+    not_the_assistant.chat.messages.add(role="user", content="hi")
+    not_the_assistant.chat.continue_final_message = True
+
+    response = await stub.Tokenize(request)
+    error = await expect_error(stub.Tokenize(not_the_assistant))
+
+    hf = tokenizer._tokenizer
+    text = hf.apply_chat_template([{"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": "Hello, I"}],
+                                  continue_final_message=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\nHello, I")
+    assert list(response.token_ids) == hf.encode(text, add_special_tokens=False)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the assistant's answer so far" in error.details()
+
+
+@pytest.mark.asyncio
 async def test_tokenize_returns_the_ids_generate_uses(channel, tokenizer):
     stub = pb_grpc.InferenceStub(channel)
     chat = pb.TokenizeRequest()
