@@ -65,9 +65,9 @@ class PromptTokenizer:
         appended (unless ``add_generation_prompt`` is false: a prefix of a longer conversation), then
         encoded without adding special tokens (the template already holds them). With
         ``continue_final_message`` the last message (the assistant's prefilled answer) is left
-        open, without its end-of-turn tokens or a generation prompt, so the model continues it. Raises
-        ``InvalidRequest`` when the model has no chat template or the template rejects the
-        conversation. Roles are not checked here; see ``gateway.validation``.
+        open, without its end-of-turn tokens or a generation prompt, so the model continues it.
+        Raises ``InvalidRequest`` when the model has no chat template or the template rejects
+        the conversation. Roles are not checked here; see ``gateway.validation``.
         """
         import jinja2
 
