@@ -25,7 +25,8 @@ This module assembles the app (routes, auth, exception handlers) from its parts:
 (``gateway.openai_responses``), streaming (``gateway.openai_streams``) and the uvicorn server
 (``gateway.openai_server``, whose ``start_http`` is re-exported here). The same app serves
 Anthropic's Messages API, ``/v1/messages``, in Anthropic's spelling (``gateway.anthropic_http``),
-and OpenAI's Responses API, ``/v1/responses`` (``gateway.responses_http``).
+and OpenAI's Responses API, ``/v1/responses`` (``gateway.responses_http``); vLLM's ``/tokenize``
+and ``/detokenize`` are ``gateway.tokenize_http``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from gateway.openai_streams import (
 )
 from gateway.responses_http import add_responses_routes
 from gateway.router import Router
+from gateway.tokenize_http import tokenize_routes
 from gateway.session_http import HttpSessions, sessions_router
 from gateway.sessions import SessionsConfig
 from gateway.tokenization import PromptTokenizer
@@ -268,6 +270,7 @@ def build_app(
 
     add_responses_routes(v1, router, tokenizer, served, http_sessions)
     app.include_router(v1)
+    app.include_router(tokenize_routes(tokenizer, served, _bearer_auth(api_keys)))
     app.include_router(messages_router(router, tokenizer, served, api_keys, http_sessions))
     app.include_router(sessions_router(router, http_sessions))
 

@@ -386,6 +386,26 @@ def extension_constraint(spec: object, backend: str = "auto") -> dict:
     return {"json_schema": check_json_schema(value, "structured_outputs.json", backend)}
 
 
+def rendered_chat(body: ChatCompletionRequest, plan: ToolPlan | None,
+                  tokenizer: PromptTokenizer) -> tuple[list[int], list[Turn]]:
+    """A chat body's prompt token ids and conversation: its messages and ``plan``'s tools under
+    the chat template, with its ``chat_template_kwargs``, ``add_generation_prompt`` and
+    ``continue_final_message`` (both true is 400, as vLLM answers); ``OpenAIError`` naming the
+    field."""
+    turns = checked("messages", _chat_turns, body.messages)
+    template_kwargs = (None if body.chat_template_kwargs is None else checked(
+        "chat_template_kwargs", check_template_kwargs, body.chat_template_kwargs))
+    if body.continue_final_message and body.add_generation_prompt:
+        raise error_for(InvalidRequest(
+            "continue_final_message and add_generation_prompt are both true: a prompt either "
+            "continues the last message or opens a new answer; send add_generation_prompt: "
+            "false with continue_final_message: true"), "continue_final_message")
+    prompt_token_ids = chat_prompt(turns, plan, tokenizer, "messages", template_kwargs,
+                                   generation_prompt=body.add_generation_prompt,
+                                   continue_final=body.continue_final_message)
+    return prompt_token_ids, turns
+
+
 def build_engine_request(
     body: ChatCompletionRequest | CompletionRequest,
     tokenizer: PromptTokenizer,
@@ -449,17 +469,7 @@ def prepare(
                 f"{field} and tool_choice {body.tool_choice!r} both fix the output's "
                 "shape; send one of them"), field)
         json_schema = forced or json_schema
-        turns = checked(prompt_param, _chat_turns, body.messages)
-        template_kwargs = (None if body.chat_template_kwargs is None else checked(
-            "chat_template_kwargs", check_template_kwargs, body.chat_template_kwargs))
-        if body.continue_final_message and body.add_generation_prompt:
-            raise error_for(InvalidRequest(
-                "continue_final_message and add_generation_prompt are both true: a prompt either "
-                "continues the last message or opens a new answer; send add_generation_prompt: "
-                "false with continue_final_message: true"), "continue_final_message")
-        prompt_token_ids = chat_prompt(turns, plan, tokenizer, prompt_param, template_kwargs,
-                                       generation_prompt=body.add_generation_prompt,
-                                       continue_final=body.continue_final_message)
+        prompt_token_ids, turns = rendered_chat(body, plan, tokenizer)
         prepared_turns = tuple(turns)
     else:
         prompt_param = "prompt"

@@ -34,10 +34,21 @@ class PromptTokenizer:
         """Number of token ids the tokenizer knows, added special tokens included."""
         return len(self._tokenizer)
 
-    def encode_text(self, text: str) -> list[int]:
-        """Token ids of plain text, with the special tokens the tokenizer adds by default."""
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of plain text, with the special tokens the tokenizer adds by default
+        (unless ``add_special_tokens`` is false)."""
         with self._lock:
-            return list(self._tokenizer.encode(text))
+            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (special tokens included), as vLLM's ``/detokenize``."""
+        with self._lock:
+            return self._tokenizer.decode(list(token_ids))
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's token string, as the vocabulary spells it."""
+        with self._lock:
+            return list(self._tokenizer.convert_ids_to_tokens(list(token_ids)))
 
     @property
     def renders_tools(self) -> bool:
