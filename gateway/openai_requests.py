@@ -317,12 +317,14 @@ def num_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
     return (top or 0) if body.logprobs else None
 
 
-def structured_output(response_format: dict | None, backend: str = "auto") -> tuple[str, bool]:
+def structured_output(response_format: dict | None, backend: str = "auto",
+                      spec_field: str = "response_format.json_schema") -> tuple[str, bool]:
     """``(json_schema, json_object)`` for ``SamplingOptions`` from OpenAI's ``response_format``:
     ``{"type": "text"}`` (or none), ``{"type": "json_object"}``, or ``{"type": "json_schema",
     "json_schema": {"name", "schema", "description"?, "strict"?}}`` whose schema is a JSON object
     the structured-output backend can enforce (``check_json_schema``). The grammar is always
-    enforced (``strict`` false is not looser). Raises ``InvalidRequest``."""
+    enforced (``strict`` false is not looser). Messages name the schema's fields under
+    ``spec_field`` (the Responses route's is ``text.format``). Raises ``InvalidRequest``."""
     if response_format is None:
         return "", False
     kind = response_format.get("type")
@@ -345,11 +347,10 @@ def structured_output(response_format: dict | None, backend: str = "auto") -> tu
         raise InvalidRequest(f"response_format.json_schema has unknown keys {extra_keys}; it "
                              f"takes {', '.join(sorted(_JSON_SCHEMA_KEYS))}")
     if not isinstance(spec.get("name"), str) or not spec["name"]:
-        raise InvalidRequest("response_format.json_schema.name must be a non-empty string")
+        raise InvalidRequest(f"{spec_field}.name must be a non-empty string")
     if not isinstance(spec.get("strict", False), (bool, type(None))):
-        raise InvalidRequest("response_format.json_schema.strict must be true or false")
-    return check_json_schema(spec.get("schema"), "response_format.json_schema.schema",
-                             backend), False
+        raise InvalidRequest(f"{spec_field}.strict must be true or false")
+    return check_json_schema(spec.get("schema"), f"{spec_field}.schema", backend), False
 
 
 EXTENSION_CONSTRAINTS = ("json", "regex", "choice")

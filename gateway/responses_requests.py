@@ -236,7 +236,8 @@ def count_input_tokens(body: ResponsesRequest, tokenizer: PromptTokenizer,
     checked("model", check_model, body.model, served.name)
     _refuse_fields(body)
     plan = tool_plan(body, served.tool_call_parser)
-    checked("text.format", structured_output, response_format(body), served.structured_backend)
+    checked("text.format", structured_output, response_format(body), served.structured_backend,
+            "text.format")
     turns = checked("input", conversation, body.instructions, body.input)
     return len(chat_prompt(turns, plan, tokenizer, "input"))
 
@@ -249,7 +250,7 @@ def prepare_response(body: ResponsesRequest, tokenizer: PromptTokenizer, served:
     _refuse_fields(body)
     plan = tool_plan(body, served.tool_call_parser)
     json_schema, json_object = checked("text.format", structured_output, response_format(body),
-                                       served.structured_backend)
+                                       served.structured_backend, "text.format")
     forced = forced_constraint(plan, served, "tools[].parameters")
     if forced and (json_schema or json_object):
         raise error_for(InvalidRequest(

@@ -283,7 +283,10 @@ async def test_text_formats_are_the_chat_routes_structured_outputs(client, route
      "input", "input[0].arguments: the arguments must be a JSON object"),
     ({"input": []}, "input", "input is empty"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": 7}}}}}}, "text.format", "schema"),
+        "type": "object", "properties": {"a": {"type": 7}}}}}}, "text.format",
+     "text.format.schema is a JSON Schema"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "text.format", "text.format.name must be a non-empty string"),
     ({"max_output_tokens": 5000}, "max_output_tokens", "context"),
     ({"frobnicate": 1}, "frobnicate", "unknown field"),
     ({"model": "gpt-9"}, "model", "gpt-9"),
