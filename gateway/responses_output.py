@@ -27,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 import uuid
 from typing import AsyncIterator
@@ -227,7 +228,7 @@ async def response_events(events: AsyncIterator, progress: Progress, tools: Tool
                           shape: ResponseShape, request_id: str) -> AsyncIterator[bytes]:
     """The SSE body (see the module docstring); closes ``events`` however it ends."""
     items = OutputItems()
-    numbers = iter(range(1 << 62))
+    numbers = itertools.count()
 
     def numbered(data: dict) -> bytes:
         return sse_event({**data, "sequence_number": next(numbers)})

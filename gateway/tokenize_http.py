@@ -73,6 +73,9 @@ def tokenized(body: TokenizeRequest, tokenizer: PromptTokenizer, served: ServedM
             if getattr(body, name):
                 raise error_for(InvalidRequest(f"{name} applies to messages, not to a prompt"),
                                 name)
+        if not body.add_generation_prompt:
+            raise error_for(InvalidRequest("add_generation_prompt applies to messages, not to a "
+                                           "prompt"), "add_generation_prompt")
         token_ids = tokenizer.encode_text(body.prompt, body.add_special_tokens is not False)
     else:
         if body.add_special_tokens:

@@ -90,6 +90,8 @@ async def test_detokenize_round_trips(http):
     ("/tokenize", {"prompt": "hi", "messages": MESSAGES}, 400, "prompt", "exactly one"),
     ("/tokenize", {}, 400, "prompt", "exactly one"),
     ("/tokenize", {"prompt": "hi", "tools": TOOLS}, 400, "tools", "applies to messages"),
+    ("/tokenize", {"prompt": "hi", "add_generation_prompt": False}, 400,
+     "add_generation_prompt", "applies to messages"),
     ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, 400,
      "add_special_tokens", "chat template holds"),
     ("/tokenize", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "frobnicate"),
