@@ -422,10 +422,26 @@ def aggregate(runs: Sequence[dict[str, Any]], options: PeersOptions, ceilings) -
             "host_stall": {s: median_stall([r for r in runs if r["stack"] == s
                                             and r["workload"] == wname])
                            for s in options.stacks},
+            "by_step": {s: median_steps([r for r in runs if r["stack"] == s
+                                         and r["workload"] == wname])
+                        for s in options.stacks},
             **ratios_vs_best_smg(medians),
         }
     return {"options": msgspec.to_builtins(options), "sched_autogroup": sched_autogroup(),
             "runs": list(runs), "summary": summary}
+
+
+def median_steps(reports: Sequence[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per step (``peers_client.step_stats``), the median over runs of each figure (None where
+    no run has it); steps in the order the runs list them."""
+    labels = list(dict.fromkeys(label for r in reports for label in r.get("by_step") or {}))
+    out: dict[str, dict[str, float | None]] = {}
+    for label in labels:
+        stats = [r["by_step"][label] for r in reports if label in (r.get("by_step") or {})]
+        out[label] = {key: (float(np.median(values)) if (values := [
+            s[key] for s in stats if s.get(key) is not None]) else None)
+            for key in ("mean_ttft_ms", "arrival_spread_ms", "mean_queue_ms")}
+    return out
 
 
 def median_stall(reports: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -490,6 +506,7 @@ def markdown(report: dict[str, Any]) -> str:
                 _fmt(r.get("mean_ttft_ms"), 2), _fmt(r.get("p90_ttft_ms"), 2),
                 _fmt(r.get("output_throughput"), 2)]) + " |")
         lines.append("")
+        lines += step_table(s.get("by_step") or {})
         cpu = s.get("cpu_s_by_role") or {}
         model = s.get("cpu_s_model_threads") or {}
         if any(cpu.values()):
@@ -529,6 +546,28 @@ def markdown(report: dict[str, Any]) -> str:
                       for variant, score in t["scores"].items()]
         lines.append("")
     return "\n".join(lines)
+
+
+def step_table(by_step: dict[str, dict[str, dict[str, float | None]]]) -> list[str]:
+    """The markdown lines of the per-step table (none when no stack has steps)."""
+    labels = list(dict.fromkeys(label for steps in by_step.values() for label in steps))
+    if not labels:
+        return []
+    lines = ["TTFT mean by step, ms (median over runs), with the spread of the agents' sends "
+             "in s and, where the stack prices it, the mean queue its placement priced:", "",
+             "| stack | " + " | ".join(labels) + " |", "| --- |" + " ---: |" * len(labels)]
+    for stack, steps in by_step.items():
+        cells = []
+        for label in labels:
+            m = steps.get(label)
+            if m is None or m["mean_ttft_ms"] is None:
+                cells.append("n/a")
+                continue
+            queue = "" if m["mean_queue_ms"] is None else f", queue {_fmt(m['mean_queue_ms'])}"
+            cells.append(f"{_fmt(m['mean_ttft_ms'])} (sent over {_fmt(m['arrival_spread_ms'] / 1000, 1)} s"
+                         f"{queue})")
+        lines.append(f"| {stack} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def plot(report: dict[str, Any], path: Path) -> bool:

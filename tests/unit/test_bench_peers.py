@@ -12,8 +12,16 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bench.peers import PeersOptions, build_workloads, median_table, ratios_vs_best_smg, run_order
-from bench.peers_client import PeerRecord, fanout_stats, reason_kind, summarise
+from bench.peers import (
+    PeersOptions,
+    build_workloads,
+    median_steps,
+    median_table,
+    ratios_vs_best_smg,
+    run_order,
+    step_table,
+)
+from bench.peers_client import PeerRecord, fanout_stats, reason_kind, step_stats, summarise
 from bench.peers_stacks import PeersError, Stack, StackSpec
 from bench.peers_workloads import (
     DEFAULT_TRACE,
@@ -251,6 +259,41 @@ def test_a_stack_without_cached_tokens_has_no_ratio_vs_ceiling():
     report = summarise([record("a", 0.0, [0.1, 0.2], 10, -1)], 1.0, 0.5)
     assert report["reports_cached_tokens"] is False and report["hit_ratio_vs_ceiling"] is None
     assert fanout_stats([]) is None
+
+
+def test_each_step_reports_its_ttft_how_far_apart_it_was_sent_and_its_priced_queue():
+    placed = {"queue_ms": 300.0}
+    records = [
+        record("a0", 0.0, [2.0, 2.1], 100, 0, agent=0, step=0, placement={"queue_ms": 0.0}),
+        record("a1", 1.0, [2.5, 2.6], 100, 80, agent=1, step=0, placement={"queue_ms": 1000.0}),
+        record("a0-f0", 5.0, [5.4], 100, 80, agent=0, step=1, fanout=0, placement=placed),
+        record("a0-f1", 5.0, [5.8], 100, 80, agent=0, step=1, fanout=1, placement=placed),
+        record("a1-f0", 5.5, [6.3], 100, 80, agent=1, step=1, fanout=0, placement=placed),
+        record("a1-s2", 9.0, [9.5], 100, 80, agent=1, step=2),  # no placement: an SMG stack's
+    ]
+    by_step = summarise(records, 10.0, 1.0)["by_step"]
+    assert by_step == step_stats(records)
+    assert list(by_step) == ["step 0", "step 1 (fan-out)", "step 2"]
+    assert by_step["step 0"] == {"count": 2, "mean_ttft_ms": pytest.approx(1750.0),
+                                 "arrival_spread_ms": pytest.approx(1000.0),
+                                 "mean_queue_ms": pytest.approx(500.0)}
+    assert by_step["step 1 (fan-out)"]["mean_ttft_ms"] == pytest.approx((400 + 800 + 800) / 3)
+    assert by_step["step 1 (fan-out)"]["arrival_spread_ms"] == pytest.approx(500.0)
+    assert by_step["step 2"]["mean_queue_ms"] is None
+    runs = [{"by_step": by_step}, {"by_step": {**by_step, "step 0": {**by_step["step 0"],
+                                                                     "mean_ttft_ms": 2750.0}}},
+            {"by_step": {}}]
+    medians = median_steps(runs)
+    assert medians["step 0"] == {"mean_ttft_ms": pytest.approx(2250.0),
+                                 "arrival_spread_ms": pytest.approx(1000.0),
+                                 "mean_queue_ms": pytest.approx(500.0)}
+    assert medians["step 2"]["mean_queue_ms"] is None
+    table = step_table({"baton": medians, "smg": {"step 0": {**medians["step 0"], "mean_queue_ms": None}}})
+    assert table[2] == "| stack | step 0 | step 1 (fan-out) | step 2 |"
+    assert table[4] == ("| baton | 2,250 (sent over 1.0 s, queue 500) | 667 (sent over 0.5 s, "
+                        "queue 300) | 500 (sent over 0.0 s) |")
+    assert table[5] == "| smg | 2,250 (sent over 1.0 s) | n/a | n/a |"
+    assert step_table({"smg": {}}) == []
 
 
 def test_reason_kind_drops_the_numbers():

@@ -369,8 +369,9 @@ def warmup(model: PrefillCostModel = SHOP, slower: float = 1.0):
 def test_a_warm_start_replaces_the_placeholders_at_once_and_errors_count_only_live_requests():
     calibration = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=8, refit_every=8)
     assert calibration.warm_start(warmup())
-    for field in PrefillCostModel.model_fields:
+    for field in set(PrefillCostModel.model_fields) - {"floor_ms"}:
         assert getattr(calibration.prefill, field) == pytest.approx(getattr(SHOP, field), rel=1e-6)
+    assert calibration.prefill.floor_ms == round(SHOP.t_prefill_ms(8, 0), 1)  # its tiny prompt
     assert calibration.prefill_error() is None  # warm-up prefills are not predictions
     calibration.observe_prefill(214, 1408, SHOP.t_prefill_ms(214, 1408) * 1.5)
     assert calibration.prefill_error().median_pct == 33.33  # predicted 1/1.5 of it (rounded)
@@ -409,6 +410,33 @@ def test_a_few_live_shapes_are_fitted_with_the_warm_ups_grid():
     assert calibration.num_prefill_refits == 1
     for u, c in ((512, 2048), (128, 1024), (2048, 0)):  # between the warm-up and the live level
         assert SHOP.t_prefill_ms(u, c) < calibration.prefill.t_prefill_ms(u, c) < SHOP.t_prefill_ms(u, c) * 1.1
+
+
+def test_no_prefill_is_priced_under_the_floor_and_the_default_has_none():
+    floored = SHOP.model_copy(update={"floor_ms": 45.0})
+    assert SHOP.t_prefill_ms(2, 0) == pytest.approx(30.0 + 0.43 * 2 + 4e-4)  # the polynomial
+    assert floored.t_prefill_ms(2, 0) == 45.0
+    assert floored.t_prefill_ms(1024, 0) == SHOP.t_prefill_ms(1024, 0)  # above it: the polynomial
+    assert floored.t_prefill_ms(1, 1408) == SHOP.t_prefill_ms(1, 1408)  # a prefix costs its own
+    assert PrefillCostModel.model_validate_json(SHOP.model_dump_json(exclude={"floor_ms"})) == SHOP
+
+
+def test_the_floor_is_the_median_of_the_tiniest_prompts_each_predicted_before_it_counts():
+    calibration = CostCalibration(PrefillCostModel(), DecodeCostModel(), min_samples=8, refit_every=8)
+    calibration.warm_start(warmup())
+    warm_floor = round(SHOP.t_prefill_ms(8, 0), 1)
+    assert calibration.prefill.t_prefill_ms(2, 0) == warm_floor  # not the polynomial's 30.9 ms
+    assert calibration.observe_prefill(2, 0, 60.0)  # a readiness check: the floor moves
+    assert calibration.prefill_error().median_pct == pytest.approx(abs(warm_floor - 60.0) / 60.0 * 100, abs=0.01)
+    assert calibration.prefill.floor_ms == round((warm_floor + 60.0) / 2, 1)
+    moved = calibration.prefill
+    assert not calibration.observe_prefill(17, 0, 90.0)  # past FLOOR_TOKENS
+    assert not calibration.observe_prefill(1, 1408, 90.0)  # a cached prefix: not a floor
+    assert not calibration.observe_prefill(9, 0, 90.0, batch_ms=40.0)  # beside a decode batch
+    assert calibration.prefill is moved
+    assert calibration.observe_prefill(9, 0, 61.0)  # median of 33.4, 60, 61
+    assert calibration.prefill.floor_ms == 60.0
+    assert not calibration.observe_prefill(9, 0, 60.0)  # median still 60: the model is unchanged
 
 
 def test_a_profile_is_not_replaced_by_a_warm_start():
