@@ -101,6 +101,28 @@ class PeersOptions(msgspec.Struct, frozen=True):
     tuned_from: str | None = None
     """A previous run's ``peers.json``: each SMG stack races with the setting its tuning chose
     there, and this run does not tune (``reuse_tuning``)."""
+    seed_per_run: bool = False
+    """Run k draws every workload from the seed plus k (all stacks of a run get the same
+    draw): the medians are over workload draws, not only over one draw's timing. In a closed
+    loop the think times decide how many agents' steps arrive together, and one seed's bursts
+    decided the fleet's figure (``docs/benchmarks.md``)."""
+
+
+def run_options(options: PeersOptions, run: int) -> PeersOptions:
+    """The options run ``run`` draws its workloads from (``PeersOptions.seed_per_run``)."""
+    return reseeded(options, run) if options.seed_per_run else options
+
+
+def reseeded(options: PeersOptions, offset: int) -> PeersOptions:
+    """``options`` with every workload's seed moved by ``offset``."""
+    if not offset:
+        return options
+
+    def reseed(o):
+        return msgspec.structs.replace(o, seed=o.seed + offset)
+
+    return msgspec.structs.replace(options, private=reseed(options.private),
+                                   fleet=reseed(options.fleet), trace=reseed(options.trace))
 
 
 TUNE_SEED_OFFSET = 1000
@@ -109,11 +131,7 @@ TUNE_SEED_OFFSET = 1000
 
 def tuning_options(options: PeersOptions) -> PeersOptions:
     """The race's options with every workload drawn from the tuning seed."""
-    def reseed(o):
-        return msgspec.structs.replace(o, seed=o.seed + TUNE_SEED_OFFSET)
-
-    return msgspec.structs.replace(options, private=reseed(options.private),
-                                   fleet=reseed(options.fleet), trace=reseed(options.trace))
+    return reseeded(options, TUNE_SEED_OFFSET)
 
 
 def tuning_score(reports: Sequence[dict[str, Any]]) -> float:
@@ -223,15 +241,19 @@ def run_peers(options: PeersOptions, out_dir: Path,
     # SIGTERM (a `timeout` around the run) unwinds the stacks' context managers: no orphans.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     specs = stack_specs(options.stacks)
-    workloads = build_workloads(options)
     model = prepare_model(options.model, progress=echo)
     tokenizer = AutoTokenizer.from_pretrained(str(model.path))
-    ceilings = {name: ceiling_hit_ratio(w.requests(), lambda t: tokenizer(t)["input_ids"],
-                                        options.block_tokens)
-                for name, w in workloads.items()}
-    for name, ceiling in ceilings.items():
-        echo(f"{name}: {len(workloads[name].requests())} requests, {ceiling.prompt_tokens} prompt "
-             f"tokens, ceiling hit ratio {ceiling.hit_ratio:.3f}")
+    draws = []  # per run: (workloads, ceilings); one draw unless seed_per_run
+    for run in range(options.runs if options.seed_per_run else 1):
+        workloads = build_workloads(run_options(options, run))
+        ceilings = {name: ceiling_hit_ratio(w.requests(), lambda t: tokenizer(t)["input_ids"],
+                                            options.block_tokens)
+                    for name, w in workloads.items()}
+        where = f"run {run + 1}, seed +{run}: " if options.seed_per_run else ""
+        for name, ceiling in ceilings.items():
+            echo(f"{where}{name}: {len(workloads[name].requests())} requests, "
+                 f"{ceiling.prompt_tokens} prompt tokens, ceiling hit ratio {ceiling.hit_ratio:.3f}")
+        draws.append((workloads, ceilings))
     out_dir.mkdir(parents=True, exist_ok=True)
     tuning: dict[str, Any] = {}
     if options.tuned_from and any(s.kind == "smg" for s in specs):
@@ -246,6 +268,7 @@ def run_peers(options: PeersOptions, out_dir: Path,
     failures: list[dict[str, Any]] = []
     by_name = {s.name: s for s in specs}
     for run in range(options.runs):
+        workloads, ceilings = draws[run if options.seed_per_run else 0]
         for name in run_order([s.name for s in specs], run):
             echo(f"run {run + 1}/{options.runs}: starting {name}")
             try:
@@ -254,7 +277,7 @@ def run_peers(options: PeersOptions, out_dir: Path,
             except PeersError as e:
                 echo(f"  {name} skipped in run {run + 1}: {e}")
                 failures.append({"run": run, "stack": name, "error": str(e)})
-    report = aggregate(runs, options, ceilings)
+    report = aggregate(runs, options, [c for _, c in draws])
     report["stack_failures"] = failures
     report["tuning"] = tuning
     write_outputs(report, out_dir, echo)
@@ -400,7 +423,11 @@ def parse_cost_model_error(text: str) -> dict[str, dict[str, float]]:
     return errors
 
 
-def aggregate(runs: Sequence[dict[str, Any]], options: PeersOptions, ceilings) -> dict[str, Any]:
+def aggregate(runs: Sequence[dict[str, Any]], options: PeersOptions,
+              draws: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The report: every run, and per workload the medians over runs. ``draws``: the workloads'
+    ceilings (``Ceiling`` by workload) of each draw, one per run with ``seed_per_run``; the
+    summary's ceiling is their median (each run's hit ratio is held to its own draw's)."""
     summary: dict[str, Any] = {}
     for wname in options.workloads:
         medians = {s: median_table([r for r in runs if r["stack"] == s and r["workload"] == wname])
@@ -408,8 +435,8 @@ def aggregate(runs: Sequence[dict[str, Any]], options: PeersOptions, ceilings) -
         fanouts = {s: [r["fanout"] for r in runs if r["stack"] == s and r["workload"] == wname
                        and r.get("fanout")] for s in options.stacks}
         summary[wname] = {
-            "ceiling_hit_ratio": ceilings[wname].hit_ratio,
-            "ceiling_prompt_tokens": ceilings[wname].prompt_tokens,
+            "ceiling_hit_ratio": float(np.median([c[wname].hit_ratio for c in draws])),
+            "ceiling_prompt_tokens": int(np.median([c[wname].prompt_tokens for c in draws])),
             "medians": medians,
             "fanout_mean_ttft_ms": {s: float(np.median([f["mean_ttft_ms"] for f in v]))
                                     for s, v in fanouts.items() if v},
@@ -489,8 +516,13 @@ def markdown(report: dict[str, Any]) -> str:
     runs = report["options"]["runs"]
     for wname, s in report["summary"].items():
         spread = ", [min-max]" if runs > 1 else ""
-        lines += [(f"### {wname} (ceiling hit ratio {s['ceiling_hit_ratio']:.3f}; medians of "
-                   f"{runs} run(s){spread}; ratios vs {s['best_smg']})"), "",
+        if report["options"].get("seed_per_run") and runs > 1:
+            spread += f", run k drawn from seed {report['options']['fleet']['seed']} + k"
+            ceiling = f"median ceiling hit ratio {s['ceiling_hit_ratio']:.3f}"
+        else:
+            ceiling = f"ceiling hit ratio {s['ceiling_hit_ratio']:.3f}"
+        lines += [(f"### {wname} ({ceiling}; medians of {runs} run(s){spread}; ratios vs "
+                   f"{s['best_smg']})"), "",
                   ("| stack | TTFT mean ms | TTFT p90 ms | TPOT mean ms | E2EL mean ms "
                    "| output tok/s | hit ratio (vs ceiling) | fan-out TTFT mean ms | TTFT mean x "
                    "| TTFT p90 x | throughput x |"),

@@ -406,6 +406,10 @@ def bench_peers(
     max_tokens: int = typer.Option(32, help="Tokens each request generates (ignore_eos)."),
     model: str = typer.Option("smollm2", help="'smollm2' or 'tiny' (a smoke test)."),
     seed: int = typer.Option(0, help="Seed of every prompt and think time."),
+    seed_per_run: bool = typer.Option(False, "--seed-per-run", help="Run k draws its workloads "
+                                      "from seed + k (every stack of a run the same draw): "
+                                      "medians over draws, where one seed's think times decide "
+                                      "how many agents' steps arrive together."),
     vllm_omp_bind: str = typer.Option("auto", help="SMG's vLLM servers' OpenMP binding: 'auto' "
                                       "(one core each, as Baton binds its engines) or one value "
                                       "for all, e.g. 'nobind'."),
@@ -444,7 +448,7 @@ def bench_peers(
                                 block_words=trace_block_words, time_scale=trace_time_scale,
                                 max_tokens=max_tokens, seed=seed),
         model=model, vllm_omp_bind=vllm_omp_bind, tune=tune,
-        tuned_from=str(tuned_from) if tuned_from else None)
+        tuned_from=str(tuned_from) if tuned_from else None, seed_per_run=seed_per_run)
     try:
         run_peers(options, out_dir, echo=lambda m: err.print(m, highlight=False))
     except BatonError as exc:

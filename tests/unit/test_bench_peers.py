@@ -483,6 +483,37 @@ def test_tuning_reseeds_every_workload_and_picks_the_least_geometric_mean_ttft()
     assert best_variant({"a": 300.0, "b": 200.0, "c": 200.0}) == "b"
 
 
+def test_with_a_seed_per_run_each_run_draws_its_own_workloads_and_every_stack_the_same():
+    from bench.peers import aggregate, markdown, run_options
+    from bench.peers_workloads import Ceiling
+
+    fixed = PeersOptions(seed_per_run=False)
+    assert run_options(fixed, 2) is fixed
+    varied = PeersOptions(seed_per_run=True, fleet=AgentFleetOptions(seed=9))
+    assert run_options(varied, 0) == varied
+    second = run_options(varied, 1)
+    assert (second.fleet.seed, second.private.seed, second.trace.seed) == (10, 1, 1)
+    assert msgspec.structs.replace(second.fleet, seed=9) == varied.fleet
+    prompts = [{r.prompt for r in build_workloads(run_options(varied, k))["agent_fleet"].requests()}
+               for k in range(2)]
+    assert prompts[0] != prompts[1]
+    assert prompts[1] == {r.prompt for r in build_workloads(run_options(varied, 1))["agent_fleet"].requests()}
+
+    options = PeersOptions(runs=3, seed_per_run=True, stacks=("smg-round_robin",),
+                           workloads=("agent_fleet",), fleet=AgentFleetOptions(seed=9))
+    draws = [{"agent_fleet": Ceiling(tokens, reusable)}
+             for tokens, reusable in ((100, 80), (300, 270), (200, 170))]
+    base = {k: 1.0 for k in ("mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "mean_e2el_ms",
+                             "output_throughput", "hit_ratio")}
+    runs = [{"run": k, "stack": "smg-round_robin", "workload": "agent_fleet", **base}
+            for k in range(3)]
+    report = aggregate(runs, options, draws)
+    assert report["summary"]["agent_fleet"]["ceiling_hit_ratio"] == pytest.approx(0.85)
+    assert report["summary"]["agent_fleet"]["ceiling_prompt_tokens"] == 200
+    assert markdown(report).startswith("### agent_fleet (median ceiling hit ratio 0.850; medians "
+                                       "of 3 run(s), [min-max], run k drawn from seed 9 + k;")
+
+
 def test_a_race_may_reuse_the_settings_an_earlier_runs_tuning_chose(tmp_path):
     import json
 
