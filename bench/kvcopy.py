@@ -13,7 +13,10 @@ CUDA, 32 on a CPU; ``BLOCK_TOKENS`` here, checked against ``engine.config`` by t
 
 Also timed: the connector's former copy (``layer[ids] = arena[slots, i].to(device)`` per
 layer, and the reverse), so the gain is visible side by side. On CUDA the copier runs twice:
-with the arena page-locked in place (``cudaHostRegister``) and through pinned staging.
+with the arena page-locked in place (``cudaHostRegister``) and through pinned staging. And a
+step's loads (``per_step`` in the report): the same blocks as ``--requests`` requests' loads,
+copied with one ``load`` call each (as the connector did) and with one call for the step (as
+it does: ``ConnectorWorkerHalf._copy_in``).
 
 Imports only torch and the standard library (and ``kvstore.kv_copy``/``host_arena``, which do
 the same), so it runs on a bare GPU machine. CPU-only torch cannot pin memory: there the raw
@@ -87,11 +90,37 @@ def _seconds(action: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - started
 
 
+@dataclass(frozen=True)
+class StepRow:
+    """A step's loads: ``requests`` requests' blocks (``blocks`` in all) loaded with one call
+    each against one call for the step."""
+
+    mode: str
+    requests: int
+    per_request_gbps: float
+    one_call_gbps: float
+    ratio: float
+    """one call / per request."""
+
+
+def split(items: list[int], parts: int) -> list[list[int]]:
+    """``items`` in ``parts`` consecutive runs of near-equal length (none empty)."""
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for index in range(parts):
+        end = start + size + (index < extra)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
 def run(model: str = "smollm2-135m", layout: str = "gpu", blocks: int = 128,
         rounds: int = 9, staging_blocks: int = 64, device_name: str = "auto",
-        seed: int = 0, block_size: int | None = None) -> dict:
+        seed: int = 0, block_size: int | None = None, requests: int = 8) -> dict:
     """Time every copy ``rounds`` times, interleaved round by round (after one warm-up).
-    ``block_size``: tokens per block (None: ``BLOCK_TOKENS[layout]``)."""
+    ``block_size``: tokens per block (None: ``BLOCK_TOKENS[layout]``); ``requests``: how many
+    requests a step's loads of the same blocks come from (the ``per_step`` rows)."""
     block_size = block_size or BLOCK_TOKENS[layout]
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,9 +153,12 @@ def run(model: str = "smollm2-135m", layout: str = "gpu", blocks: int = 128,
             ("legacy", "load"): lambda: _legacy_load(layers, arena_layers, slots, block_ids),
             ("legacy", "save"): lambda: _legacy_save(layers, arena_layers, block_ids, slots),
         }
+        parts = list(zip(split(slots, requests), split(block_ids, requests)))
         for mode, copier in copiers.items():
             actions[(mode, "load")] = (lambda c=copier: c.load(arena_layers, slots, block_ids).wait())
             actions[(mode, "save")] = (lambda c=copier: c.save(arena_layers, block_ids, slots).wait())
+            actions[(mode, "per-request")] = (
+                lambda c=copier: [c.load(arena_layers, s, b).wait() for s, b in parts])
         seconds: dict[tuple[str, str], list[float]] = {key: [] for key in actions}
         order = list(actions)
         for round_index in range(rounds + 1):
@@ -145,13 +177,16 @@ def run(model: str = "smollm2-135m", layout: str = "gpu", blocks: int = 128,
     def gbps(key: tuple[str, str], pick: Callable[[list[float]], float]) -> float:
         return round(num_bytes / pick(seconds[key]) / 1e9, 3)
 
-    rows = []
+    rows, step_rows = [], []
     for mode in modes:
         for op in ("load", "save"):
             median, raw = gbps((mode, op), statistics.median), gbps(("raw", op), statistics.median)
             rows.append(CopyRow(op, mode, median, raw, round(median / raw, 3),
                                 gbps(("legacy", op), statistics.median),
                                 gbps((mode, op), max), gbps((mode, op), min), rounds))
+        one, each = gbps((mode, "load"), statistics.median), gbps((mode, "per-request"),
+                                                                  statistics.median)
+        step_rows.append(StepRow(mode, len(parts), each, one, round(one / each, 3)))
     return {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__, "model": model, "layout": layout, "dtype": str(dtype),
@@ -160,6 +195,7 @@ def run(model: str = "smollm2-135m", layout: str = "gpu", blocks: int = 128,
         "staging_blocks": staging_blocks, "arena_page_locked": bool(registered),
         "note": "" if cuda else CPU_NOTE,
         "rows": [asdict(r) for r in rows],
+        "per_step": [asdict(r) for r in step_rows],
     }
 
 
@@ -205,6 +241,10 @@ def print_report(report: dict, out=sys.stdout) -> None:
         spread = f"[{r['gbps_min']:.2f}-{r['gbps_max']:.2f}]"
         print(f"{r['op']:<5} {r['mode']:<11} {r['gbps']:>8.2f} {spread:>15} {r['raw_gbps']:>9.2f} "
               f"{r['ratio']:>6.2f} {r['legacy_gbps']:>12.2f}", file=out)
+    for r in report.get("per_step", ()):
+        print(f"a step's loads from {r['requests']} requests ({r['mode']}): one call "
+              f"{r['one_call_gbps']:.2f} GB/s, one call a request {r['per_request_gbps']:.2f} "
+              f"GB/s: {r['ratio']:.2f}x", file=out)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -216,6 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="tokens per block (default: what Baton's engines run on the "
                         "layout's device: 16 gpu, 32 cpu)")
     parser.add_argument("--blocks", type=int, default=128, help="blocks per copy (one request)")
+    parser.add_argument("--requests", type=int, default=8,
+                        help="a step's loads: the same blocks as this many requests' (the "
+                        "per_step rows: one call each against one for the step)")
     parser.add_argument("--rounds", type=int, default=9, help="measured rounds")
     parser.add_argument("--staging-blocks", type=int, default=64)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -223,8 +266,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.block_size is not None and args.block_size < 1:
         parser.error(f"--block-size must be at least 1 (got {args.block_size})")
+    if args.requests < 1:
+        parser.error(f"--requests must be at least 1 (got {args.requests})")
     report = run(args.model, args.layout, args.blocks, args.rounds, args.staging_blocks,
-                 args.device, block_size=args.block_size)
+                 args.device, block_size=args.block_size, requests=args.requests)
     print_report(report)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")

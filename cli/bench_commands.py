@@ -129,13 +129,16 @@ def bench_kvcopy(
     rounds: int = typer.Option(9, help="Measured rounds (after one warm-up)."),
     staging_blocks: int = typer.Option(64, help="Blocks per staging chunk of the copier."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    requests: int = typer.Option(8, help="A step's loads: the same blocks as this many "
+                                 "requests' (one copy call each against one for the step)."),
 ) -> None:
     """The KV copy path alone: BlockCopier's arena <-> cache GB/s against a raw pinned copy of
     the same bytes (also: python -m bench.kvcopy, which needs only torch)."""
     from bench.kvcopy import main as run_kvcopy_bench
 
     argv = ["--model", model, "--layout", layout, "--blocks", str(blocks), "--rounds",
-            str(rounds), "--staging-blocks", str(staging_blocks), "--device", device]
+            str(rounds), "--staging-blocks", str(staging_blocks), "--device", device,
+            "--requests", str(requests)]
     if block_size is not None:
         argv += ["--block-size", str(block_size)]
     run_kvcopy_bench(argv + (["--json", str(json_path)] if json_path else []))

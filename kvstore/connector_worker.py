@@ -15,8 +15,11 @@ With asynchronous transfers (the default) nothing waits on the engine's step:
   ``get_finished`` reports its saves done. Before blocks of a preempted request are reused,
   ``handle_preemptions`` waits for the saves in flight.
 
-The synchronous baseline (``async_transfers`` off) copies loads before the forward pass and
-saves after it, on the step. What went wrong in a step reaches the scheduler half through
+A load cheap enough (``LoadSpec.on_step``) and every load of the synchronous baseline
+(``async_transfers`` off) is copied before the forward pass: all of a step's such loads from
+one arena in one copy (the forward pass waits for all of them anyway), where one copy each
+gathered and scattered every layer once per request. The baseline saves after the forward
+pass, on the step. What went wrong in a step reaches the scheduler half through
 ``build_connector_worker_meta``.
 
 A mixin of ``BatonConnector``, which sets the attributes declared below in its ``__init__``;
@@ -119,7 +122,10 @@ class ConnectorWorkerHalf:
     _copiers: dict[str, BlockCopier]
 
     def _copier(self, direction: str) -> BlockCopier:
-        """The copier of loads (or saves): one each, since each thread reuses its staging."""
+        """The copier of one thread: 'load' (the loading thread's), 'save' (the saving
+        thread's) or 'step' (the engine thread's, for loads on the step). One each, since a
+        copier reuses its staging buffers: two threads sharing one could gather into a buffer
+        the other's copy still reads (on CUDA)."""
         copier = self._copiers.get(direction)
         if copier is None:
             copier = self._copiers[direction] = BlockCopier(self._layers)
@@ -212,26 +218,43 @@ class ConnectorWorkerHalf:
         self._ensure_layers(forward_context)
         if not meta.loads:
             return
-        released: dict[str, list[BlockKey]] = {}
         for load in meta.loads:
             if not load.on_step:  # copied while the engine steps; reported by ``get_finished``
-                job = self._thread("load").submit(_inference(self._copy_in), load)
+                # one job each: a load is reported as soon as its own bytes have landed
+                job = self._thread("load").submit(_inference(self._copy_in), [load])
                 self._transfers.loading[load.request_id] = (job, load)
-            elif not self._copy_in(load):  # pinned by a store that was replaced since: recompute
-                self._fail_load(load)
-            else:
+        on_step = [load for load in meta.loads if load.on_step]  # all land before the forward
+        if not on_step:
+            return
+        landed = self._copy_in(on_step, "step")
+        released: dict[str, list[BlockKey]] = {}
+        for load in on_step:
+            if landed[load.request_id]:
                 self._loaded(load, released)
+            else:  # pinned by a store that was replaced since: recompute
+                self._fail_load(load)
         self._release(released)
 
-    def _copy_in(self, load: LoadSpec) -> bool:
-        """Copy a load's pinned slots into the engine's blocks; False when its arena is gone."""
-        arena_layers = self._arena_view(load.arena_path)
-        if arena_layers is None:
-            return False
-        started = time.perf_counter()
-        self._copier("load").load(arena_layers, load.slots, load.block_ids).wait()
-        self.stats.load_seconds += time.perf_counter() - started
-        return True
+    def _copy_in(self, loads: list[LoadSpec], copier: str = "load") -> dict[str, bool]:
+        """Copy the pinned slots of ``loads`` into the engine's blocks with the calling
+        thread's copier (``_copier``): one copy per arena for all of them (``BlockCopier``
+        gathers and scatters each layer once per chunk, not once per request). Per request,
+        whether its bytes landed: False where its arena is gone."""
+        by_arena: dict[str, list[LoadSpec]] = {}
+        for load in loads:
+            by_arena.setdefault(load.arena_path, []).append(load)
+        landed: dict[str, bool] = {}
+        for arena_path, group in by_arena.items():
+            arena_layers = self._arena_view(arena_path)
+            if arena_layers is not None:
+                started = time.perf_counter()
+                self._copier(copier).load(arena_layers,
+                                          [slot for load in group for slot in load.slots],
+                                          [block for load in group for block in load.block_ids]
+                                          ).wait()
+                self.stats.load_seconds += time.perf_counter() - started
+            landed.update((load.request_id, arena_layers is not None) for load in group)
+        return landed
 
     def _loaded(self, load: LoadSpec, released: dict[str, list[BlockKey]]) -> None:
         self.stats.loaded_blocks += len(load.slots)
@@ -385,7 +408,7 @@ class ConnectorWorkerHalf:
         for request_id, (job, load) in done:
             del t.loading[request_id]
             try:
-                landed = job.result()
+                landed = job.result()[request_id]
             except Exception:  # a copy that failed: its blocks are recomputed
                 log.exception("request %s: copying %d KV blocks in failed", request_id,
                               len(load.block_ids))

@@ -65,3 +65,34 @@ def test_cli_rejects_a_block_size_below_one(capsys):
         kvcopy.main(["--block-size", "0", "--blocks", "2", "--rounds", "1"])
     assert exit_info.value.code == 2
     assert "--block-size must be at least 1" in capsys.readouterr().err
+
+
+def test_split_gives_consecutive_runs_of_near_equal_length():
+    assert kvcopy.split([1, 2, 3, 4, 5, 6, 7], 3) == [[1, 2, 3], [4, 5], [6, 7]]
+    assert kvcopy.split([1, 2], 8) == [[1], [2]]  # never an empty request
+    assert kvcopy.split([1, 2, 3], 1) == [[1, 2, 3]]
+
+
+def test_per_step_row_times_one_call_a_request_against_one_for_the_step(monkeypatch):
+    calls = []
+    real_load = kvcopy.BlockCopier.load
+
+    def counted(self, arena, slots, block_ids):
+        calls.append(len(slots))
+        return real_load(self, arena, slots, block_ids)
+
+    monkeypatch.setattr(kvcopy.BlockCopier, "load", counted)
+    report = kvcopy.run(layout="cpu", blocks=6, rounds=1, staging_blocks=2, requests=4)
+    (row,) = report["per_step"]
+    assert row["mode"] == "direct" and row["requests"] == 4
+    assert row["ratio"] == pytest.approx(row["one_call_gbps"] / row["per_request_gbps"], abs=1e-3)
+    assert row["one_call_gbps"] == next(r["gbps"] for r in report["rows"] if r["op"] == "load")
+    # the check's call, then two rounds (warm-up + 1) of one step call and 4 request calls
+    assert sorted(calls) == sorted([6] + 2 * [6, 2, 2, 1, 1])
+
+
+def test_cli_rejects_fewer_than_one_request(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        kvcopy.main(["--requests", "0", "--blocks", "2", "--rounds", "1"])
+    assert exit_info.value.code == 2
+    assert "--requests must be at least 1" in capsys.readouterr().err

@@ -76,9 +76,12 @@ class _GatedCopier(BlockCopier):
     def __init__(self, layers, gate: threading.Event) -> None:
         super().__init__(layers)
         self.gate = gate
+        self.loads: list[tuple[list[int], list[int]]] = []
+        """(slots, block ids) of every ``load`` call, in order."""
 
     def load(self, arena_layers, slots, block_ids):
         self.gate.wait(10)
+        self.loads.append((list(slots), list(block_ids)))
         return super().load(arena_layers, slots, block_ids)
 
     def save(self, arena_layers, block_ids, slots):
@@ -98,7 +101,8 @@ def worker_half(gate: threading.Event) -> tuple[BatonConnector, _Store]:
     connector._ledger, connector._transfers = SaveLedger(), _Transfers()
     connector._step_gate, connector._saves_after_outputs = StepGate(), True
     connector._arena_lock, connector._threads = threading.Lock(), {}
-    connector._copiers = {"load": _GatedCopier(layers, gate), "save": _GatedCopier(layers, gate)}
+    connector._copiers = {direction: _GatedCopier(layers, gate)
+                          for direction in ("load", "save", "step")}
     return connector, store
 
 
@@ -168,6 +172,38 @@ def test_a_load_from_an_arena_that_is_gone_is_reported_with_its_blocks_to_recomp
     assert reported(connector, step(connector, BatonConnectorMetadata(loads=[load]))) == (None, {"r"})
     assert connector.get_block_ids_with_load_errors() == {3, 4}
     assert store.released == []  # the store that pinned them is gone, and its pins with it
+
+
+def test_a_steps_loads_on_the_step_are_copied_in_one_call_before_the_forward_pass():
+    """The step's on-step loads from one arena in one ``BlockCopier.load`` (each layer gathered
+    and scattered once, not once per request), before the forward pass; one from an arena that
+    is gone fails alone, its blocks to recompute; an asynchronous load of the same step is a
+    job of its own, reported once its own bytes have landed."""
+    gate = threading.Event()
+    gate.set()
+    connector, store = worker_half(gate)
+    arena = store.arena.view()
+    for slot in (0, 1, 3, 5):
+        arena[slot] = torch.randn(NUM_LAYERS, *BLOCK_SHAPE)
+    loads = [LoadSpec("a", block_ids=[2], slots=[1], keys=[b"k1"], arena_path=ARENA, on_step=True),
+             LoadSpec("gone", block_ids=[4], slots=[2], keys=[b"x"], arena_path="/gone",
+                      on_step=True),
+             LoadSpec("later", block_ids=[0], slots=[5], keys=[b"k5"], arena_path=ARENA,
+                      on_step=False),
+             LoadSpec("b", block_ids=[7, 6], slots=[3, 0], keys=[b"k3", b"k0"], arena_path=ARENA,
+                      unpin_also=[b"u"], on_step=True)]
+
+    connector._connector_metadata = BatonConnectorMetadata(loads=loads)
+    connector.start_load_kv(None)
+    for index, layer in enumerate(connector._layers):  # landed before the forward pass
+        assert torch.equal(layer[2], arena[1, index]) and torch.equal(layer[7], arena[3, index])
+        assert torch.equal(layer[6], arena[0, index]) and not layer[4].any()
+    assert store.released[0] == [b"k1", b"k3", b"k0", b"u"]
+    assert connector.get_block_ids_with_load_errors() == {4}
+    assert connector._copiers["step"].loads == [([1, 3, 0], [2, 7, 6])]
+    assert reported(connector, connector.get_finished(set())) == (None, {"later"})
+    assert connector._copiers["load"].loads == [([5], [0])]  # the loading thread's own copier
+    assert connector.stats.loaded_blocks == 4
 
 
 def test_a_finished_requests_blocks_are_held_until_its_saves_are_written_and_committed():
