@@ -198,11 +198,13 @@ def test_a_steps_loads_on_the_step_are_copied_in_one_call_before_the_forward_pas
     for index, layer in enumerate(connector._layers):  # landed before the forward pass
         assert torch.equal(layer[2], arena[1, index]) and torch.equal(layer[7], arena[3, index])
         assert torch.equal(layer[6], arena[0, index]) and not layer[4].any()
-    assert store.released[0] == [b"k1", b"k3", b"k0", b"u"]
+    assert store.released == [[b"k1", b"k3", b"k0", b"u"]]  # one release, in the step
     assert connector.get_block_ids_with_load_errors() == {4}
     assert connector._copiers["step"].loads == [([1, 3, 0], [2, 7, 6])]
     assert reported(connector, connector.get_finished(set())) == (None, {"later"})
     assert connector._copiers["load"].loads == [([5], [0])]  # the loading thread's own copier
+    assert torch.equal(connector._layers[0][0], arena[5, 0])
+    assert store.released == [[b"k1", b"k3", b"k0", b"u"], [b"k5"]]
     assert connector.stats.loaded_blocks == 4
 
 
