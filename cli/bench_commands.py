@@ -38,7 +38,7 @@ bench_app = typer.Typer(help="Benchmarks: simulated fleets, the live cluster, th
                         no_args_is_help=True)
 
 
-@bench_app.command("replay")
+@bench_app.command("replay", short_help="SIMULATED: a fleet replaying a trace under each placement policy.")
 def bench_replay(
     trace: Path = typer.Option(..., help="Mooncake-format trace (.jsonl)."),
     prefill: int = typer.Option(16, help="Simulated prefill instances."),
@@ -80,7 +80,7 @@ def bench_replay(
                    live_error)
 
 
-@bench_app.command("replay-breakdown")
+@bench_app.command("replay-breakdown", short_help="SIMULATED: where each policy's TTFT above the oracle's goes.")
 def bench_replay_breakdown(
     out: Path = typer.Argument(..., help="A 'baton bench replay' output folder (run.json, results.json)."),
     policy: str = typer.Option("baton,mooncake", help="'all' or policy names, comma-separated."),
@@ -94,7 +94,7 @@ def bench_replay_breakdown(
     breakdown_command(out, policy, rate_scale, err)
 
 
-@bench_app.command("kvstore")
+@bench_app.command("kvstore", short_help="Each KV store data path against a fair baseline (ABBA runs).")
 def bench_kvstore(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
     block_bytes: int = typer.Option(368_640, help="Bytes per KV block (SmolLM2, 16 tokens: "
@@ -117,7 +117,7 @@ def bench_kvstore(
                       str(disk_dir) if disk_dir else None, tuple(paths.split(",")), runs)
 
 
-@bench_app.command("kvcopy")
+@bench_app.command("kvcopy", short_help="The KV copy path alone: arena <-> KV cache GB/s against a raw copy.")
 def bench_kvcopy(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
     model: str = typer.Option("smollm2-135m", help="KV shape: smollm2-135m or llama3-8b."),
@@ -144,7 +144,7 @@ def bench_kvcopy(
     run_kvcopy_bench(argv + (["--json", str(json_path)] if json_path else []))
 
 
-@bench_app.command("conductor")
+@bench_app.command("conductor", short_help="The conductor's placement decision latency and KV-event ingestion rate.")
 def bench_conductor(
     json_path: Optional[Path] = typer.Option(Path("bench-out/conductor.json"), "--json",
                                              help="Where to write the figures as JSON."),
@@ -160,7 +160,7 @@ def bench_conductor(
     err.print(f"[dim]wrote {json_path}[/dim]")
 
 
-@bench_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@bench_app.command("serve", short_help="LIVE: replay a trace against a running gateway (vllm bench serve's metrics).", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_serve(
     ctx: typer.Context,
     trace: Path = typer.Option(..., help="Mooncake-format trace (.jsonl)."),
@@ -203,7 +203,7 @@ def bench_serve(
         raise typer.Exit(2) from exc
 
 
-@bench_app.command("overload")
+@bench_app.command("overload", short_help="LIVE: admission control at 3x and 10x the sustainable rate.")
 def bench_overload(
     json_path: Optional[Path] = typer.Option(Path("bench-out/overload.json"), "--json",
                                              help="Write the report here."),
@@ -237,7 +237,7 @@ def bench_overload(
         cfg, json_path, factor_list, probe, burst, max_tokens, seed, progress), json_path)
 
 
-@bench_app.command("itl")
+@bench_app.command("itl", short_help="LIVE: decode streams' inter-token latency while other requests' KV loads.")
 def bench_itl(
     json_path: Optional[Path] = typer.Option(Path("bench-out/itl.json"), "--json",
                                              help="Write the report here."),
@@ -271,7 +271,7 @@ def bench_itl(
         seed=seed), json_path)
 
 
-@bench_app.command("sessions")
+@bench_app.command("sessions", short_help="LIVE: agent sessions across tool pauses, KV retention off and on.")
 def bench_sessions(
     json_path: Optional[Path] = typer.Option(Path("bench-out/sessions.json"), "--json",
                                              help="Write the report here."),
@@ -317,7 +317,7 @@ def bench_sessions(
         order=order, repeats=repeats, seed=seed, prefetch=prefetch), json_path)
 
 
-@bench_app.command("fuzz")
+@bench_app.command("fuzz", short_help="Fuzz both fronts with mutated requests: defined statuses, nothing leaked.")
 def bench_fuzz(
     requests: int = typer.Option(1_000, help="Fuzz cases to send."),
     seed: Optional[int] = typer.Option(None, help="Seed of the cases (unset: a fresh one, "
@@ -350,7 +350,7 @@ def bench_fuzz(
         cfg, requests, seed, concurrency, json_path, progress))
 
 
-@bench_app.command("soak")
+@bench_app.command("soak", short_help="LIVE soak: agent sessions for minutes; pins, leases, RSS and fds over time.")
 def bench_soak(
     duration: float = typer.Option(1200.0, help="Seconds of traffic (the issue's bound: 20 min)."),
     json_path: Optional[Path] = typer.Option(Path("bench-out/soak.json"), "--json",
@@ -374,7 +374,7 @@ def bench_soak(
         cfg, duration, sessions, sample_every, json_path, seed, progress), json_path)
 
 
-@bench_app.command("peers")
+@bench_app.command("peers", short_help="LIVE: SMG + vLLM against Baton on agent workloads, on the same cores.")
 def bench_peers(
     out_dir: Path = typer.Option(Path("bench-out/peers"), "--out", help="Folder for peers.json, "
                                  "peers.md, peers.png and records.jsonl."),

@@ -268,7 +268,7 @@ def profile(
     err.print(f"[dim]saved {out}[/dim]")
 
 
-@model_app.command("prepare")
+@model_app.command("prepare", short_help="Build a model folder vLLM can load: smollm2 or the tiny test model.")
 def model_prepare(
     name: str = typer.Argument("smollm2", help="'smollm2' or 'tiny'."),
     force: bool = typer.Option(False, help="Rebuild even if already prepared."),
