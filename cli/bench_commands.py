@@ -160,7 +160,9 @@ def bench_conductor(
     err.print(f"[dim]wrote {json_path}[/dim]")
 
 
-@bench_app.command("serve", short_help="LIVE: replay a trace against a running gateway (vllm bench serve's metrics).", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@bench_app.command("serve",
+                   short_help="LIVE: replay a trace against a running gateway (vllm bench serve's metrics).",
+                   context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_serve(
     ctx: typer.Context,
     trace: Path = typer.Option(..., help="Mooncake-format trace (.jsonl)."),

@@ -235,9 +235,9 @@ class ConnectorWorkerHalf:
                 self._fail_load(load)
         self._release(released)
 
-    def _copy_in(self, loads: list[LoadSpec], copier: str = "load") -> dict[str, bool]:
-        """Copy the pinned slots of ``loads`` into the engine's blocks with the calling
-        thread's copier (``_copier``): one copy per arena for all of them (``BlockCopier``
+    def _copy_in(self, loads: list[LoadSpec], thread: str = "load") -> dict[str, bool]:
+        """Copy the pinned slots of ``loads`` into the engine's blocks with the copier of the
+        calling ``thread`` (``_copier``): one copy per arena for all of them (``BlockCopier``
         gathers and scatters each layer once per chunk, not once per request). Per request,
         whether its bytes landed: False where its arena is gone."""
         by_arena: dict[str, list[LoadSpec]] = {}
@@ -248,7 +248,7 @@ class ConnectorWorkerHalf:
             arena_layers = self._arena_view(arena_path)
             if arena_layers is not None:
                 started = time.perf_counter()
-                self._copier(copier).load(arena_layers,
+                self._copier(thread).load(arena_layers,
                                           [slot for load in group for slot in load.slots],
                                           [block for load in group for block in load.block_ids]
                                           ).wait()
