@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import AsyncIterator, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -30,6 +30,7 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 
 from gateway import engine_replies as replies
 from gateway.auth import KeySet, bearer_key
+from gateway.choices import choice_requests, merged
 from gateway.engine_requests import ModelLimits, contract_session_fields, engine_request
 from gateway.inference import NOT_READY_MESSAGE, UndecodableRequest, status_details
 from gateway.router import Placed, Router
@@ -94,7 +95,10 @@ class ServedModel:
 
 @dataclass
 class _Progress:
-    num_completion_tokens: int = 0
+    """Per choice of a request: the tokens streamed so far, and whether its last message went."""
+
+    completion_tokens: list[int]
+    completed: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -107,6 +111,13 @@ class ContractCounters:
     cancelled_by_client: int = 0
     """Running requests whose ``Generate`` call the client cancelled (it went away)."""
     aborted_ids: list[str] = field(default_factory=list)
+
+
+async def _indexed(index: int, events: AsyncIterator) -> AsyncIterator[tuple[int, object]]:
+    """``events`` (one choice's router stream) as (``index``, event); closing it closes them."""
+    async with contextlib.aclosing(events):
+        async for event in events:
+            yield index, event
 
 
 def _parser(message_type):
@@ -182,7 +193,11 @@ class EngineContractServicer:
 
     async def Generate(self, request: vpb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> None:
-        """Validate, then relay the router's stream: chunks (``stream``) or one complete."""
+        """Validate, then relay the router's stream: chunks (``stream``) or one complete. With
+        ``n`` > 1 each choice is an engine request of its own (``gateway.choices``) and every
+        message carries its choice's ``index``, as vLLM's servicer sends them: streamed, the
+        choices' chunks interleave and each choice completes when it ends; not streamed, one
+        complete per choice in index order."""
         await self._checked(request, context)
         self._last_receive = time.time()
         try:
@@ -199,8 +214,9 @@ class EngineContractServicer:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request {request_id} is already running; give each request "
                                 "its own request_id")
-        progress = _Progress()
-        relay = asyncio.ensure_future(self._relay(built, request.stream, context, progress))
+        choices = choice_requests(built, max(1, request.sampling_params.n))
+        progress = _Progress([0] * len(choices))
+        relay = asyncio.ensure_future(self._relay(choices, request.stream, context, progress))
         self._running[request_id] = relay
         self.counters.generated += 1
         try:
@@ -213,40 +229,53 @@ class EngineContractServicer:
                 log.info("engine contract: request %s cancelled by its client", request_id)
                 raise
             status, details = None, ""
-            await context.write(replies.aborted(len(built.prompt_token_ids),
-                                                progress.num_completion_tokens))
+            for index, num_tokens in enumerate(progress.completion_tokens):
+                if index not in progress.completed:
+                    await context.write(replies.aborted(len(built.prompt_token_ids), num_tokens,
+                                                        index))
         finally:
             self._running.pop(request_id, None)
             self._aborted.discard(request_id)
         if status is not None:
             await context.abort(status, details)
 
-    async def _relay(self, request: EngineRequest, stream: bool, context: grpc.aio.ServicerContext,
+    async def _relay(self, requests: list[EngineRequest], stream: bool,
+                     context: grpc.aio.ServicerContext,
                      progress: _Progress) -> tuple[grpc.StatusCode | None, str]:
-        """Writes the answer; returns the status to abort with, if any. Cancelling it (a client
-        cancel or an ``Abort``) closes the router's stream, which aborts the request on the
-        workers and closes the conductor's books."""
-        placed: Placed | None = None
-        last: TokenChunk | None = None
-        output_ids: list[int] = []
-        logprob_parts = []
-        num_prompt_tokens = len(request.prompt_token_ids)
-        events = self._router.stream(request)
+        """Writes the answer of every choice; returns the status to abort with, if any.
+        Cancelling it (a client cancel or an ``Abort``) closes the router's streams, which
+        aborts the requests on the workers and closes the conductor's books."""
+        n = len(requests)
+        placed: list[Placed | None] = [None] * n
+        last: list[TokenChunk | None] = [None] * n
+        output_ids: list[list[int]] = [[] for _ in range(n)]
+        logprob_parts: list[list] = [[] for _ in range(n)]
+        num_prompt_tokens = len(requests[0].prompt_token_ids)
+        streams = [_indexed(index, self._router.stream(request))
+                   for index, request in enumerate(requests)]
+        events = streams[0] if n == 1 else merged(streams)
         try:
             async with contextlib.aclosing(events):
-                async for event in events:
+                async for index, event in events:
                     if isinstance(event, Placed):
-                        placed = event
+                        placed[index] = event
                         continue
-                    assert placed is not None, "router sent a token chunk before Placed"
-                    last = event
-                    output_ids.extend(event.token_ids)
-                    progress.num_completion_tokens += len(event.token_ids)
+                    where = placed[index]
+                    assert where is not None, "router sent a token chunk before Placed"
+                    last[index] = event
+                    output_ids[index].extend(event.token_ids)
+                    progress.completion_tokens[index] += len(event.token_ids)
                     if stream and event.token_ids:
-                        await context.write(replies.stream_chunk(event, num_prompt_tokens, placed))
+                        await context.write(replies.stream_chunk(event, num_prompt_tokens, where,
+                                                                 index))
                     elif event.logprobs:
-                        logprob_parts.append(replies.output_logprobs(event))
-            assert placed is not None and last is not None and last.finish_reason, (
+                        logprob_parts[index].append(replies.output_logprobs(event))
+                    if stream and event.finish_reason:
+                        await context.write(replies.complete(
+                            list(event.token_ids), event, num_prompt_tokens,
+                            len(event.token_ids), where, replies.output_logprobs(event), index))
+                        progress.completed.add(index)
+            assert all(chunk is not None and chunk.finish_reason for chunk in last), (
                 "router ended the stream without a finish_reason")
         except BatonError as e:
             retry_s = retry_after_s(e)
@@ -254,18 +283,16 @@ class EngineContractServicer:
                 context.set_trailing_metadata((("retry-after-ms", str(round(retry_s * 1000))),))
             return status_of(e).grpc_code, status_details(e)
         except Exception:
-            log.exception("request %s failed inside the engine contract", request.request_id)
+            log.exception("request %s failed inside the engine contract", requests[0].request_id)
             return (grpc.StatusCode.INTERNAL,
-                    f"internal error while serving request {request.request_id}; "
+                    f"internal error while serving request {requests[0].request_id}; "
                     "the gateway log has the details")
-        if stream:
-            await context.write(replies.complete(
-                list(last.token_ids), last, num_prompt_tokens, len(last.token_ids), placed,
-                replies.output_logprobs(last)))
-        else:
-            await context.write(replies.complete(
-                output_ids, last, num_prompt_tokens, len(output_ids), placed,
-                replies.merge_logprobs(logprob_parts)))
+        if not stream:
+            for index in range(n):
+                await context.write(replies.complete(
+                    output_ids[index], last[index], num_prompt_tokens, len(output_ids[index]),
+                    placed[index], replies.merge_logprobs(logprob_parts[index]), index))
+                progress.completed.add(index)
         return None, ""
 
     async def Abort(self, request: vpb.AbortRequest, context) -> vpb.AbortResponse:

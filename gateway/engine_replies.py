@@ -32,12 +32,14 @@ _DECODE_BATCH = msgspec.msgpack.Decoder(KVEventBatch)
 # ---------------------------------------------------------------- Generate
 
 
-def stream_chunk(chunk: TokenChunk, num_prompt_tokens: int, placed: Placed) -> vpb.GenerateResponse:
-    """One streamed delta: the chunk's new tokens (and their log-probabilities)."""
+def stream_chunk(chunk: TokenChunk, num_prompt_tokens: int, placed: Placed,
+                 index: int = 0) -> vpb.GenerateResponse:
+    """One streamed delta: the chunk's new tokens (and their log-probabilities), of choice
+    ``index`` (``n`` > 1)."""
     return vpb.GenerateResponse(chunk=vpb.GenerateStreamChunk(
         token_ids=chunk.token_ids, prompt_tokens=num_prompt_tokens,
         completion_tokens=len(chunk.token_ids), cached_tokens=_cached_so_far(placed, chunk),
-        output_logprobs=output_logprobs(chunk)))
+        output_logprobs=output_logprobs(chunk), index=index))
 
 
 def _cached_so_far(placed: Placed, chunk: TokenChunk) -> int:
@@ -52,8 +54,9 @@ def _cached_so_far(placed: Placed, chunk: TokenChunk) -> int:
 
 def complete(output_ids: list[int], last: TokenChunk, num_prompt_tokens: int,
              num_completion_tokens: int, placed: Placed,
-             logprobs: vpb.OutputLogProbs | None = None) -> vpb.GenerateResponse:
-    """The request's last message: why it ended, its usage and where Baton ran it.
+             logprobs: vpb.OutputLogProbs | None = None, index: int = 0) -> vpb.GenerateResponse:
+    """The last message of the request's choice ``index`` (0 unless ``n`` > 1): why it ended,
+    its usage and where Baton ran it.
 
     Streamed, ``output_ids`` are the last delta's tokens again and ``completion_tokens`` their
     count, as vLLM's servicer sends them (the router adds up the chunks); not streamed, all of
@@ -65,17 +68,18 @@ def complete(output_ids: list[int], last: TokenChunk, num_prompt_tokens: int,
         output_ids=output_ids, finish_reason=last.finish_reason or "stop",
         prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
         cached_tokens=num_cached_tokens(placed, last), output_logprobs=logprobs,
-        kv_transfer_params_json=placement_json(placed, last))
+        kv_transfer_params_json=placement_json(placed, last), index=index)
     if last.stop_sequence:
         finished.matched_stop_str = last.stop_sequence
     return vpb.GenerateResponse(complete=finished)
 
 
-def aborted(num_prompt_tokens: int, num_completion_tokens: int) -> vpb.GenerateResponse:
-    """The last message of a request ended by ``Abort``."""
+def aborted(num_prompt_tokens: int, num_completion_tokens: int,
+            index: int = 0) -> vpb.GenerateResponse:
+    """The last message of a request's choice ``index`` ended by ``Abort``."""
     return vpb.GenerateResponse(complete=vpb.GenerateComplete(
         finish_reason="abort", prompt_tokens=num_prompt_tokens,
-        completion_tokens=num_completion_tokens))
+        completion_tokens=num_completion_tokens, index=index))
 
 
 def placement_json(placed: Placed, last: TokenChunk) -> str:

@@ -17,6 +17,7 @@ import math
 import msgspec
 from smg_grpc_proto import vllm_engine_pb2 as vpb
 
+from gateway.choices import MAX_CHOICES
 from gateway.sessions import InvalidField, SessionFields
 from gateway.tokenization import PromptTokenizer
 from gateway.validation import validate_and_build
@@ -147,8 +148,10 @@ def check_unsupported(request: vpb.GenerateRequest, limits: ModelLimits) -> None
     if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
         raise InvalidRequest("multimodal inputs (mm_inputs, extra_mm_inputs, media_refs): the "
                              f"served model '{limits.served_model_name}' takes text only")
+    if params.n > MAX_CHOICES:
+        raise InvalidRequest(f"sampling_params.n {params.n}: at most {MAX_CHOICES} choices per "
+                             "request; send several requests for more")
     neutral = {
-        "n": params.n in (0, 1),
         "prompt_logprobs": not params.HasField("prompt_logprobs"),
         "truncate_prompt_tokens": not params.HasField("truncate_prompt_tokens"),
         "include_stop_str_in_output": not params.include_stop_str_in_output,
@@ -160,7 +163,7 @@ def check_unsupported(request: vpb.GenerateRequest, limits: ModelLimits) -> None
             "engines; leave them unset (Baton serves temperature, top_p, top_k, min_p, the "
             "frequency, presence and repetition penalties, min_tokens, logit_bias, max_tokens, "
             "seed, stop, stop_token_ids of the model's end-of-sequence tokens, ignore_eos, "
-            "logprobs, json_schema, json_object, regex and choice)")
+            f"logprobs, n up to {MAX_CHOICES}, json_schema, json_object, regex and choice)")
     constraint = params.WhichOneof("constraint")
     if constraint in UNSUPPORTED_CONSTRAINTS:
         raise InvalidRequest(f"sampling_params.{constraint}: not supported; Baton enforces "

@@ -46,13 +46,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.anthropic_http import messages_router
 from gateway.auth import KeySet
 from gateway.inference import NOT_READY_MESSAGE
-from gateway.openai_choices import (
-    all_or_none,
-    choice_requests,
-    combined_baton,
-    combined_usage,
-    sse_choices,
-)
+from gateway.choices import all_or_none, choice_requests
+from gateway.openai_choices import combined_baton, combined_usage, sse_choices
 from gateway.openai_errors import OpenAIError, error_for, validation_message
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.openai_requests import (

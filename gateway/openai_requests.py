@@ -18,7 +18,7 @@ from typing import Any, Callable, TypeVar
 from gateway.openai_errors import error_for, lone_surrogate
 from gateway.openai_fields import refused_field
 from gateway.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
-from gateway.openai_choices import MAX_CHOICES
+from gateway.choices import MAX_CHOICES
 from gateway.salts import http_salt_offset, message_salt_offset
 from gateway.sampling_knobs import checked_knobs
 from gateway.sessions import InvalidField

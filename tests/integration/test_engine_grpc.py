@@ -1,8 +1,9 @@
 """The real SMG router (PyPI ``smg==1.13.0``, its gRPC worker mode) in front of a whole Baton
 cluster through Baton's engine gRPC contract (``engine_grpc.port``): a greedy chat completion over
 SMG's OpenAI endpoint is Baton's own OpenAI front's answer token for token (colocated and
-disaggregated prompts), it streams, a client that goes away mid-stream aborts the request inside
-Baton, GetLoads sees the running request, and SubscribeKvEvents delivers the engines' blocks.
+disaggregated prompts), ``n`` choices in one call, it streams, a client that goes away
+mid-stream aborts the request inside Baton, GetLoads sees the running request, and
+SubscribeKvEvents delivers the engines' blocks.
 Tiny random model (its text is noise: the comparison is over tokens and their log-probabilities);
 the cluster's fronts require an API key, and the engine contract serves without one
 (``engine_grpc.require_api_key: false``): SMG 1.13 sends no key to its gRPC workers."""
@@ -129,6 +130,27 @@ async def test_smg_answers_token_for_token_as_batons_own_front(server, smg, cont
         assert through_smg["usage"][field] == baton["usage"][field]
     placement = baton["baton"]["placement"]
     assert (placement["prefill"] == placement["decode"]) == (content == SHORT)
+
+
+async def test_n_choices_through_smg_are_batons_own_choices(server, smg):
+    """SMG sends ``n`` in one request to its gRPC worker and collects the choices by their
+    ``index``: each sampled choice (``seed + index``, vLLM's rule) is token for token the one
+    Baton's own front answers with the same ``n`` and seed."""
+    body = _chat(SHORT, temperature=1.0, seed=5, n=2)
+    baton = await _post(f"http://127.0.0.1:{server.http_port}/v1", body)
+    contract = server.fronts.engine_contract.servicer.counters
+    before = contract.generated
+    through_smg = await _post(smg, body)
+    assert contract.generated == before + 1  # one Generate call carried both choices
+    got = sorted(through_smg["choices"], key=lambda choice: choice["index"])
+    expected = sorted(baton["choices"], key=lambda choice: choice["index"])
+    assert [choice["index"] for choice in got] == [0, 1]
+    for mine, theirs in zip(got, expected):
+        assert [entry["token"] for entry in mine["logprobs"]["content"]] == \
+            [entry["token"] for entry in theirs["logprobs"]["content"]]
+        assert mine["message"]["content"] == theirs["message"]["content"]
+    assert got[0]["message"]["content"] != got[1]["message"]["content"]  # two samples
+    assert through_smg["usage"]["completion_tokens"] == baton["usage"]["completion_tokens"]
 
 
 async def test_smg_streams(server, smg):

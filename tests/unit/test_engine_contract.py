@@ -6,6 +6,7 @@ statuses errors map to, the API key, loads and KV events. The interop with the r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import grpc
@@ -22,6 +23,7 @@ from engine.models import prepare_model
 from gateway import engine_replies as replies
 from gateway.engine_contract import EngineContractServicer, ServedModel, start_engine_contract
 from gateway.engine_requests import ModelLimits, engine_request
+from gateway.router import Placed
 from gateway.sessions import SessionsConfig, scoped_session_id
 from gateway.tokenization import PromptTokenizer
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -127,7 +129,7 @@ def test_the_contracts_unset_knobs_are_the_neutral_values(tokenizer, limits):
 
 
 @pytest.mark.parametrize("sampling, field", [
-    ({"n": 2}, "n"), ({"min_p": 1.5}, "min_p"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"n": 17}, "at most 16 choices"), ({"min_p": 1.5}, "min_p"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"logit_bias": {10**6: 1.0}}, "logit_bias"),
     ({"grammar": "root ::= \"a\""}, "grammar"), ({"regex": "(a"}, "regex"),
     ({"stop_token_ids": [77]}, r"stop_token_ids \[77\]"),
@@ -336,6 +338,78 @@ async def test_a_client_cancel_closes_the_routers_stream(stub, contract):
         await asyncio.sleep(0.01)
     assert router.num_closed_streams == 1
     assert contract.servicer.counters.cancelled_by_client == 1
+
+
+async def test_n_choices_stream_interleaved_each_with_its_index_and_its_own_complete(stub,
+                                                                                     router):
+    responses = [r async for r in stub.Generate(tokenized(max_tokens=4, n=3, seed=11))]
+    kinds = [(r.WhichOneof("response"), getattr(r, r.WhichOneof("response")).index)
+             for r in responses]
+    assert [r.request_id for r in router.requests] == ["r1", "r1-n1", "r1-n2"]
+    assert [r.sampling.seed for r in router.requests] == [11, 12, 13]  # vLLM's seed + index
+    assert {r.prompt_token_ids for r in router.requests} == {(1, 2, 3)}
+    for index in range(3):
+        mine = [r for r in responses
+                if getattr(r, r.WhichOneof("response")).index == index]
+        assert [r.WhichOneof("response") for r in mine] == ["chunk"] * 3 + ["complete"]
+        assert [list(r.chunk.token_ids) for r in mine[:3]] == [[5, 6], [7], [8]]
+        done = mine[-1].complete
+        assert (list(done.output_ids), done.finish_reason, done.completion_tokens) == (
+            [8], "stop", 1)
+    # each choice completes right after its own last chunk
+    for index in range(3):
+        at = kinds.index(("complete", index))
+        assert kinds[at - 1] == ("chunk", index)
+        assert list(responses[at - 1].chunk.token_ids) == [8]
+
+
+async def test_n_choices_without_stream_complete_once_each_in_index_order(stub, router):
+    request = tokenized(max_tokens=4, n=2)
+    request.stream = False
+    responses = [r async for r in stub.Generate(request)]
+    assert [(r.WhichOneof("response"), r.complete.index) for r in responses] == [
+        ("complete", 0), ("complete", 1)]
+    for r in responses:
+        assert (list(r.complete.output_ids), r.complete.completion_tokens) == ([5, 6, 7, 8], 4)
+    assert [r.sampling.seed for r in router.requests] == [None, None]
+
+
+async def test_abort_ends_every_choice_of_an_n_choice_request(stub, contract):
+    router = FakeRouter(chunks=CHUNKS[:1], hang=True)
+    contract.servicer._router = router
+    call = stub.Generate(tokenized(max_tokens=50, n=2))
+    first = [await call.read(), await call.read()]
+    assert sorted(r.chunk.index for r in first) == [0, 1]
+    await stub.Abort(vpb.AbortRequest(request_ids=["r1"]))
+    last = [await call.read(), await call.read()]
+    assert sorted((r.complete.index, r.complete.finish_reason, r.complete.completion_tokens)
+                  for r in last) == [(0, "abort", 2), (1, "abort", 2)]
+    assert await call.code() == grpc.StatusCode.OK
+    assert router.num_closed_streams == 2  # both choices' streams closed: workers abort
+
+
+async def test_one_failing_choice_fails_the_request_and_closes_the_others(stub, contract):
+    class OneFails(FakeRouter):
+        """The second choice's stream fails after its first chunk; the first one hangs."""
+
+        async def stream(self, request):
+            async with contextlib.aclosing(super().stream(request)) as events:
+                async for event in events:
+                    yield event
+                    if request.request_id.endswith("-n1") and not isinstance(event, Placed):
+                        raise NoWorkerReady("no decode instance is ready")
+
+    router = OneFails(chunks=CHUNKS[:1], hang=True)
+    contract.servicer._router = router
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in stub.Generate(tokenized(max_tokens=50, n=2)):
+            pass
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    for _ in range(100):
+        if router.num_closed_streams == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert router.num_closed_streams == 2
 
 
 @pytest.mark.parametrize("error, code", [
