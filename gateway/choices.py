@@ -1,13 +1,14 @@
 """Several answers to one request: ``n`` engine requests over the same prompt, and their streams
-run side by side. Shared by the OpenAI front and the engine gRPC contract.
+run side by side. Shared by the OpenAI front, the gRPC gateway and the engine gRPC contract.
 
 Contract: ``choice_requests`` splits a checked request into ``n`` engine requests (ids ``<id>``,
 ``<id>-n1``, ...; with a seed, choice i samples with ``seed + i``, vLLM's rule for ``n`` > 1;
 the agent session and its leases ride on the first only, so a session step is one step). The
 router places them one after the other, so the conductor sees the first prompt's prefill when
 it places the next and coalesces them onto it: the prompt is computed once. ``merged`` yields
-the items of several streams as they come and closes them all however it ends; ``all_or_none``
-awaits several answers and cancels the rest when one fails.
+the items of several streams as they come (``indexed`` tags each with its choice) and closes
+them all however it ends; ``all_or_none`` awaits several answers and cancels the rest when one
+fails.
 """
 
 from __future__ import annotations
@@ -89,3 +90,11 @@ async def merged(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
         for iterator in iterators:
             with contextlib.suppress(Exception):
                 await iterator.aclose()
+
+
+async def indexed(index: int, events: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+    """``events`` (one choice's stream) as (``index``, event) pairs, to tell the choices apart
+    once ``merged``; closing it closes ``events``."""
+    async with contextlib.aclosing(events):
+        async for event in events:
+            yield index, event

@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Protocol
+from typing import Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -30,7 +30,7 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 
 from gateway import engine_replies as replies
 from gateway.auth import KeySet, bearer_key
-from gateway.choices import choice_requests, merged
+from gateway.choices import choice_requests, indexed, merged
 from gateway.engine_requests import ModelLimits, contract_session_fields, engine_request
 from gateway.inference import NOT_READY_MESSAGE, UndecodableRequest, status_details
 from gateway.router import Placed, Router
@@ -111,13 +111,6 @@ class ContractCounters:
     cancelled_by_client: int = 0
     """Running requests whose ``Generate`` call the client cancelled (it went away)."""
     aborted_ids: list[str] = field(default_factory=list)
-
-
-async def _indexed(index: int, events: AsyncIterator) -> AsyncIterator[tuple[int, object]]:
-    """``events`` (one choice's router stream) as (``index``, event); closing it closes them."""
-    async with contextlib.aclosing(events):
-        async for event in events:
-            yield index, event
 
 
 def _parser(message_type):
@@ -251,7 +244,7 @@ class EngineContractServicer:
         output_ids: list[list[int]] = [[] for _ in range(n)]
         logprob_parts: list[list] = [[] for _ in range(n)]
         num_prompt_tokens = len(requests[0].prompt_token_ids)
-        streams = [_indexed(index, self._router.stream(request))
+        streams = [indexed(index, self._router.stream(request))
                    for index, request in enumerate(requests)]
         events = streams[0] if n == 1 else merged(streams)
         try:

@@ -20,7 +20,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vpb
 from gateway.choices import MAX_CHOICES
 from gateway.sessions import InvalidField, SessionFields
 from gateway.tokenization import PromptTokenizer
-from gateway.validation import validate_and_build
+from gateway.validation import check_num_choices, validate_and_build
 from protos.baton.v1 import inference_pb2 as pb
 from protos.errors import InvalidRequest
 from protos.wire import EngineRequest
@@ -148,9 +148,7 @@ def check_unsupported(request: vpb.GenerateRequest, limits: ModelLimits) -> None
     if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
         raise InvalidRequest("multimodal inputs (mm_inputs, extra_mm_inputs, media_refs): the "
                              f"served model '{limits.served_model_name}' takes text only")
-    if params.n > MAX_CHOICES:
-        raise InvalidRequest(f"sampling_params.n {params.n}: at most {MAX_CHOICES} choices per "
-                             "request; send several requests for more")
+    check_num_choices(params.n, "sampling_params.n")
     neutral = {
         "prompt_logprobs": not params.HasField("prompt_logprobs"),
         "truncate_prompt_tokens": not params.HasField("truncate_prompt_tokens"),

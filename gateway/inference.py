@@ -21,11 +21,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.auth import KeySet, bearer_key
+from gateway.choices import choice_requests, indexed, merged
 from gateway.router import Placed, Router, cached_by_tier, num_cached_tokens
 from gateway.sessions import SessionFields, SessionsConfig, cache_creation_tokens, with_session
 from gateway.status import retry_after_s, status_of
 from gateway.tokenization import PromptTokenizer
-from gateway.validation import tokenize_prompt, validate_and_build
+from gateway.validation import check_num_choices, tokenize_prompt, validate_and_build
 from protos.baton.v1 import inference_pb2 as pb
 from protos.errors import BatonError, ConfigError
 from protos.wire import EngineRequest, TokenChunk, TokenLogprob
@@ -160,98 +161,68 @@ class InferenceServicer:
             )
             engine_request = with_session(engine_request, session_fields(request),
                                           self._sessions, self._offered_key(context))
+            n = check_num_choices(request.sampling.n)
         except BatonError as e:
             await context.abort(status_of(e).grpc_code, status_details(e))
         if not self._router.is_ready():
             await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY_MESSAGE)
 
-        status, details = await self._relay(engine_request, context, received_at)
+        status, details = await self._relay(choice_requests(engine_request, n), context,
+                                            received_at)
         if status is not None:
             await context.abort(status, details)
 
     async def _relay(
-        self, request: EngineRequest, context: grpc.aio.ServicerContext, received_at: float
+        self, requests: list[EngineRequest], context: grpc.aio.ServicerContext,
+        received_at: float
     ) -> tuple[grpc.StatusCode | None, str]:
-        """Writes deltas and the final message; returns the status to abort with, if any.
+        """Writes each choice's deltas and its final message; returns the status to abort with,
+        if any. With several choices (``sampling.n``) their streams run side by side and every
+        message carries its choice's index; one failing choice fails the request.
 
         Cancellation (the client went away) propagates out of here, and ``aclosing`` closes
-        the router's stream so the workers abort the request.
+        the routers' streams so the workers abort the requests.
         """
-        placed: Placed | None = None
-        last_chunk: TokenChunk | None = None
-        num_completion_tokens = 0
-        ttft_ms = 0.0
-        events = self._router.stream(request)
+        n = len(requests)
+        choices = [_Choice() for _ in range(n)]
+        streams = [indexed(index, self._router.stream(request))
+                   for index, request in enumerate(requests)]
+        events = streams[0] if n == 1 else merged(streams)
         try:
             async with contextlib.aclosing(events):
-                async for event in events:
+                async for index, event in events:
+                    choice = choices[index]
                     if isinstance(event, Placed):
-                        assert placed is None, "router sent a second Placed event"
-                        placed = event
+                        assert choice.placed is None, "router sent a second Placed event"
+                        choice.placed = event
                         continue
-                    assert placed is not None, "router sent a token chunk before Placed"
-                    last_chunk = event
-                    if not (event.token_ids or event.text):
-                        continue
-                    if event.token_ids and num_completion_tokens == 0:
-                        ttft_ms = _ms_since(received_at)
-                    num_completion_tokens += len(event.token_ids)
-                    await context.write(pb.GenerateResponse(delta=_delta(event)))
-            assert placed is not None, "router ended the stream without placing the request"
-            assert last_chunk is not None and last_chunk.finish_reason, (
-                "router ended the stream without a finish_reason"
-            )
+                    assert choice.placed is not None, "router sent a token chunk before Placed"
+                    choice.last_chunk = event
+                    if event.token_ids or event.text:
+                        if event.token_ids and choice.num_completion_tokens == 0:
+                            choice.ttft_ms = _ms_since(received_at)
+                        choice.num_completion_tokens += len(event.token_ids)
+                        await context.write(pb.GenerateResponse(delta=_delta(event, index)))
+                    if event.finish_reason:
+                        await context.write(pb.GenerateResponse(final=_final(
+                            requests[index], choice, index, received_at)))
+            for choice in choices:
+                assert choice.placed is not None, (
+                    "router ended the stream without placing the request")
+                assert choice.last_chunk is not None and choice.last_chunk.finish_reason, (
+                    "router ended the stream without a finish_reason")
         except BatonError as e:
             retry_s = retry_after_s(e)
             if retry_s is not None:
                 context.set_trailing_metadata((("retry-after-ms", str(round(retry_s * 1000))),))
             return status_of(e).grpc_code, status_details(e)
         except Exception:
-            logger.exception("request %s failed inside the gateway", request.request_id)
+            logger.exception("request %s failed inside the gateway", requests[0].request_id)
             return (
                 grpc.StatusCode.INTERNAL,
-                f"internal error while serving request {request.request_id}; "
+                f"internal error while serving request {requests[0].request_id}; "
                 "the gateway log has the details",
             )
-
-        num_prompt_tokens = len(request.prompt_token_ids)
-        cached = num_cached_tokens(placed, last_chunk)
-        usage = pb.Usage(
-            prompt_tokens=num_prompt_tokens,
-            cached_tokens=cached,
-            completion_tokens=num_completion_tokens,
-            ttft_ms=ttft_ms,
-            e2e_ms=_ms_since(received_at),
-            loaded_tokens=last_chunk.num_loaded_tokens,
-            cache_creation_input_tokens=cache_creation_tokens(request.leases, num_prompt_tokens,
-                                                              cached),
-            cache_read_input_tokens=cached,
-        )
-        tiers = cached_by_tier(placed, last_chunk)
-        if tiers is not None:
-            usage.cached_tokens_by_tier.CopyFrom(pb.CachedTokensByTier(
-                device=tiers.device, host=tiers.host, disk=tiers.disk, pulled=tiers.pulled))
-        placement = pb.PlacementInfo(
-            prefill=placed.placement.prefill_instance,
-            decode=placed.placement.decode_instance,
-            policy=placed.placement.policy,
-            reason=placed.placement.reason,
-            transfer_ms=placed.placement.transfer_ms,
-            queue_ms=placed.placement.queue_ms,
-            prefill_ms=placed.placement.prefill_ms,
-            expected_cached_blocks=placed.placement.expected_cached_blocks,
-            pulled_from=placed.placement.pulled_from,
-        )
-        await context.write(
-            pb.GenerateResponse(
-                final=pb.Final(
-                    finish_reason=last_chunk.finish_reason,
-                    usage=usage,
-                    placement=placement,
-                    request_id=request.request_id,
-                )
-            )
-        )
         return None, ""
 
     async def Tokenize(
@@ -279,9 +250,55 @@ def session_fields(request: pb.GenerateRequest) -> SessionFields:
     return SessionFields(request.session_id, request.session_ttl_s, request.expected_next_step_s)
 
 
-def _delta(chunk: TokenChunk) -> pb.TokenDelta:
+@dataclass
+class _Choice:
+    """One choice's stream so far: where it was placed, its last chunk, tokens and TTFT."""
+
+    placed: Placed | None = None
+    last_chunk: TokenChunk | None = None
+    num_completion_tokens: int = 0
+    ttft_ms: float = 0.0
+
+
+def _final(request: EngineRequest, choice: _Choice, index: int, received_at: float) -> pb.Final:
+    """The message that ends ``choice``: why, its usage and where it ran."""
+    placed, last_chunk = choice.placed, choice.last_chunk
+    num_prompt_tokens = len(request.prompt_token_ids)
+    cached = num_cached_tokens(placed, last_chunk)
+    usage = pb.Usage(
+        prompt_tokens=num_prompt_tokens,
+        cached_tokens=cached,
+        completion_tokens=choice.num_completion_tokens,
+        ttft_ms=choice.ttft_ms,
+        e2e_ms=_ms_since(received_at),
+        loaded_tokens=last_chunk.num_loaded_tokens,
+        cache_creation_input_tokens=cache_creation_tokens(request.leases, num_prompt_tokens,
+                                                          cached),
+        cache_read_input_tokens=cached,
+    )
+    tiers = cached_by_tier(placed, last_chunk)
+    if tiers is not None:
+        usage.cached_tokens_by_tier.CopyFrom(pb.CachedTokensByTier(
+            device=tiers.device, host=tiers.host, disk=tiers.disk, pulled=tiers.pulled))
+    placement = pb.PlacementInfo(
+        prefill=placed.placement.prefill_instance,
+        decode=placed.placement.decode_instance,
+        policy=placed.placement.policy,
+        reason=placed.placement.reason,
+        transfer_ms=placed.placement.transfer_ms,
+        queue_ms=placed.placement.queue_ms,
+        prefill_ms=placed.placement.prefill_ms,
+        expected_cached_blocks=placed.placement.expected_cached_blocks,
+        pulled_from=placed.placement.pulled_from,
+    )
+    return pb.Final(finish_reason=last_chunk.finish_reason, usage=usage, placement=placement,
+                    request_id=request.request_id, index=index)
+
+
+def _delta(chunk: TokenChunk, index: int = 0) -> pb.TokenDelta:
     """A chunk's tokens, their text and, when the request asked, their log-probabilities."""
     return pb.TokenDelta(
+        index=index,
         token_ids=chunk.token_ids,
         text=chunk.text,
         logprobs=[

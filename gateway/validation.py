@@ -16,6 +16,7 @@ import math
 import uuid
 from typing import Union
 
+from gateway import choices
 from gateway.json_schemas import backend_refusal, regex_refusal
 from gateway.salts import check_salt_offset
 from gateway.sampling_knobs import GRPC_NAMES, checked_knobs
@@ -207,6 +208,14 @@ def check_template_kwargs(kwargs: object, field: str = "chat_template_kwargs") -
         raise InvalidRequest(f"{field} may not set {', '.join(reserved)}: the front renders the "
                              "conversation and tools from the request's own fields")
     return kwargs
+
+
+def check_num_choices(n: int, field: str = "sampling.n") -> int:
+    """Choices a request asks for (``n``): 0 (unset) is 1, at most ``choices.MAX_CHOICES``."""
+    if not 0 <= n <= choices.MAX_CHOICES:
+        raise InvalidRequest(f"{field} must be from 1 to {choices.MAX_CHOICES} (answers to one "
+                             f"prompt; 0 means 1), got {n}; send several requests for more")
+    return max(1, n)
 
 
 def check_bounded(name: str, value: int, most: int) -> int:

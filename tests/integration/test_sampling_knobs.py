@@ -147,3 +147,39 @@ async def test_n_choices_are_the_answers_of_single_requests_seeded_one_apart(
     assert several.usage.completion_tokens == 3 * MAX_TOKENS
     assert several.usage.prompt_tokens == num_prompt_tokens
     assert [choice.text for choice in greedy.choices] == [single_greedy.choices[0].text] * 2
+
+
+@pytest.mark.parametrize("num_prompt_tokens", [SHORT, LONG], ids=["colocated", "disaggregated"])
+async def test_grpc_n_choices_are_the_answers_of_single_requests_seeded_one_apart(
+        server, num_prompt_tokens):
+    """``sampling.n`` 3 with seed 21 over gRPC: each choice's deltas (by their ``index``) are
+    what a single request seeded 21 + index answers, and each choice ends with its own Final."""
+    import grpc
+
+    from protos.baton.v1 import inference_pb2 as pb
+    from protos.baton.v1 import inference_pb2_grpc as pb_grpc
+
+    prompt = random_prompt(num_prompt_tokens, seed=600 + num_prompt_tokens)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), request_id="n3")
+    request.sampling.max_tokens = MAX_TOKENS
+    request.sampling.temperature = 1.0
+    request.sampling.seed = 21
+    request.sampling.n = 3
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    finals = {}
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        async for response in pb_grpc.InferenceStub(channel).Generate(request, timeout=120):
+            if response.HasField("final"):
+                finals[response.final.index] = response.final
+            else:
+                tokens[response.delta.index].extend(response.delta.token_ids)
+    singles = [await client.generate(server.target, token_ids=prompt, max_tokens=MAX_TOKENS,
+                                     temperature=1.0, seed=21 + index) for index in range(3)]
+
+    assert [tokens[index] for index in range(3)] == [single["token_ids"] for single in singles]
+    assert len({tuple(answer) for answer in tokens.values()}) == 3  # three draws, not one
+    assert sorted(finals) == [0, 1, 2]
+    assert [finals[index].request_id for index in range(3)] == ["n3", "n3-n1", "n3-n2"]
+    assert [finals[index].usage.completion_tokens for index in range(3)] == [
+        len(tokens[index]) for index in range(3)]
+    assert {finals[index].usage.prompt_tokens for index in range(3)} == {num_prompt_tokens}

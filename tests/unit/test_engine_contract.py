@@ -129,7 +129,7 @@ def test_the_contracts_unset_knobs_are_the_neutral_values(tokenizer, limits):
 
 
 @pytest.mark.parametrize("sampling, field", [
-    ({"n": 17}, "at most 16 choices"), ({"min_p": 1.5}, "min_p"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"n": 17}, "sampling_params.n must be from 1 to 16"), ({"min_p": 1.5}, "min_p"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"logit_bias": {10**6: 1.0}}, "logit_bias"),
     ({"grammar": "root ::= \"a\""}, "grammar"), ({"regex": "(a"}, "regex"),
     ({"stop_token_ids": [77]}, r"stop_token_ids \[77\]"),

@@ -7,6 +7,7 @@ usage and placement accounting, health, reflection, cancellation and the client 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -171,7 +172,8 @@ async def test_stream_has_deltas_then_final_with_usage_and_placement(
     assert router.num_closed_streams == 1
 
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "logprobs", "json_schema", "json_object")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "logprobs", "json_schema", "json_object",
+                   "n", "seed")
 
 
 def _request(**fields) -> pb.GenerateRequest:
@@ -214,6 +216,7 @@ BAD_REQUESTS = {
         "sampling.json_schema and sampling.json_object are exclusive",
     ),
     "json_schema not JSON": (_request(json_schema="{"), "sampling.json_schema is not valid JSON"),
+    "n 17": (_request(n=17), "sampling.n must be from 1 to 16"),
 }
 
 
@@ -229,6 +232,64 @@ async def test_bad_request_is_invalid_argument_and_server_keeps_serving(
     assert router.requests == []
     deltas, final = await collect(channel, _request())
     assert deltas == EXPECTED_DELTAS and final.finish_reason == "stop"
+
+
+@pytest.mark.asyncio
+async def test_n_choices_stream_side_by_side_each_ending_with_its_own_final(channel, router):
+    request = _request(n=3, seed=40, max_tokens=4, request_id="req-n")
+    responses = await consume(pb_grpc.InferenceStub(channel).Generate(request, timeout=10))
+
+    assert [r.request_id for r in router.requests] == ["req-n", "req-n-n1", "req-n-n2"]
+    assert [r.sampling.seed for r in router.requests] == [40, 41, 42]  # vLLM's seed + index
+    tagged = [(r.WhichOneof("kind"), getattr(r, r.WhichOneof("kind")).index) for r in responses]
+    for index in range(3):
+        mine = [r for r, (_, at) in zip(responses, tagged) if at == index]
+        assert [(list(r.delta.token_ids), r.delta.text) for r in mine[:-1]] == EXPECTED_DELTAS
+        final = mine[-1].final
+        assert (final.finish_reason, final.request_id, final.usage.completion_tokens,
+                final.usage.prompt_tokens) == ("stop", router.requests[index].request_id, 4, 2)
+        assert 0 < final.usage.ttft_ms <= final.usage.e2e_ms
+        # a choice's final comes right after its last delta, not after every choice ended
+        at = tagged.index(("final", index))
+        assert tagged[at - 1] == ("delta", index)
+    assert sorted(kind for kind in tagged if kind[0] == "final") == [
+        ("final", 0), ("final", 1), ("final", 2)]
+    assert len(responses) == 3 * 4
+    assert router.num_closed_streams == 3
+
+
+@pytest.mark.asyncio
+async def test_one_choice_is_the_stream_it_always_was(channel, router):
+    for n in (0, 1):
+        responses = await consume(pb_grpc.InferenceStub(channel).Generate(
+            _request(n=n, request_id=f"one-{n}"), timeout=10))
+        assert [r.WhichOneof("kind") for r in responses] == ["delta"] * 3 + ["final"]
+        assert {getattr(r, r.WhichOneof("kind")).index for r in responses} == {0}
+    assert [r.request_id for r in router.requests] == ["one-0", "one-1"]
+
+
+@pytest.mark.asyncio
+async def test_one_failing_choice_fails_the_request_and_closes_every_stream(channel, router):
+    router.chunks = SCRIPTED_CHUNKS[:1]
+    router.hang = True
+    failing = router.stream
+
+    async def stream(request):
+        async with contextlib.aclosing(failing(request)) as events:
+            async for event in events:
+                yield event
+                if request.request_id.endswith("-n1") and not isinstance(event, Placed):
+                    raise WorkerFailed("decode-1 died; the request was not completed")
+
+    router.stream = stream
+    error = await expect_error(collect(channel, _request(n=2)))
+
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    for _ in range(100):
+        if router.num_closed_streams == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert router.num_closed_streams == 2
 
 
 @pytest.mark.asyncio
