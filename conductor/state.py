@@ -41,7 +41,7 @@ from conductor.policy import (
     with_prices,
 )
 from conductor.picking import decode_terms
-from conductor.pricing import predicted_ttft_ms, queue_ms
+from conductor.pricing import predicted_ttft_ms, price, queue_ms
 from conductor.sessions import SessionTable
 from conductor.snapshot import GroupedHits
 from protos.wire import Placement, PlacementRequest
@@ -203,6 +203,17 @@ class PlacementCounters(msgspec.Struct):
     index_corrections: int = 0
     by_prefill_instance: dict[str, int] = msgspec.field(default_factory=dict)
 
+
+
+def _colocated(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
+               placement: Placement) -> Placement:
+    """``placement`` moved onto its decode instance, priced there: for a request that must be
+    computed where it is decoded (``PlacementRequest.colocate``)."""
+    view = next(v for v in snapshot.decode if v.instance_id == placement.decode_instance)
+    chosen = price(snapshot, request, config, view)
+    return chosen.placement(view.instance_id, placement.policy,
+                            f"colocated: its prompt's log-probabilities are computed where it is "
+                            f"decoded; {chosen.describe()}; the policy chose {placement.reason}")
 
 class ConductorState:
     """Pools + in-flight books + KV index → placements. Single-threaded by contract."""
@@ -507,6 +518,8 @@ class ConductorState:
         snapshot = self.snapshot(hits, private=True)
         try:
             placement = self._policy(snapshot, request, self.config)
+            if request.colocate and placement.prefill_instance != placement.decode_instance:
+                placement = _colocated(snapshot, request, self.config, placement)
             placement = with_prices(snapshot, request, self.config, placement)
             admit(snapshot, request, self.config, placement)
         except Overloaded:

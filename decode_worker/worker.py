@@ -76,11 +76,17 @@ class DecodeWorker(EngineWorker):
         first_token_ms: float | None = None
         num_tokens = 0
         num_top = request.sampling.num_logprobs
+        num_prompt_top = request.sampling.num_prompt_logprobs
         generated: list[int] = []
         async for output in self.runner.generate(request, computes_prompt=request.computes_prompt):
             completion = output.outputs[0]
             generated.extend(completion.token_ids)
             logprobs = position_logprobs(completion.token_ids, completion.logprobs, num_top)
+            prompt_logprobs = ()
+            if num_prompt_top is not None and output.prompt_logprobs:  # the first output only
+                prompt_logprobs = position_logprobs(request.prompt_token_ids[1:],
+                                                    output.prompt_logprobs[1:], num_prompt_top)
+                num_prompt_top = None
             now = time.perf_counter()
             engine_prefill = None
             if completion.token_ids:
@@ -109,11 +115,13 @@ class DecodeWorker(EngineWorker):
                     num_cached_tokens=num_cached_tokens,
                     num_pulled_blocks=num_pulled,
                     logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
                     stop_sequence=_matched_stop(completion.stop_reason),
                     engine_prefill=engine_prefill,
                     # what a request it prefilled itself reused (else the hand-off's loads)
                     cached_by_tier=done.cached_by_tier(num_cached_tokens, num_pulled * block_size),
                 )
-            elif completion.token_ids or completion.text:
+            elif completion.token_ids or completion.text or prompt_logprobs:
                 yield TokenChunk(token_ids=tuple(completion.token_ids), text=completion.text,
-                                 logprobs=logprobs, engine_prefill=engine_prefill)
+                                 logprobs=logprobs, engine_prefill=engine_prefill,
+                                 prompt_logprobs=prompt_logprobs)

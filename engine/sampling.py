@@ -37,6 +37,7 @@ def sampling_params(sampling: SamplingOptions, max_tokens: int, transfer: dict |
         stop=list(sampling.stop) or None,
         ignore_eos=sampling.ignore_eos,
         logprobs=sampling.num_logprobs,
+        prompt_logprobs=sampling.num_prompt_logprobs,
         top_k=sampling.top_k,
         min_p=sampling.min_p,
         presence_penalty=sampling.presence_penalty,

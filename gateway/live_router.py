@@ -69,10 +69,12 @@ def continuation(request: EngineRequest, generated: list[int]) -> EngineRequest:
     shrinks by as many. Under greedy decoding the continuation is the tokens the lost instance
     would have produced; a sampled one is a fresh draw from the same distribution.
     ``min_tokens`` shrinks by as many too; the output penalties (presence, frequency) count the
-    continuation's own tokens only, as the generated ones are now prompt."""
+    continuation's own tokens only, as the generated ones are now prompt. The prompt's
+    log-probabilities went out with the first chunk: the continuation asks for none."""
     sampling = msgspec.structs.replace(
         request.sampling, max_tokens=request.sampling.max_tokens - len(generated),
-        min_tokens=max(0, request.sampling.min_tokens - len(generated)))
+        min_tokens=max(0, request.sampling.min_tokens - len(generated)),
+        num_prompt_logprobs=None)
     prompt = request.prompt_token_ids + tuple(generated)
     blocks = request.blocks
     if blocks is not None:  # the prompt's full blocks keep their keys; the reply's are hashed here
@@ -196,15 +198,19 @@ class LiveRouter:
     @staticmethod
     def _placement_request(request: EngineRequest) -> PlacementRequest:
         """The request as the conductor prices it: its full-block keys, so the KV index can
-        match them."""
+        match them. A request for its prompt's log-probabilities reuses nothing (it is priced
+        and placed with no keys) and is computed where it is decoded (``colocate``)."""
         ttl_s = next((lease.ttl_s for lease in request.leases
                       if lease.lease_id == request.session_id), 0.0)
+        whole_prompt = request.sampling.num_prompt_logprobs is not None
         return PlacementRequest(request.request_id, len(request.prompt_token_ids),
-                                full_block_keys(request), request.sampling.max_tokens,
+                                () if whole_prompt else full_block_keys(request),
+                                request.sampling.max_tokens,
                                 session_id=request.session_id,
                                 expected_next_step_s=request.expected_next_step_s,
                                 session_ttl_s=ttl_s,
-                                segmented_salt=bool(request.cache_salt and request.cache_salt_offset))
+                                segmented_salt=bool(request.cache_salt and request.cache_salt_offset),
+                                colocate=whole_prompt)
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[RouterEvent]:
         timer = metrics.RequestTimer(time.perf_counter())
@@ -350,7 +356,10 @@ class LiveRouter:
                 request = msgspec.structs.replace(
                     request, kv_source_node=placement.pulled_from_node,
                     kv_source_blocks=placement.expected_cached_blocks)
-            elif not self._lookup_device_hits and not needs_store_lookup(placement):
+            elif request.sampling.num_prompt_logprobs is not None or (
+                    not self._lookup_device_hits and not needs_store_lookup(placement)):
+                # nothing to load (a request for its prompt's log-probabilities computes the
+                # whole prompt: vLLM reads no cached prefix for it either)
                 request = msgspec.structs.replace(request, store_lookup=False)
         else:  # the prompt was computed on the prefill instance: loaded here, pulled first
             # from the prefill's node when that is another one

@@ -16,6 +16,7 @@ from typing import AsyncIterator, Sequence
 
 from gateway.choices import merged
 from gateway.openai_errors import OpenAIError
+from gateway.openai_requests import Echo
 from gateway.openai_responses import Progress, Shape
 from gateway.openai_streams import choice_chunks, sse
 from gateway.tool_parsers import ToolOutput
@@ -48,12 +49,15 @@ async def sse_choices(
     include_usage: bool,
     request_ids: Sequence[str],
     with_logprobs: bool = False,
+    echo: Echo | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body of an answer's choices: each choice's chunks (``choice_chunks``, its finish
-    chunk with its own ``baton``) as they come, an optional usage chunk, ``[DONE]``. An error
-    after the first byte becomes an ``error`` event."""
+    chunk with its own ``baton``; each starting with the prompt when it is to be echoed) as
+    they come, an optional usage chunk, ``[DONE]``. An error after the first byte becomes an
+    ``error`` event."""
     usage_field = {"usage": None} if include_usage else {}
-    chunks = [choice_chunks(events, progress, shape, request_id, with_logprobs, parser, index)
+    chunks = [choice_chunks(events, progress, shape, request_id, with_logprobs, parser, index,
+                            echo)
               for index, (events, progress, parser, request_id)
               in enumerate(zip(streams, progresses, tools, request_ids))]
     try:  # one choice (most answers) without the merge's hop through a queue per chunk

@@ -39,7 +39,8 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 """Fields Baton does not act on, with the values that ask for nothing (accepted as if unsent).
 ``logprobs``, ``top_logprobs``, ``response_format``, ``tools``, ``tool_choice`` and
 ``parallel_tool_calls`` (chat) are served (``gateway.openai_requests``); the completions
-endpoint has no ``top_logprobs`` (its ``logprobs`` is the count) and no tools."""
+endpoint has no ``top_logprobs`` (its ``logprobs`` is the count) and no tools, and serves
+``echo``, which chat does not."""
 
 NOT_SERVED_HINT: dict[str, str] = {
     "top_logprobs": "top_logprobs is the chat endpoint's; on /v1/completions send logprobs: k "
@@ -49,7 +50,7 @@ NOT_SERVED_HINT: dict[str, str] = {
     "parallel_tool_calls": "tool calling is served on /v1/chat/completions, not here",
     "functions": "the deprecated functions field is not served; send the functions as tools",
     "function_call": "the deprecated function_call is not served; use tool_choice",
-    "echo": "echoing the prompt is not served; only false is accepted",
+    "echo": "echo is served on /v1/completions, not here",
     "best_of": "best_of is not served; only 1 is accepted",
     "suffix": "suffix (insertion) is not served; only an empty suffix is accepted",
     "store": "stored completions are not served; only false is accepted",

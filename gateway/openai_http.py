@@ -52,6 +52,7 @@ from gateway.openai_errors import OpenAIError, error_for, validation_message
 from gateway.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.openai_requests import (
     REQUEST_ID_HEADER,
+    Echo,
     ServedModel,
     build_engine_request,
     checked,
@@ -140,14 +141,15 @@ class _Front:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             sse = sse_choices(events, progresses, tools, shape, header, include_usage,
-                              request_ids, with_logprobs)
+                              request_ids, with_logprobs, prepared.echo)
             return event_stream(sse, events, response_headers)
         outputs = await unless_disconnected(http_request, all_or_none([
             collect_output(stream, progress, request_id)
             for stream, progress, request_id in zip(events, progresses, request_ids)]))
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        choices = [self._choice(shape, text, positions, progress, parser, with_logprobs, index)
+        choices = [self._choice(shape, text, positions, progress, parser, with_logprobs, index,
+                                prepared.echo)
                    for index, ((text, positions), progress, parser)
                    in enumerate(zip(outputs, progresses, tools))]
         return JSONResponse(
@@ -158,10 +160,16 @@ class _Front:
 
     @staticmethod
     def _choice(shape: Shape, text: str, positions: list, progress: Progress,
-                tools: ToolOutput | None, with_logprobs: bool, index: int = 0) -> dict:
+                tools: ToolOutput | None, with_logprobs: bool, index: int = 0,
+                echo: Echo | None = None) -> dict:
         """One choice of a whole answer: its text (or content and tool calls), finish reason
-        and logprobs."""
-        logprobs = shape.logprobs(positions)[0] if with_logprobs else None
+        and logprobs; with ``echo``, the prompt's text and log-probabilities first."""
+        first_prompt_token = None
+        if echo is not None:
+            text = echo.text + text
+            positions = [*progress.prompt_logprobs, *positions]
+            first_prompt_token = echo.first_token
+        logprobs = shape.logprobs(positions, 0, first_prompt_token)[0] if with_logprobs else None
         if tools is None:
             return shape.full_choice(text, progress.finish_reason, logprobs, index=index)
         tools.feed(text)

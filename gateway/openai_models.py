@@ -152,3 +152,6 @@ class CompletionRequest(_Body):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, description="Log-probabilities of each token and of the "
                                  "0..5 most likely tokens of each position.")
+    echo: bool = Field(False, description="The answer's text starts with the prompt; with "
+                       "logprobs, so do its log-probabilities (the prompt's first token has "
+                       "none), the prompt computed whole where it is decoded.")

@@ -15,10 +15,10 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
+from gateway.choices import MAX_CHOICES
 from gateway.openai_errors import error_for, lone_surrogate
 from gateway.openai_fields import refused_field
 from gateway.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
-from gateway.choices import MAX_CHOICES
 from gateway.salts import http_salt_offset, message_salt_offset
 from gateway.sampling_knobs import checked_knobs
 from gateway.sessions import InvalidField
@@ -78,6 +78,15 @@ class ServedModel:
 
 
 @dataclass(frozen=True)
+class Echo:
+    """The prompt a completion with ``echo`` answers with before its own text: its text (a
+    token-id prompt decoded) and its first token's text, which has no log-probability."""
+
+    text: str
+    first_token: str
+
+
+@dataclass(frozen=True)
 class Prepared:
     """A checked request: what the workers run, and what the front does with the output."""
 
@@ -85,6 +94,8 @@ class Prepared:
     tools: ToolPlan | None = None
     turns: tuple[Turn, ...] = ()
     """A chat prompt's conversation as it was rendered (``gateway.cache_control`` cuts it)."""
+    echo: Echo | None = None
+    """A completion with ``echo``: the prompt its answer starts with (None: no echo)."""
 
 
 def checked(param: str | None, check: Callable[..., T], *args: Any) -> T:
@@ -111,7 +122,8 @@ class Options:
     def engine_request(self, prompt_token_ids: list[int], max_tokens: int, *,
                        seed: int | None = None, ignore_eos: bool = False,
                        num_logprobs: int | None = None, json_schema: str = "",
-                       json_object: bool = False, knobs: dict | None = None) -> EngineRequest:
+                       json_object: bool = False, knobs: dict | None = None,
+                       num_prompt_logprobs: int | None = None) -> EngineRequest:
         """``knobs``: ``gateway.sampling_knobs.checked_knobs``'s fields (top_k, penalties, ...)."""
         return EngineRequest(
             request_id=self.request_id,
@@ -120,6 +132,7 @@ class Options:
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, seed=seed,
                 stop=self.stop, ignore_eos=ignore_eos, num_logprobs=num_logprobs,
                 json_schema=json_schema, json_object=json_object, **(knobs or {}),
+                num_prompt_logprobs=num_prompt_logprobs,
             ),
             cache_salt=self.cache_salt,
             cache_salt_offset=self.cache_salt_offset,
@@ -495,7 +508,13 @@ def prepare(
                                getattr(body, "cache_salt_from_message", None), prompt_token_ids,
                                len(getattr(body, "messages", ())),
                                _chat_salt_offset(body, plan, tokenizer, prompt_token_ids))
+    echo = None
+    if isinstance(body, CompletionRequest) and body.echo:
+        echo = Echo(prompt if isinstance(prompt, str) else tokenizer.decode(prompt_token_ids),
+                    tokenizer.decode(prompt_token_ids[:1]))
     return Prepared(options.engine_request(
         prompt_token_ids, max_tokens, seed=body.seed, ignore_eos=body.ignore_eos,
         num_logprobs=logprobs, json_schema=json_schema, json_object=json_object, knobs=knobs,
-    ), plan, prepared_turns)
+        # echoed with log-probabilities: the prompt's too, as many alternatives as the answer's
+        num_prompt_logprobs=logprobs if echo is not None else None,
+    ), plan, prepared_turns, echo)

@@ -40,9 +40,13 @@ class Progress:
     """The stop string that ended the answer ('' when none did: ``TokenChunk.stop_sequence``)."""
     leases: tuple[Lease, ...] = ()
     """The request's leases (session, breakpoints): what its cache writes count against."""
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
+    """The prompt's log-probabilities, from its second token on (asked for by ``echo``)."""
 
     def add(self, event: Placed | TokenChunk) -> None:
         assert isinstance(event, TokenChunk), "router sent a second Placed event"
+        if event.prompt_logprobs:
+            self.prompt_logprobs = event.prompt_logprobs
         if event.token_ids and self.num_completion_tokens == 0:
             self.ttft_ms = (time.perf_counter() - self.received_at) * 1000.0
         self.num_completion_tokens += len(event.token_ids)
@@ -145,13 +149,14 @@ class Shape:
             content = {"text": text or ""}
         return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def logprobs(self, positions: Sequence[PositionLogprobs], text_offset: int = 0
-                 ) -> tuple[dict, int]:
+    def logprobs(self, positions: Sequence[PositionLogprobs], text_offset: int = 0,
+                 first_prompt_token: str | None = None) -> tuple[dict, int]:
         """This endpoint's ``logprobs`` of ``positions`` (``gateway.openai_logprobs``), the
-        first at ``text_offset`` (completions); and the offset after the last."""
+        first at ``text_offset`` (completions; after ``first_prompt_token`` when it echoes the
+        prompt); and the offset after the last."""
         if self.chat:
             return chat_logprobs(positions), text_offset
-        return completion_logprobs(positions, text_offset)
+        return completion_logprobs(positions, text_offset, first_prompt_token)
 
 
 def tool_call_entry(call: ToolCall) -> dict:

@@ -21,6 +21,7 @@ from starlette.background import BackgroundTask
 
 from gateway.inference import NOT_READY_MESSAGE
 from gateway.openai_errors import error_for, translated
+from gateway.openai_requests import Echo
 from gateway.openai_responses import Progress, Shape, piece_delta
 from gateway.router import Placed, Router
 from gateway.tool_parsers import ToolOutput, finish_reason
@@ -45,12 +46,14 @@ async def choice_chunks(
     with_logprobs: bool = False,
     tools: ToolOutput | None = None,
     index: int = 0,
+    echo: Echo | None = None,
 ) -> AsyncIterator[tuple[dict, dict]]:
     """One choice's chunks, each as (its ``choices`` entry, the chunk's other fields): an
     opening (chat), text deltas (with their tokens' ``logprobs`` when ``with_logprobs``), a
     finish with ``baton``. With ``tools`` (chat) the text goes through the tool-call parser
-    first: content deltas and ``tool_calls`` deltas. Closes ``events`` however it ends; errors
-    come out as ``OpenAIError``."""
+    first: content deltas and ``tool_calls`` deltas. With ``echo`` (completions) the first
+    delta starts with the prompt (and its log-probabilities). Closes ``events`` however it
+    ends; errors come out as ``OpenAIError``."""
     text_offset = 0
     with translated(request_id):
         async with contextlib.aclosing(events):
@@ -58,15 +61,21 @@ async def choice_chunks(
                 yield shape.chunk_choice(None, None, role=True, index=index), {}
             async for event in events:
                 progress.add(event)
-                if not (event.text or (with_logprobs and event.logprobs)):
+                text, positions, first_prompt_token = event.text, event.logprobs, None
+                if echo is not None:  # the first event: the prompt comes first
+                    text = echo.text + text
+                    positions = event.prompt_logprobs + positions
+                    first_prompt_token, echo = echo.first_token, None
+                if not (text or (with_logprobs and positions)):
                     continue
                 logprobs = None
                 if with_logprobs:
-                    logprobs, text_offset = shape.logprobs(event.logprobs, text_offset)
+                    logprobs, text_offset = shape.logprobs(positions, text_offset,
+                                                           first_prompt_token)
                 if tools is None:
-                    yield shape.chunk_choice(event.text, None, logprobs=logprobs, index=index), {}
+                    yield shape.chunk_choice(text, None, logprobs=logprobs, index=index), {}
                     continue
-                deltas = [piece_delta(piece) for piece in tools.feed(event.text)]
+                deltas = [piece_delta(piece) for piece in tools.feed(text)]
                 for number, delta in enumerate(deltas or ([{}] if logprobs else [])):
                     yield shape.delta_choice(delta, None, logprobs if number == 0 else None,
                                              index=index), {}

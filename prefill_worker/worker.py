@@ -40,7 +40,7 @@ class PrefillWorker(EngineWorker):
         # bias to apply (the decode engine samples every token the client sees).
         sampling = msgspec.structs.replace(request.sampling, num_logprobs=None, json_schema="",
                                            json_object=False, regex="", choice=(),
-                                           logit_bias=())
+                                           logit_bias=(), num_prompt_logprobs=None)
         prefill = msgspec.structs.replace(request, sampling=sampling)
         async for output in self.runner.generate(prefill, max_tokens=1, priority=priority):
             if output.num_cached_tokens is not None:

@@ -47,6 +47,11 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     constraints."""
     choice: tuple[str, ...] = ()
     """The output is exactly one of these strings (() for none); exclusive with the others."""
+    num_prompt_logprobs: int | None = None
+    """Log-probabilities of every prompt token but the first and of its ``num_prompt_logprobs``
+    most likely alternatives (vLLM's ``SamplingParams.prompt_logprobs``); None: none. Such a
+    prompt is computed whole where it is decoded: no prefix is reused (the logits of a reused
+    token were never computed) and it is never prefilled apart (``PlacementRequest.colocate``)."""
 
     def constrained(self) -> bool:
         """The output is held to a grammar (structured outputs)."""
@@ -153,6 +158,10 @@ class PlacementRequest(msgspec.Struct, frozen=True):
     """The keys are segmented (``EngineRequest.cache_salt_offset``): the engine's own cache holds
     the prompt's blocks under whole-prompt-salted keys, not these, so a finished prefill does not
     make these keys device blocks of its instance (its KV events say what it holds)."""
+    colocate: bool = False
+    """The prompt must be computed on the decode instance that decodes it (its prompt's
+    log-probabilities are asked for: ``SamplingOptions.num_prompt_logprobs``), whatever the
+    policy would choose."""
 
 
 class Placement(msgspec.Struct, frozen=True):
@@ -288,6 +297,9 @@ class TokenChunk(msgspec.Struct, frozen=True):
     it was not measured)."""
     cached_by_tier: CachedByTier | None = None
     """Last chunk: ``num_cached_tokens`` by tier (None: not broken down)."""
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
+    """First chunk of a request with ``SamplingOptions.num_prompt_logprobs``: one per prompt
+    token from the second on (the first has none); empty otherwise."""
 
 
 class DecodeStep(msgspec.Struct, frozen=True, array_like=True):

@@ -176,3 +176,50 @@ async def test_sampled_requests_with_logprobs_run_together(server):
                 logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs))
         else:
             assert logprobs is None
+
+
+def reference_prompt(engine, prompt: list[int], top: int) -> list[tuple[int, dict[int, float]]]:
+    """Per prompt position from the second: (the prompt token, {token id: logprob} of it and
+    the ``top`` most likely), as a plain engine computes them (``prompt_logprobs``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine.add_request(f"ref-prompt-{len(prompt)}-{prompt[0]}", TokensPrompt(prompt_token_ids=prompt),
+                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top))
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                final = output
+    return [(token_id, {i: lp.logprob for i, lp in by_id.items()})
+            for token_id, by_id in zip(prompt[1:], final.prompt_logprobs[1:])]
+
+
+@pytest.mark.parametrize("num_prompt_tokens", [SHORT, LONG], ids=["short", "long"])
+async def test_echo_answers_the_prompts_logprobs_as_the_engine_computes_them(
+        server, reference_engine, tiny_model, num_prompt_tokens):
+    """``echo`` with ``logprobs`` on /v1/completions (what lm-eval's loglikelihood tasks send):
+    the answer starts with the prompt, its first token without a log-probability and every
+    other one with the engine's own; computed where it is decoded (a long prompt too, which
+    is otherwise prefilled apart), and again in full when the prompt is cached (asked twice)."""
+    oai = _openai(server)
+    tokenizer = PromptTokenizer(tiny_model.path)
+    prompt = random_prompt(num_prompt_tokens, seed=700 + num_prompt_tokens)
+    expected = reference_prompt(reference_engine, prompt, 1)
+    for attempt in range(2):  # the second time every block of the prompt is cached somewhere
+        reply = await oai.completions.create(model="tiny", prompt=prompt, max_tokens=4,
+                                             temperature=0.0, logprobs=1, echo=True)
+        choice = reply.choices[0]
+        assert choice.text.startswith(tokenizer.decode(prompt))
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == num_prompt_tokens + reply.usage.completion_tokens
+        assert (logprobs.token_logprobs[0], logprobs.top_logprobs[0]) == (None, None)
+        got = logprobs.token_logprobs[1:num_prompt_tokens]
+        assert got == pytest.approx([by_id[token_id] for token_id, by_id in expected],
+                                    abs=LOGPROB_TOLERANCE)
+        for top, (token_id, by_id) in zip(logprobs.top_logprobs[1:num_prompt_tokens], expected):
+            assert sorted(top.values()) == pytest.approx(sorted(by_id.values()),
+                                                         abs=LOGPROB_TOLERANCE)
+        placement = reply.model_extra["baton"]["placement"]
+        assert placement["prefill"] == placement["decode"], placement["reason"]
+        assert reply.usage.prompt_tokens_details.cached_tokens == 0, attempt  # nothing reused

@@ -308,3 +308,31 @@ def test_the_decode_stall_weight_sends_a_prompt_where_fewer_streams_wait_for_it(
     assert placement.prefill_instance == "d1"
     assert (placement.queue_ms, placement.prefill_ms) == (100.0, 640.0)  # the terms stay TTFT's
     assert "runner-up d0: " in placement.reason and "+ decode stall 1920.0 ms" in placement.reason
+
+
+# --- a request computed where it is decoded ------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["baton", "round_robin", "mooncake"])
+def test_a_request_that_must_be_colocated_prefills_on_its_decode_instance_whatever_the_policy(
+        policy):
+    """A request for its prompt's log-probabilities (``colocate``) is computed on the decode
+    instance the policy chose, priced there as a cold prompt; the same request without the flag
+    goes to the idle prefill instance (the decode instance's queue is long)."""
+    state = ConductorState(policy, unit_config(), clock=lambda: 10.0)
+    for instance_id, role in (("p0", "prefill"), ("d0", "decode")):
+        state.register(instance_id, role, "n0", "m", "L")
+        state.set_ready(instance_id, True)
+    # d0 already computes a long prompt: 900 ms booked on its queue
+    state.place(PlacementRequest("busy", 900, colocate=True))
+
+    apart = state.place(PlacementRequest("apart", 640))
+    together = state.place(PlacementRequest("together", 640, colocate=True))
+
+    assert (apart.prefill_instance, apart.decode_instance) == ("p0", "d0")
+    assert (together.prefill_instance, together.decode_instance) == ("d0", "d0")
+    assert (together.transfer_ms, together.prefill_ms, together.expected_cached_blocks) == (
+        0.0, 640.0, 0)
+    assert together.queue_ms >= 900.0  # behind the booked prompt
+    assert together.reason.startswith(
+        "colocated: its prompt's log-probabilities are computed where it is decoded; d0: T=")

@@ -21,7 +21,7 @@ from gateway.inference import NOT_READY_MESSAGE
 from gateway.openai_http import build_app, error_for, start_http
 from gateway.tokenization import PromptTokenizer
 from protos.errors import ConfigError, NoWorkerReady, WorkerFailed
-from protos.wire import SamplingOptions
+from protos.wire import PositionLogprobs, SamplingOptions, TokenChunk, TokenLogprob
 from tests.unit.test_gateway_wire import PLACEMENT, SCRIPTED_CHUNKS, FakeRouter
 
 SERVED = "tiny"
@@ -218,6 +218,77 @@ async def test_streaming_completion_without_usage(client):
     assert all(chunk.usage is None for chunk in chunks)
 
 
+def _lp(token_id: int, token: str, logprob: float, rank: int = 1) -> TokenLogprob:
+    return TokenLogprob(token_id, token, logprob, rank)
+
+
+PROMPT_LOGPROBS = (  # "Hello world": the second token's, as an engine computes it
+    PositionLogprobs(_lp(905, " world", -3.5, 2), (_lp(11, ",", -0.5), _lp(905, " world", -3.5, 2))),
+)
+ECHO_CHUNKS = (
+    TokenChunk((5, 6), "ab", prompt_logprobs=PROMPT_LOGPROBS,
+               logprobs=(PositionLogprobs(_lp(5, "a", -0.25), (_lp(5, "a", -0.25),)),
+                         PositionLogprobs(_lp(6, "b", -1.0, 2), (_lp(7, "x", -0.75),)))),
+    TokenChunk((8,), "d", finish_reason="stop",
+               logprobs=(PositionLogprobs(_lp(8, "d", -0.125), (_lp(8, "d", -0.125),)),)),
+)
+ECHOED_LOGPROBS = {
+    "tokens": ["Hello", " world", "a", "b", "d"],
+    "token_logprobs": [None, -3.5, -0.25, -1.0, -0.125],
+    "top_logprobs": [None, {",": -0.5, " world": -3.5}, {"a": -0.25}, {"x": -0.75, "b": -1.0},
+                     {"d": -0.125}],
+    "text_offset": [0, 5, 11, 12, 13],
+}
+"""The echoed answer's log-probabilities: the prompt's first token without one, then the
+prompt's others and the answer's, offsets counted from the prompt's first character."""
+
+
+async def test_echo_answers_the_prompt_first_with_its_logprobs(http, router):
+    router.chunks = ECHO_CHUNKS
+    body = {"model": SERVED, "prompt": "Hello world", "max_tokens": 3, "echo": True,
+            "logprobs": 1}
+    reply = await http.post("/v1/completions", json=body, headers=AUTH)
+
+    assert reply.status_code == 200, reply.text
+    [choice] = reply.json()["choices"]
+    assert choice["text"] == "Hello worldabd"
+    assert choice["logprobs"] == ECHOED_LOGPROBS
+    [request] = router.requests
+    assert (request.sampling.num_logprobs, request.sampling.num_prompt_logprobs) == (1, 1)
+
+
+async def test_echo_streams_the_prompt_in_the_first_chunk(http, router):
+    router.chunks = ECHO_CHUNKS
+    body = {"model": SERVED, "prompt": "Hello world", "max_tokens": 3, "echo": True,
+            "logprobs": 1, "stream": True}
+    choices = []
+    async with http.stream("POST", "/v1/completions", json=body, headers=AUTH) as reply:
+        async for line in reply.aiter_lines():
+            if line.startswith("data: {"):
+                choices.extend(json.loads(line[6:])["choices"])
+    texts = [choice["text"] for choice in choices if choice["text"]]
+    assert texts == ["Hello worldab", "d"]
+    merged = {key: [] for key in ECHOED_LOGPROBS}
+    for choice in choices:
+        for key, values in (choice["logprobs"] or {}).items():
+            merged[key].extend(values)
+    assert merged == ECHOED_LOGPROBS
+
+
+async def test_echo_without_logprobs_asks_the_engine_for_none(client, router, tokenizer):
+    text = await client.completions.create(model=SERVED, prompt="Hello world", max_tokens=4,
+                                           echo=True)
+    ids = await client.completions.create(model=SERVED, prompt=[1, 2, 3], max_tokens=4, echo=True)
+    plain = await client.completions.create(model=SERVED, prompt="Hello world", max_tokens=4,
+                                            logprobs=1)
+
+    assert text.choices[0].text == "Hello worldabcd"
+    assert ids.choices[0].text == tokenizer.decode([1, 2, 3]) + "abcd"
+    assert plain.choices[0].text == "abcd"
+    # the prompt's log-probabilities only for an echo with logprobs
+    assert [r.sampling.num_prompt_logprobs for r in router.requests] == [None, None, None]
+
+
 async def test_raw_sse_framing_ends_with_done(http):
     body = {"model": SERVED, "prompt": "Hello world", "stream": True}
     async with http.stream("POST", "/v1/completions", json=body, headers=AUTH) as response:
@@ -384,7 +455,7 @@ IGNORED_OTHERWISE = {
                                 "top_logprobs is the chat endpoint's; on /v1/completions send "
                                 "logprobs: k"),
     "best_of": ("completion", {"best_of": 2}, "only 1 is accepted"),
-    "echo": ("completion", {"echo": True}, "echoing the prompt is not served"),
+    "chat echo": ("chat", {"echo": True}, "echo is served on /v1/completions, not here"),
     "unknown field": ("completion", {"frobnicate": 1}, "unknown field 'frobnicate'"),
 }  # fmt: skip
 
