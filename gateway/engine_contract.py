@@ -243,7 +243,9 @@ class EngineContractServicer:
         last: list[TokenChunk | None] = [None] * n
         output_ids: list[list[int]] = [[] for _ in range(n)]
         logprob_parts: list[list] = [[] for _ in range(n)]
-        num_prompt_tokens = len(requests[0].prompt_token_ids)
+        prompt_logprobs: list[vpb.InputLogProbs | None] = [None] * n
+        prompt_token_ids = requests[0].prompt_token_ids
+        num_prompt_tokens = len(prompt_token_ids)
         streams = [indexed(index, self._router.stream(request))
                    for index, request in enumerate(requests)]
         events = streams[0] if n == 1 else merged(streams)
@@ -258,9 +260,13 @@ class EngineContractServicer:
                     last[index] = event
                     output_ids[index].extend(event.token_ids)
                     progress.completion_tokens[index] += len(event.token_ids)
+                    if event.prompt_logprobs:  # the first chunk, when they were asked for
+                        prompt_logprobs[index] = replies.input_logprobs(prompt_token_ids,
+                                                                        event.prompt_logprobs)
                     if stream and event.token_ids:
-                        await context.write(replies.stream_chunk(event, num_prompt_tokens, where,
-                                                                 index))
+                        await context.write(replies.stream_chunk(
+                            event, num_prompt_tokens, where, index, prompt_logprobs[index]))
+                        prompt_logprobs[index] = None  # sent: the first chunk only
                     elif event.logprobs:
                         logprob_parts[index].append(replies.output_logprobs(event))
                     if stream and event.finish_reason:
@@ -284,7 +290,8 @@ class EngineContractServicer:
             for index in range(n):
                 await context.write(replies.complete(
                     output_ids[index], last[index], num_prompt_tokens, len(output_ids[index]),
-                    placed[index], replies.merge_logprobs(logprob_parts[index]), index))
+                    placed[index], replies.merge_logprobs(logprob_parts[index]), index,
+                    prompt_logprobs[index]))
                 progress.completed.add(index)
         return None, ""
 

@@ -24,7 +24,7 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 
 from gateway.router import Placed, cached_by_tier, num_cached_tokens
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from protos.wire import ClusterLoad, KvFeedBatch, TokenChunk
+from protos.wire import ClusterLoad, KvFeedBatch, PositionLogprobs, TokenChunk
 
 _DECODE_BATCH = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -33,13 +33,14 @@ _DECODE_BATCH = msgspec.msgpack.Decoder(KVEventBatch)
 
 
 def stream_chunk(chunk: TokenChunk, num_prompt_tokens: int, placed: Placed,
-                 index: int = 0) -> vpb.GenerateResponse:
+                 index: int = 0,
+                 prompt_logprobs: vpb.InputLogProbs | None = None) -> vpb.GenerateResponse:
     """One streamed delta: the chunk's new tokens (and their log-probabilities), of choice
-    ``index`` (``n`` > 1)."""
+    ``index`` (``n`` > 1); the first one carries the prompt's (``input_logprobs``) when asked."""
     return vpb.GenerateResponse(chunk=vpb.GenerateStreamChunk(
         token_ids=chunk.token_ids, prompt_tokens=num_prompt_tokens,
         completion_tokens=len(chunk.token_ids), cached_tokens=_cached_so_far(placed, chunk),
-        output_logprobs=output_logprobs(chunk), index=index))
+        output_logprobs=output_logprobs(chunk), input_logprobs=prompt_logprobs, index=index))
 
 
 def _cached_so_far(placed: Placed, chunk: TokenChunk) -> int:
@@ -54,7 +55,8 @@ def _cached_so_far(placed: Placed, chunk: TokenChunk) -> int:
 
 def complete(output_ids: list[int], last: TokenChunk, num_prompt_tokens: int,
              num_completion_tokens: int, placed: Placed,
-             logprobs: vpb.OutputLogProbs | None = None, index: int = 0) -> vpb.GenerateResponse:
+             logprobs: vpb.OutputLogProbs | None = None, index: int = 0,
+             prompt_logprobs: vpb.InputLogProbs | None = None) -> vpb.GenerateResponse:
     """The last message of the request's choice ``index`` (0 unless ``n`` > 1): why it ended,
     its usage and where Baton ran it.
 
@@ -68,6 +70,7 @@ def complete(output_ids: list[int], last: TokenChunk, num_prompt_tokens: int,
         output_ids=output_ids, finish_reason=last.finish_reason or "stop",
         prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
         cached_tokens=num_cached_tokens(placed, last), output_logprobs=logprobs,
+        input_logprobs=prompt_logprobs,
         kv_transfer_params_json=placement_json(placed, last), index=index)
     if last.stop_sequence:
         finished.matched_stop_str = last.stop_sequence
@@ -104,6 +107,24 @@ def output_logprobs(chunk: TokenChunk) -> vpb.OutputLogProbs | None:
         top_logprobs=[vpb.TopLogProbs(values=[entry.logprob for entry in position.top],
                                       token_ids=[entry.token_id for entry in position.top])
                       for position in chunk.logprobs])
+
+
+def input_logprobs(prompt_token_ids: tuple[int, ...],
+                   positions: tuple[PositionLogprobs, ...]) -> vpb.InputLogProbs | None:
+    """The prompt's log-probabilities in the contract's layout, as vLLM's servicer sends them:
+    every prompt token, the first without a value and with no alternatives, each other with
+    its log-probability and the most likely tokens (None when none were asked)."""
+    if not positions:
+        return None
+    assert len(positions) == len(prompt_token_ids) - 1, "one position per prompt token but the first"
+    return vpb.InputLogProbs(
+        token_logprobs=[vpb.InputTokenLogProb()] + [
+            vpb.InputTokenLogProb(value=position.chosen.logprob) for position in positions],
+        token_ids=list(prompt_token_ids),
+        top_logprobs=[vpb.TopLogProbs()] + [
+            vpb.TopLogProbs(values=[entry.logprob for entry in position.top],
+                            token_ids=[entry.token_id for entry in position.top])
+            for position in positions])
 
 
 def merge_logprobs(parts: list[vpb.OutputLogProbs]) -> vpb.OutputLogProbs | None:

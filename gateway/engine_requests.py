@@ -20,7 +20,12 @@ from smg_grpc_proto import vllm_engine_pb2 as vpb
 from gateway.choices import MAX_CHOICES
 from gateway.sessions import InvalidField, SessionFields
 from gateway.tokenization import PromptTokenizer
-from gateway.validation import check_num_choices, validate_and_build
+from gateway.validation import (
+    MAX_LOGPROBS,
+    check_bounded,
+    check_num_choices,
+    validate_and_build,
+)
 from protos.baton.v1 import inference_pb2 as pb
 from protos.errors import InvalidRequest
 from protos.wire import EngineRequest
@@ -65,6 +70,11 @@ def engine_request(request: vpb.GenerateRequest, tokenizer: PromptTokenizer,
     if request.sampling_params.ignore_eos:
         built = msgspec.structs.replace(
             built, sampling=msgspec.structs.replace(built.sampling, ignore_eos=True))
+    if request.sampling_params.HasField("prompt_logprobs"):
+        built = msgspec.structs.replace(built, sampling=msgspec.structs.replace(
+            built.sampling, num_prompt_logprobs=check_bounded(
+                "sampling_params.prompt_logprobs", request.sampling_params.prompt_logprobs,
+                MAX_LOGPROBS)))
     return built
 
 
@@ -150,7 +160,6 @@ def check_unsupported(request: vpb.GenerateRequest, limits: ModelLimits) -> None
                              f"served model '{limits.served_model_name}' takes text only")
     check_num_choices(params.n, "sampling_params.n")
     neutral = {
-        "prompt_logprobs": not params.HasField("prompt_logprobs"),
         "truncate_prompt_tokens": not params.HasField("truncate_prompt_tokens"),
         "include_stop_str_in_output": not params.include_stop_str_in_output,
     }
@@ -161,7 +170,8 @@ def check_unsupported(request: vpb.GenerateRequest, limits: ModelLimits) -> None
             "engines; leave them unset (Baton serves temperature, top_p, top_k, min_p, the "
             "frequency, presence and repetition penalties, min_tokens, logit_bias, max_tokens, "
             "seed, stop, stop_token_ids of the model's end-of-sequence tokens, ignore_eos, "
-            f"logprobs, n up to {MAX_CHOICES}, json_schema, json_object, regex and choice)")
+            f"logprobs, prompt_logprobs, n up to {MAX_CHOICES}, json_schema, json_object, regex "
+            "and choice)")
     constraint = params.WhichOneof("constraint")
     if constraint in UNSUPPORTED_CONSTRAINTS:
         raise InvalidRequest(f"sampling_params.{constraint}: not supported; Baton enforces "

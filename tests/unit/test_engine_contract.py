@@ -133,7 +133,8 @@ def test_the_contracts_unset_knobs_are_the_neutral_values(tokenizer, limits):
     ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"logit_bias": {10**6: 1.0}}, "logit_bias"),
     ({"grammar": "root ::= \"a\""}, "grammar"), ({"regex": "(a"}, "regex"),
     ({"stop_token_ids": [77]}, r"stop_token_ids \[77\]"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"max_tokens": 0}, "max_tokens"),
+    ({"prompt_logprobs": -1}, "sampling_params.prompt_logprobs must be an integer from 0 to 20"),
+    ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 500}, "context window"), ({"temperature": 3.0}, "temperature"),
 ])
 def test_what_batons_engines_cannot_do_is_refused_by_name(tokenizer, limits, sampling, field):
@@ -310,6 +311,44 @@ async def test_logprobs_travel_in_the_contracts_layout(stub, cluster, tokenizer,
     assert (list(got.token_ids), list(got.token_logprobs)) == ([9], [-0.5])
     assert (list(got.top_logprobs[0].token_ids), list(got.top_logprobs[0].values)) == (
         [9, 4], [-0.5, -1.5])
+
+
+def test_prompt_logprobs_ask_the_engine_for_the_prompts(tokenizer, limits):
+    assert engine_request(tokenized(prompt_logprobs=2), tokenizer, limits
+                          ).sampling.num_prompt_logprobs == 2
+    assert engine_request(tokenized(), tokenizer, limits).sampling.num_prompt_logprobs is None
+
+
+PROMPT_POSITIONS = (  # prompt (1, 2, 3): the second and third tokens', as an engine gives them
+    PositionLogprobs(TokenLogprob(2, "b", -1.5, 2), (TokenLogprob(9, "z", -0.5, 1),
+                                                     TokenLogprob(2, "b", -1.5, 2))),
+    PositionLogprobs(TokenLogprob(3, "c", -0.25, 1), (TokenLogprob(3, "c", -0.25, 1),
+                                                      TokenLogprob(4, "d", -2.0, 2))),
+)
+
+
+def _expected_input_logprobs() -> vpb.InputLogProbs:
+    return vpb.InputLogProbs(
+        token_logprobs=[vpb.InputTokenLogProb(), vpb.InputTokenLogProb(value=-1.5),
+                        vpb.InputTokenLogProb(value=-0.25)],
+        token_ids=[1, 2, 3],
+        top_logprobs=[vpb.TopLogProbs(), vpb.TopLogProbs(values=[-0.5, -1.5], token_ids=[9, 2]),
+                      vpb.TopLogProbs(values=[-0.25, -2.0], token_ids=[3, 4])])
+
+
+async def test_prompt_logprobs_come_in_the_first_chunk_or_the_complete(stub, contract):
+    first = msgspec.structs.replace(CHUNKS[0], prompt_logprobs=PROMPT_POSITIONS)
+    contract.servicer._router = FakeRouter(chunks=(first, *CHUNKS[1:]))
+    streamed = [r async for r in stub.Generate(tokenized(max_tokens=4, prompt_logprobs=2))]
+    request = tokenized(max_tokens=4, prompt_logprobs=2)
+    request.stream = False
+    [whole] = [r async for r in stub.Generate(request)]
+
+    assert streamed[0].chunk.input_logprobs == _expected_input_logprobs()
+    assert [r.chunk.HasField("input_logprobs") for r in streamed[1:3]] == [False, False]
+    assert not streamed[-1].complete.HasField("input_logprobs")  # sent once, as vLLM's
+    assert whole.complete.input_logprobs == _expected_input_logprobs()
+    assert contract.servicer._router.requests[0].sampling.num_prompt_logprobs == 2
 
 
 async def test_abort_cancels_a_running_generate_like_a_grpc_cancel(stub, contract):
