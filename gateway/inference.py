@@ -29,7 +29,7 @@ from gateway.tokenization import PromptTokenizer
 from gateway.validation import check_num_choices, tokenize_prompt, validate_and_build
 from protos.baton.v1 import inference_pb2 as pb
 from protos.errors import BatonError, ConfigError
-from protos.wire import EngineRequest, TokenChunk, TokenLogprob
+from protos.wire import EngineRequest, PositionLogprobs, TokenChunk, TokenLogprob
 
 if TYPE_CHECKING:
     from gateway.admin import AdminServicer
@@ -198,7 +198,7 @@ class InferenceServicer:
                         continue
                     assert choice.placed is not None, "router sent a token chunk before Placed"
                     choice.last_chunk = event
-                    if event.token_ids or event.text:
+                    if event.token_ids or event.text or event.prompt_logprobs:
                         if event.token_ids and choice.num_completion_tokens == 0:
                             choice.ttft_ms = _ms_since(received_at)
                         choice.num_completion_tokens += len(event.token_ids)
@@ -296,19 +296,20 @@ def _final(request: EngineRequest, choice: _Choice, index: int, received_at: flo
 
 
 def _delta(chunk: TokenChunk, index: int = 0) -> pb.TokenDelta:
-    """A chunk's tokens, their text and, when the request asked, their log-probabilities."""
+    """A chunk's tokens, their text and, when the request asked, their log-probabilities (and,
+    on the first, the prompt's)."""
     return pb.TokenDelta(
         index=index,
         token_ids=chunk.token_ids,
         text=chunk.text,
-        logprobs=[
-            pb.PositionLogprobs(
-                chosen=_token_logprob(position.chosen),
-                top=[_token_logprob(entry) for entry in position.top],
-            )
-            for position in chunk.logprobs
-        ],
+        logprobs=[_position(position) for position in chunk.logprobs],
+        prompt_logprobs=[_position(position) for position in chunk.prompt_logprobs],
     )
+
+
+def _position(position: PositionLogprobs) -> pb.PositionLogprobs:
+    return pb.PositionLogprobs(chosen=_token_logprob(position.chosen),
+                               top=[_token_logprob(entry) for entry in position.top])
 
 
 def _token_logprob(entry: TokenLogprob) -> pb.TokenLogprob:

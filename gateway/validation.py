@@ -71,6 +71,11 @@ def validate_and_build(
         if sampling.HasField("logprobs")
         else None
     )
+    num_prompt_logprobs = (
+        check_bounded("sampling.prompt_logprobs", sampling.prompt_logprobs, MAX_LOGPROBS)
+        if sampling.HasField("prompt_logprobs")
+        else None
+    )
     constraint = _check_structured_output(sampling, structured_backend)
     request_id = _check_request_id(request.request_id)
     _check_cache_salt(request.cache_salt)
@@ -100,6 +105,7 @@ def validate_and_build(
             seed=sampling.seed if sampling.HasField("seed") else None,
             stop=stop,
             num_logprobs=num_logprobs,
+            num_prompt_logprobs=num_prompt_logprobs,
             **constraint,
             **knobs,
         ),

@@ -11,6 +11,7 @@ import contextlib
 import time
 
 import grpc
+import msgspec
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -173,7 +174,7 @@ async def test_stream_has_deltas_then_final_with_usage_and_placement(
 
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "logprobs", "json_schema", "json_object",
-                   "n", "seed")
+                   "n", "seed", "prompt_logprobs")
 
 
 def _request(**fields) -> pb.GenerateRequest:
@@ -217,6 +218,8 @@ BAD_REQUESTS = {
     ),
     "json_schema not JSON": (_request(json_schema="{"), "sampling.json_schema is not valid JSON"),
     "n 17": (_request(n=17), "sampling.n must be from 1 to 16"),
+    "prompt_logprobs 21": (_request(prompt_logprobs=21),
+                           "sampling.prompt_logprobs must be an integer from 0 to 20"),
 }
 
 
@@ -256,6 +259,25 @@ async def test_n_choices_stream_side_by_side_each_ending_with_its_own_final(chan
         ("final", 0), ("final", 1), ("final", 2)]
     assert len(responses) == 3 * 4
     assert router.num_closed_streams == 3
+
+
+@pytest.mark.asyncio
+async def test_the_prompts_logprobs_come_with_the_first_delta(channel, router):
+    position = PositionLogprobs(TokenLogprob(905, " world", -3.5, 2),
+                                (TokenLogprob(11, ",", -0.5, 1), TokenLogprob(905, " world", -3.5, 2)))
+    router.chunks = (msgspec.structs.replace(SCRIPTED_CHUNKS[0], prompt_logprobs=(position,)),
+                     *SCRIPTED_CHUNKS[1:])
+    responses = await consume(pb_grpc.InferenceStub(channel).Generate(
+        _request(prompt_logprobs=1), timeout=10))
+
+    [engine_request] = router.requests
+    assert engine_request.sampling.num_prompt_logprobs == 1
+    first = responses[0].delta
+    assert [(p.chosen.token_id, p.chosen.token, p.chosen.logprob, p.chosen.rank)
+            for p in first.prompt_logprobs] == [(905, " world", -3.5, 2)]
+    assert [(t.token_id, t.logprob) for t in first.prompt_logprobs[0].top] == [
+        (11, -0.5), (905, -3.5)]
+    assert [len(r.delta.prompt_logprobs) for r in responses[1:-1]] == [0, 0]
 
 
 @pytest.mark.asyncio
