@@ -358,8 +358,9 @@ class LiveRouter:
                     kv_source_blocks=placement.expected_cached_blocks)
             elif request.sampling.num_prompt_logprobs is not None or (
                     not self._lookup_device_hits and not needs_store_lookup(placement)):
-                # nothing to load (a request for its prompt's log-probabilities computes the
-                # whole prompt: vLLM reads no cached prefix for it either)
+                # nothing to load; a request for its prompt's log-probabilities computes the
+                # whole prompt (vLLM ignores what a connector finds for it): not asking the
+                # store saves its round trip and pins
                 request = msgspec.structs.replace(request, store_lookup=False)
         else:  # the prompt was computed on the prefill instance: loaded here, pulled first
             # from the prefill's node when that is another one
