@@ -127,7 +127,9 @@ class _Front:
                 await events.aclose()
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         num_prompt_tokens = len(engine_request.prompt_token_ids)
-        progresses = [Progress(placed, received_at, num_prompt_tokens, leases=request.leases)
+        prompt_only = prepared.echo is not None and prepared.echo.prompt_only
+        progresses = [Progress(placed, received_at, num_prompt_tokens, leases=request.leases,
+                               prompt_only=prompt_only)
                       for (placed, _events), request in zip(streams, requests)]
         plan = prepared.tools
         tools = [ToolOutput(plan) if plan is not None and plan.mode != "none" else None
@@ -165,6 +167,8 @@ class _Front:
         """One choice of a whole answer: its text (or content and tool calls), finish reason
         and logprobs; with ``echo``, the prompt's text and log-probabilities first."""
         first_prompt_token = None
+        if echo is not None and echo.prompt_only:  # the engine's one token is not the answer's
+            text, positions = "", []
         if echo is not None:
             text = echo.text + text
             positions = [*progress.prompt_logprobs, *positions]

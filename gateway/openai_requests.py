@@ -84,6 +84,10 @@ class Echo:
 
     text: str
     first_token: str
+    prompt_only: bool = False
+    """``max_tokens`` 0: the answer is the prompt alone (the engine computes it and one token,
+    which the front drops: ``finish_reason`` "length", no completion tokens), as vLLM's server
+    answers; what a client scoring a text by its log-probabilities sends."""
 
 
 @dataclass(frozen=True)
@@ -494,6 +498,9 @@ def prepare(
         if body.max_completion_tokens is not None
         else ("max_tokens", body.max_tokens)
     )
+    prompt_only = isinstance(body, CompletionRequest) and body.echo and max_tokens == 0
+    if prompt_only:  # the engine computes the prompt and one token, dropped at the front
+        max_tokens = 1
     max_tokens = checked_length(prompt_token_ids, prompt_param, max_tokens, max_tokens_param,
                                 served)
     try:
@@ -511,7 +518,7 @@ def prepare(
     echo = None
     if isinstance(body, CompletionRequest) and body.echo:
         echo = Echo(prompt if isinstance(prompt, str) else tokenizer.decode(prompt_token_ids),
-                    tokenizer.decode(prompt_token_ids[:1]))
+                    tokenizer.decode(prompt_token_ids[:1]), prompt_only)
     return Prepared(options.engine_request(
         prompt_token_ids, max_tokens, seed=body.seed, ignore_eos=body.ignore_eos,
         num_logprobs=logprobs, json_schema=json_schema, json_object=json_object, knobs=knobs,

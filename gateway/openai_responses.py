@@ -42,16 +42,23 @@ class Progress:
     """The request's leases (session, breakpoints): what its cache writes count against."""
     prompt_logprobs: tuple[PositionLogprobs, ...] = ()
     """The prompt's log-probabilities, from its second token on (asked for by ``echo``)."""
+    prompt_only: bool = False
+    """The answer is the prompt alone (``Echo.prompt_only``): the engine's one token is not
+    counted, and the answer ends by "length"."""
 
     def add(self, event: Placed | TokenChunk) -> None:
         assert isinstance(event, TokenChunk), "router sent a second Placed event"
         if event.prompt_logprobs:
             self.prompt_logprobs = event.prompt_logprobs
-        if event.token_ids and self.num_completion_tokens == 0:
-            self.ttft_ms = (time.perf_counter() - self.received_at) * 1000.0
-        self.num_completion_tokens += len(event.token_ids)
+        if self.prompt_only:
+            if self.ttft_ms == 0.0:  # the prompt's answer: its first (and only) text
+                self.ttft_ms = (time.perf_counter() - self.received_at) * 1000.0
+        else:
+            if event.token_ids and self.num_completion_tokens == 0:
+                self.ttft_ms = (time.perf_counter() - self.received_at) * 1000.0
+            self.num_completion_tokens += len(event.token_ids)
         if event.finish_reason:
-            self.finish_reason = event.finish_reason
+            self.finish_reason = "length" if self.prompt_only else event.finish_reason
             self.num_loaded_tokens = event.num_loaded_tokens
             self.num_cached_tokens = num_cached_tokens(self.placed, event)
             self.cached_by_tier = cached_by_tier(self.placed, event)

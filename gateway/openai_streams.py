@@ -55,6 +55,7 @@ async def choice_chunks(
     delta starts with the prompt (and its log-probabilities). Closes ``events`` however it
     ends; errors come out as ``OpenAIError``."""
     text_offset = 0
+    prompt_only = echo is not None and echo.prompt_only
     with translated(request_id):
         async with contextlib.aclosing(events):
             if shape.chat:
@@ -62,6 +63,8 @@ async def choice_chunks(
             async for event in events:
                 progress.add(event)
                 text, positions, first_prompt_token = event.text, event.logprobs, None
+                if prompt_only:  # the engine's one token is not part of the answer
+                    text, positions = "", ()
                 if echo is not None:  # the first event: the prompt comes first
                     text = echo.text + text
                     positions = event.prompt_logprobs + positions

@@ -201,7 +201,8 @@ async def test_echo_answers_the_prompts_logprobs_as_the_engine_computes_them(
     """``echo`` with ``logprobs`` on /v1/completions (what lm-eval's loglikelihood tasks send):
     the answer starts with the prompt, its first token without a log-probability and every
     other one with the engine's own; computed where it is decoded (a long prompt too, which
-    is otherwise prefilled apart), and again in full when the prompt is cached (asked twice)."""
+    is otherwise prefilled apart), and again in full when the prompt is cached (asked twice);
+    with ``max_tokens`` 0, the prompt alone."""
     oai = _openai(server)
     tokenizer = PromptTokenizer(tiny_model.path)
     prompt = random_prompt(num_prompt_tokens, seed=700 + num_prompt_tokens)
@@ -223,3 +224,9 @@ async def test_echo_answers_the_prompts_logprobs_as_the_engine_computes_them(
         placement = reply.model_extra["baton"]["placement"]
         assert placement["prefill"] == placement["decode"], placement["reason"]
         assert reply.usage.prompt_tokens_details.cached_tokens == 0, attempt  # nothing reused
+    scored = await oai.completions.create(model="tiny", prompt=prompt, max_tokens=0,
+                                          logprobs=1, echo=True)  # the prompt alone
+    assert scored.choices[0].text == tokenizer.decode(prompt)
+    assert (scored.choices[0].finish_reason, scored.usage.completion_tokens) == ("length", 0)
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        [by_id[token_id] for token_id, by_id in expected], abs=LOGPROB_TOLERANCE)

@@ -275,6 +275,42 @@ async def test_echo_streams_the_prompt_in_the_first_chunk(http, router):
     assert merged == ECHOED_LOGPROBS
 
 
+async def test_echo_with_max_tokens_0_answers_the_prompt_alone(http, router):
+    """What a client scoring a text sends: the prompt and its log-probabilities, nothing
+    generated (the engine's one token dropped), finish "length", no completion tokens."""
+    router.chunks = ECHO_CHUNKS
+    body = {"model": SERVED, "prompt": "Hello world", "max_tokens": 0, "echo": True,
+            "logprobs": 1}
+    whole = (await http.post("/v1/completions", json=body, headers=AUTH)).json()
+    choices, usage = [], None
+    async with http.stream("POST", "/v1/completions", json=body | {"stream": True,
+                           "stream_options": {"include_usage": True}}, headers=AUTH) as reply:
+        async for line in reply.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                choices.extend(chunk["choices"])
+                usage = chunk.get("usage") or usage
+
+    prompt_only = {key: values[:2] for key, values in ECHOED_LOGPROBS.items()}
+    [choice] = whole["choices"]
+    assert (choice["text"], choice["finish_reason"], choice["logprobs"]) == (
+        "Hello world", "length", prompt_only)
+    assert (whole["usage"]["prompt_tokens"], whole["usage"]["completion_tokens"]) == (2, 0)
+    assert "".join(c["text"] for c in choices) == "Hello world"
+    assert choices[-1]["finish_reason"] == "length"
+    assert [c["logprobs"] for c in choices if c["logprobs"]] == [prompt_only]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (2, 0)
+    assert [r.sampling.max_tokens for r in router.requests] == [1, 1]
+
+
+async def test_max_tokens_0_without_echo_is_still_refused(http, router):
+    body = {"model": SERVED, "prompt": "Hello world", "max_tokens": 0}
+    reply = await http.post("/v1/completions", json=body, headers=AUTH)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "max_tokens"
+    assert router.requests == []
+
+
 async def test_echo_without_logprobs_asks_the_engine_for_none(client, router, tokenizer):
     text = await client.completions.create(model=SERVED, prompt="Hello world", max_tokens=4,
                                            echo=True)
