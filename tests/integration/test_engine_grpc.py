@@ -196,6 +196,12 @@ async def test_a_client_going_away_aborts_the_request_inside_baton(server, smg):
             load = (await stub.GetLoads(vpb.GetLoadsRequest())).loads[0]
             return load.num_running_reqs
 
+        async def nothing_running() -> bool:
+            return await running() == 0
+
+        # the engines' stats (GetLoads) lag the earlier tests' requests by a refresh: start once
+        # they show none, so the one running below is this test's (a slow CI box saw 2)
+        await _wait_for(nothing_running, 10, "idle cluster before the request")
         async with httpx.AsyncClient(timeout=120) as client:
             body = _chat(SHORT, logprobs=False, stream=True, max_tokens=6000, ignore_eos=True)
             async with client.stream("POST", f"{smg}/chat/completions", json=body,
