@@ -204,7 +204,6 @@ class PlacementCounters(msgspec.Struct):
     by_prefill_instance: dict[str, int] = msgspec.field(default_factory=dict)
 
 
-
 def _colocated(snapshot: ClusterSnapshot, request: PlacementRequest, config: PolicyConfig,
                placement: Placement) -> Placement:
     """``placement`` moved onto its decode instance, priced there: for a request that must be
@@ -214,6 +213,7 @@ def _colocated(snapshot: ClusterSnapshot, request: PlacementRequest, config: Pol
     return chosen.placement(view.instance_id, placement.policy,
                             f"colocated: its prompt's log-probabilities are computed where it is "
                             f"decoded; {chosen.describe()}; the policy chose {placement.reason}")
+
 
 class ConductorState:
     """Pools + in-flight books + KV index → placements. Single-threaded by contract."""

@@ -167,12 +167,9 @@ class _Front:
         """One choice of a whole answer: its text (or content and tool calls), finish reason
         and logprobs; with ``echo``, the prompt's text and log-probabilities first."""
         first_prompt_token = None
-        if echo is not None and echo.prompt_only:  # the engine's one token is not the answer's
-            text, positions = "", []
         if echo is not None:
-            text = echo.text + text
-            positions = [*progress.prompt_logprobs, *positions]
-            first_prompt_token = echo.first_token
+            text, positions, first_prompt_token = echo.first(text, positions,
+                                                             progress.prompt_logprobs)
         logprobs = shape.logprobs(positions, 0, first_prompt_token)[0] if with_logprobs else None
         if tools is None:
             return shape.full_choice(text, progress.finish_reason, logprobs, index=index)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from gateway.choices import MAX_CHOICES
 from gateway.openai_errors import error_for, lone_surrogate
@@ -50,7 +50,7 @@ from gateway.validation import (
     check_token_ids,
 )
 from protos.errors import InvalidRequest
-from protos.wire import EngineRequest, SamplingOptions
+from protos.wire import EngineRequest, PositionLogprobs, SamplingOptions
 
 T = TypeVar("T")
 
@@ -88,6 +88,17 @@ class Echo:
     """``max_tokens`` 0: the answer is the prompt alone (the engine computes it and one token,
     which the front drops: ``finish_reason`` "length", no completion tokens), as vLLM's server
     answers; what a client scoring a text by its log-probabilities sends."""
+
+    def first(self, text: str, positions: Sequence[PositionLogprobs],
+              prompt_positions: Sequence[PositionLogprobs]
+              ) -> tuple[str, tuple[PositionLogprobs, ...], str]:
+        """The answer's first text and log-probability positions with the prompt before them
+        (``prompt_positions``: the prompt's from its second token), and the prompt's first
+        token, which has none; the generated ``text`` and ``positions`` dropped when the answer
+        is the prompt alone."""
+        if self.prompt_only:
+            text, positions = "", ()
+        return self.text + text, (*prompt_positions, *positions), self.first_token
 
 
 @dataclass(frozen=True)

@@ -63,12 +63,12 @@ async def choice_chunks(
             async for event in events:
                 progress.add(event)
                 text, positions, first_prompt_token = event.text, event.logprobs, None
-                if prompt_only:  # the engine's one token is not part of the answer
-                    text, positions = "", ()
                 if echo is not None:  # the first event: the prompt comes first
-                    text = echo.text + text
-                    positions = event.prompt_logprobs + positions
-                    first_prompt_token, echo = echo.first_token, None
+                    text, positions, first_prompt_token = echo.first(text, positions,
+                                                                     event.prompt_logprobs)
+                    echo = None
+                elif prompt_only:  # the engine's one token is not part of the answer
+                    text, positions = "", ()
                 if not (text or (with_logprobs and positions)):
                     continue
                 logprobs = None
